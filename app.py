@@ -1,0 +1,35 @@
+"""SpecBranch Studio: `python app.py` serves the app on 127.0.0.1:7860 (see --help)."""
+from __future__ import annotations
+
+import argparse
+import os
+import threading
+
+from app.ui import build_app, css_paths
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="SpecBranch Studio")
+    parser.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"))
+    parser.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", "7860")))
+    parser.add_argument("--target", default=os.environ.get("SPECBRANCH_TARGET", "embedded"))
+    parser.add_argument("--draft", default=os.environ.get("SPECBRANCH_DRAFT", "embedded"))
+    parser.add_argument("--device", default=os.environ.get("SPECBRANCH_DEVICE"))
+    args = parser.parse_args()
+
+    lock, loaded = threading.Lock(), {}
+
+    def get_engine():
+        with lock:
+            if "engine" not in loaded:
+                from engine.engine import Engine
+                from engine.models import load_pair
+
+                loaded["engine"] = Engine(load_pair(args.target, args.draft, device=args.device))
+            return loaded["engine"]
+
+    build_app(get_engine).queue().launch(server_name=args.host, server_port=args.port, css_paths=css_paths())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""Command line: python -m engine generate | bench | distill  (see README)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .config import METHODS, GenerationConfig, SpecBranchError
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="embedded", help="embedded | PATH.gguf | DIR | hub id")
+    p.add_argument("--draft", default="embedded",
+                   help="embedded | embedded-weak | self | truncated:N | PATH.gguf | DIR | hub id")
+    p.add_argument("--device", default=None, help="cuda, cuda:0, cpu (default: cuda when present)")
+    p.add_argument("--draft-device", default=None)
+    p.add_argument("--dtype", default=None, help="float32 (CPU default) | bfloat16 (CUDA default) | float16")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per model worker")
+    p.add_argument("--trust-remote-code", action="store_true")
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gamma", type=int, default=4, help="draft block length (sd)")
+
+
+def config_from(args, method: str) -> GenerationConfig:
+    return GenerationConfig(method=method, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                            top_k=args.top_k, top_p=args.top_p, seed=args.seed, gamma=args.gamma).validate()
+
+
+def build_engine(args, need_draft: bool):
+    import torch
+
+    from .engine import Engine
+    from .models import load_pair
+
+    torch.set_num_threads(max(1, args.threads))
+    pair = load_pair(args.target, args.draft if need_draft else None, device=args.device,
+                     draft_device=args.draft_device, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+    return Engine(pair, threads=max(1, args.threads))
+
+
+def cmd_generate(args) -> None:
+    from .distill import read_jsonl
+    from pathlib import Path
+
+    cfg = config_from(args, args.method)
+    if args.prompt is None and args.prompt_file is None:
+        raise SpecBranchError("give --prompt TEXT or --prompt-file F.jsonl")
+    prompts = [args.prompt] if args.prompt is not None else [r.get("prompt", "") for r in read_jsonl(Path(args.prompt_file))]
+    engine = build_engine(args, need_draft=args.method != "ar")
+    for prompt in prompts:
+        ids = engine.encode(prompt, args.chat)
+        result = engine.run(ids, cfg, prompt)
+        record = {"method": result.method, "token_ids": result.token_ids, "text": result.text,
+                  "finish_reason": result.finish_reason, "metrics": result.metrics}
+        if args.json:
+            print(json.dumps(record), flush=True)
+        else:
+            print(result.text)
+            m = result.metrics
+            print(f"[{result.method}] {m['new_tokens']} tokens, {m['tokens_per_s']} tok/s, "
+                  f"acceptance {m['acceptance_rate']}, tokens/target forward {m['mean_accepted_length']}, "
+                  f"rollback {m['rollback_rate']}", file=sys.stderr)
+
+
+def cmd_bench(args) -> None:
+    from .bench import run_bench
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise SpecBranchError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
+    config_from(args, methods[0])  # validate the shared settings before loading models
+    engine = build_engine(args, need_draft=any(m != "ar" for m in methods))
+    run_bench(engine, args, methods)
+
+
+def cmd_distill(args) -> None:
+    from .distill import run_distill
+
+    run_distill(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine", description="SpecBranch Studio engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text with one method")
+    add_model_arguments(g)
+    add_sampling_arguments(g)
+    g.add_argument("--method", default="sd", choices=METHODS)
+    g.add_argument("--prompt")
+    g.add_argument("--prompt-file", help="JSONL, one prompt per line in field 'prompt'")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt with the tokenizer's chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="compare methods on a dataset")
+    add_model_arguments(b)
+    add_sampling_arguments(b)
+    b.add_argument("--methods", default="ar,sd")
+    b.add_argument("--dataset", default="mt_bench",
+                   help="mt_bench | gsm8k | humaneval | all (the three) | PATH.jsonl; benchmark split only")
+    b.add_argument("--limit", type=int, default=10, help="prompts per dataset")
+    b.add_argument("--json", dest="json_out", help="write the results to this JSON file")
+    b.add_argument("--warmup", type=int, default=1, help="untimed warm-up generations per method")
+    b.set_defaults(func=cmd_bench)
+
+    d = sub.add_parser("distill", help="train a draft for a target by self-distillation")
+    from .distill import add_arguments
+    add_arguments(d)
+    d.set_defaults(func=cmd_distill)
+
+    args = parser.parse_args(argv)
+    try:
+        args.func(args)
+    except SpecBranchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

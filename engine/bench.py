@@ -1,0 +1,104 @@
+"""`python -m engine bench`: every method on the same prompts in the same run, interleaved per
+prompt so that machine drift hits all methods alike; speedups are against `ar` from this run."""
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+from .datasets import benchmark_prompts
+
+SUMMED = ("new_tokens", "drafted_tokens", "verified_tokens", "accepted_tokens", "rolled_back_tokens",
+          "target_forwards", "draft_forwards")
+
+
+def aggregate(runs: list[dict]) -> dict:
+    """Pool per-prompt metrics: ratios of sums, time-weighted fractions."""
+    tot = {k: sum(r[k] for r in runs) for k in SUMMED}
+    decode_s = sum(r["decode_s"] for r in runs)
+    after_prefill = sum(r["tokens_per_s"] * r["decode_s"] for r in runs)
+
+    def weighted(key):
+        vals = [(r[key], r["decode_s"]) for r in runs if r.get(key) is not None]
+        return round(sum(v * w for v, w in vals) / sum(w for _, w in vals), 4) if vals else None
+
+    return {
+        "prompts": len(runs),
+        **tot,
+        "decode_s": round(decode_s, 3),
+        "tokens_per_s": round(after_prefill / decode_s, 3) if decode_s else 0.0,
+        "acceptance_rate": round(tot["accepted_tokens"] / tot["verified_tokens"], 4) if tot["verified_tokens"] else None,
+        "mean_accepted_length": round(tot["new_tokens"] / tot["target_forwards"], 4) if tot["target_forwards"] else None,
+        "rollback_rate": round(tot["rolled_back_tokens"] / tot["drafted_tokens"], 4) if tot["drafted_tokens"] else None,
+        "target_idle_fraction": weighted("target_idle_fraction"),
+        "draft_idle_fraction": weighted("draft_idle_fraction"),
+        "overlap": weighted("overlap"),
+        "target_forward_ms": weighted("target_forward_ms"),
+        "draft_forward_ms": weighted("draft_forward_ms"),
+    }
+
+
+def run_bench(engine, args, methods: list[str]) -> dict:
+    from .__main__ import config_from
+
+    datasets = ["mt_bench", "gsm8k", "humaneval"] if args.dataset == "all" else [args.dataset]
+    prompts = [p for d in datasets for p in benchmark_prompts(d, args.limit)]
+    encoded = [(p, engine.encode(p.text, p.chat)) for p in prompts]
+    for _ in range(args.warmup):
+        for m in methods:
+            engine.run(encoded[0][1], config_from(args, m))
+    per_run: dict[str, dict[str, list[dict]]] = {m: {} for m in methods}
+    outputs_match = {m: 0 for m in methods if m != "ar"}
+    for p, ids in tqdm(encoded, desc="bench", unit="prompt", file=sys.stderr):
+        reference = None
+        for m in methods:
+            r = engine.run(ids, config_from(args, m), p.text)
+            per_run[m].setdefault(p.dataset, []).append(r.metrics)
+            if m == "ar":
+                reference = r.token_ids
+            elif reference is not None and r.token_ids == reference:
+                outputs_match[m] += 1
+    results = {}
+    for m in methods:
+        results[m] = {d: aggregate(runs) for d, runs in per_run[m].items()}
+        results[m]["all"] = aggregate([x for runs in per_run[m].values() for x in runs])
+    for m in methods:
+        for d, agg in results[m].items():
+            base = results.get("ar", {}).get(d, {}).get("tokens_per_s")
+            agg["speedup_vs_ar"] = round(agg["tokens_per_s"] / base, 3) if base else None
+    report = {
+        "command": " ".join(sys.argv),
+        "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+                    "device": str(engine.pair.target.device)},
+        "pair": {"target": engine.pair.target.name, "draft": engine.pair.draft.name if engine.pair.draft else None},
+        "settings": {k: getattr(args, k) for k in ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "gamma",
+                                                     "limit", "dataset")},
+        "identical_to_ar": ({m: f"{n}/{len(encoded)}" for m, n in outputs_match.items()}
+                            if args.temperature == 0 and "ar" in methods else None),
+        "results": results,
+    }
+    print(format_table(report))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(report, f, indent=2)
+    return report
+
+
+def format_table(report: dict) -> str:
+    cols = ["tokens_per_s", "speedup_vs_ar", "acceptance_rate", "mean_accepted_length", "rollback_rate",
+            "target_idle_fraction", "draft_idle_fraction", "overlap", "target_forward_ms", "draft_forward_ms"]
+    head = ["method", "dataset", "tok/s", "speedup", "α", "τ", "rollback", "idle T", "idle D", "overlap",
+            "T ms", "D ms"]
+    lines = [" | ".join(head), " | ".join("---" for _ in head)]
+    for m, per_ds in report["results"].items():
+        for d, agg in per_ds.items():
+            cells = [m, d] + ["" if agg.get(c) is None else f"{agg[c]:.3g}" for c in cols]
+            lines.append(" | ".join(cells))
+    if report.get("identical_to_ar"):
+        lines.append("identical to ar (greedy): " + ", ".join(f"{m} {v}" for m, v in report["identical_to_ar"].items()))
+    return "\n".join(lines)

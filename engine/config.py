@@ -1,0 +1,45 @@
+"""Generation settings and their validation. Bad input raises SpecBranchError with a plain message."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+class SpecBranchError(ValueError):
+    """A user-facing error: the message says what is wrong and what is allowed."""
+
+
+METHODS = ("ar", "sd")
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    method: str = "sd"
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0 means greedy
+    top_k: int = 0  # 0 disables top-k
+    top_p: float = 1.0
+    seed: int = 0
+    gamma: int = 4  # draft block length for sd
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> "GenerationConfig":
+        if self.method not in METHODS:
+            raise SpecBranchError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
+            raise SpecBranchError(f"max-new-tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
+            raise SpecBranchError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise SpecBranchError(f"top-p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise SpecBranchError(f"top-k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not isinstance(self.gamma, int) or self.gamma < 1:
+            raise SpecBranchError(f"gamma (draft length) must be an integer >= 1, got {self.gamma!r}")
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)

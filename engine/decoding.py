@@ -1,0 +1,167 @@
+"""State and primitives shared by every decoder: prefill, decode_one_token, draft_block,
+verify_and_commit, emit. The decoders (ar.py, sd.py, ...) are short loops over these.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from . import cache as kv
+from .config import GenerationConfig
+from .events import (BONUS, CORRECTION, TARGET, DraftProposed, Event, Rollback, TimingSpan, TokensEmitted,
+                     Verified)
+from .models import LM, ModelPair
+from .runtime import Worker
+from .sampling import logits_to_probs, sample, top_alternatives, verify_block
+
+
+@dataclass
+class RunState:
+    """Everything one generation owns. Caches are per run, so a cancelled run leaves nothing behind."""
+    pair: ModelPair
+    cfg: GenerationConfig
+    target_worker: Worker
+    draft_worker: Worker
+    tokens: list[int]  # prompt + committed output
+    prompt_len: int
+    eos_ids: set[int]
+    t0: float = field(default_factory=time.perf_counter)
+    step: int = 0
+    finish_reason: str | None = None
+    decode_start: float = 0.0
+    prefill_s: float = 0.0
+    sent_text: str = ""
+    generator: torch.Generator = field(default_factory=torch.Generator)
+    target_cache: object = None
+    draft_cache: object = None
+    budget: int = 0  # max new tokens, capped by the context length
+
+    def __post_init__(self):
+        self.generator.manual_seed(self.cfg.seed)
+        self.target_cache = kv.new_cache(self.pair.target.model)
+        if self.pair.draft is not None:
+            self.draft_cache = kv.new_cache(self.pair.draft.model)
+        room = min(self.pair.target.context_length,
+                   self.pair.draft.context_length if self.pair.draft else 1 << 30) - self.prompt_len
+        self.budget = min(self.cfg.max_new_tokens, room)
+
+    @property
+    def emitted(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def remaining(self) -> int:
+        return self.budget - self.emitted
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        return logits_to_probs(logits, c.temperature, c.top_k, c.top_p)
+
+    def pieces(self, ids: list[int]) -> list[str]:
+        tok = self.pair.tokenizer
+        return [tok.decode([i]) for i in ids]
+
+
+async def forward(state: RunState, lm: LM, worker: Worker, cache, ids: list[int], kind: str,
+                  events: list[Event]) -> torch.Tensor:
+    """Feed `ids` (appended to `cache`) on `worker`; returns logits [T, V] and records the span."""
+    x = torch.tensor([ids], dtype=torch.long)
+    logits, span = await worker.run(lm.forward, x, cache, kind=kind, step=state.step, t0=state.t0, tokens=len(ids))
+    events.append(span)
+    return logits[0]
+
+
+async def prefill(state: RunState, events: list[Event]) -> None:
+    """Run the prompt through the target (and the draft, serially) and commit the target's first token."""
+    prompt = state.tokens
+    logits = await forward(state, state.pair.target, state.target_worker, state.target_cache, prompt, "prefill", events)
+    if state.pair.draft is not None:
+        await forward(state, state.pair.draft, state.draft_worker, state.draft_cache, prompt, "prefill", events)
+    state.prefill_s = state.now()
+    state.decode_start = state.prefill_s
+    p = state.probs(logits[-1])
+    token = sample(p, state.generator)
+    events.append(emit(state, [token], [TARGET]))
+
+
+async def decode_one_token(state: RunState, events: list[Event]) -> None:
+    """One plain autoregressive step of the target."""
+    feed = state.tokens[kv.cache_length(state.target_cache):]
+    logits = await forward(state, state.pair.target, state.target_worker, state.target_cache, feed, "decode", events)
+    token = sample(state.probs(logits[-1]), state.generator)
+    events.append(emit(state, [token], [TARGET]))
+
+
+async def draft_block(state: RunState, gamma: int, events: list[Event], kind: str = "draft"):
+    """Draft gamma tokens autoregressively on top of the committed tokens.
+    Returns (tokens, q_rows [gamma, V]); the last drafted token is not fed to the draft cache."""
+    draft = state.pair.draft
+    feed = state.tokens[kv.cache_length(state.draft_cache):]  # committed tokens the draft has not seen yet
+    tokens, q_rows = [], []
+    for _ in range(gamma):
+        logits = await forward(state, draft, state.draft_worker, state.draft_cache, feed, kind, events)
+        q = state.probs(logits[-1])
+        x = sample(q, state.generator)
+        tokens.append(x)
+        q_rows.append(q)
+        feed = [x]
+    q_rows = torch.stack(q_rows)
+    events.append(DraftProposed(state.step, tokens, state.pieces(tokens), [float(q_rows[i, x]) for i, x in enumerate(tokens)],
+                                parent_position=len(state.tokens), top=[top_alternatives(q) for q in q_rows]))
+    return tokens, q_rows
+
+
+async def verify_and_commit(state: RunState, tokens: list[int], q_rows: torch.Tensor, events: list[Event]):
+    """One target forward over [unfed committed tokens, x_1..x_g]; accept a prefix, roll back the rest,
+    commit accepted tokens plus the correction or bonus token. Returns the Verdict."""
+    feed = state.tokens[kv.cache_length(state.target_cache):] + tokens
+    logits = await forward(state, state.pair.target, state.target_worker, state.target_cache, feed, "verify", events)
+    p_rows = state.probs(logits[-(len(tokens) + 1):])  # p at the positions predicting x_1..x_g and the bonus
+    verdict = verify_block(tokens, q_rows, p_rows, state.generator, state.cfg.greedy)
+    n = verdict.accepted
+    events.append(Verified(state.step, len(tokens), n, verdict.p, verdict.q, verdict.u, verdict.next_token,
+                           BONUS if verdict.bonus else CORRECTION, verdict.next_p))
+    keep = len(state.tokens) + n
+    kv.rollback(state.target_cache, keep)
+    kv.rollback(state.draft_cache, min(kv.cache_length(state.draft_cache), keep))
+    if n < len(tokens):
+        rejected = tokens[n:]
+        events.append(Rollback(state.step, "draft", rejected, state.pieces(rejected), "rejected"))
+    kinds = ["accepted"] * n + [BONUS if verdict.bonus else CORRECTION]
+    events.append(emit(state, tokens[:n] + [verdict.next_token], kinds))
+    return verdict
+
+
+def emit(state: RunState, tokens: list[int], kinds: list[str]) -> TokensEmitted:
+    """Commit tokens, cut at EOS or the token budget, and compute the text delta."""
+    tokens, kinds = tokens[: state.remaining], kinds[: state.remaining]
+    for i, t in enumerate(tokens):
+        if t in state.eos_ids:
+            tokens, kinds = tokens[: i + 1], kinds[: i + 1]
+            state.finish_reason = "eos"
+            break
+    state.tokens.extend(tokens)
+    if state.finish_reason is None and state.remaining <= 0:
+        state.finish_reason = "length"
+    text = state.pair.tokenizer.decode(state.tokens[state.prompt_len:], skip_special_tokens=True)
+    if state.finish_reason is None:
+        text = text.rstrip("\ufffd")  # hold back an incomplete multi-byte character
+    delta = text[len(state.sent_text):]
+    state.sent_text = max(text, state.sent_text, key=len)
+    return TokensEmitted(state.step, tokens, state.pieces(tokens), kinds, delta)
+
+
+def spans(events: list[Event]) -> list[TimingSpan]:
+    return [e for e in events if isinstance(e, TimingSpan)]
+
+
+def drain(events: list[Event]) -> list[Event]:
+    """Hand the buffered events to the caller and empty the buffer."""
+    out = events[:]
+    events.clear()
+    return out

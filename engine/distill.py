@@ -1,0 +1,292 @@
+"""`python -m engine distill`: train a small draft for any causal-LM target by self-distillation.
+
+Three resumable stages, each writing into --work-dir:
+  1. generate  the target's own responses to training prompts (batched; skipped rows already done)
+  2. label     the target's top-k next-token distribution at every response position (soft targets)
+  3. train     a draft made of the target's first N layers, sharing its frozen embeddings and head,
+               trained with KL(p_target || q_draft) over a reduced (FR-Spec) vocabulary
+The draft is saved with `drafts.save_draft`, which `--draft PATH` loads.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from .config import SpecBranchError
+from .drafts import draft_from_target, own_state_dict, save_draft
+
+
+# ---------------------------------------------------------------- data
+def read_jsonl(path: Path) -> list[dict]:
+    rows = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise SpecBranchError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
+    return rows
+
+
+def encode_prompt(tokenizer, row: dict) -> list[int]:
+    if "prompt_ids" in row:
+        return list(row["prompt_ids"])
+    if "prompt" not in row:
+        raise SpecBranchError("each prompt row needs a 'prompt' (text) or 'prompt_ids' field")
+    if row.get("chat", True) and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)
+        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    return tokenizer.encode(row["prompt"])
+
+
+@torch.inference_mode()
+def generate_responses(target, tokenizer, prompts: list[dict], out: Path, max_new_tokens: int, batch_size: int,
+                       temperature: float, seed: int) -> None:
+    """Append {prompt_ids, response_ids} rows to `out`; rows already there (by position) are skipped."""
+    done = len(read_jsonl(out)) if out.exists() else 0
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    torch.manual_seed(seed + done)
+    with open(out, "a") as f, tqdm(total=len(prompts), initial=done, desc="generate", unit="prompt") as bar:
+        for start in range(done, len(prompts), batch_size):
+            batch = [encode_prompt(tokenizer, r) for r in prompts[start:start + batch_size]]
+            width = max(map(len, batch))
+            ids = torch.tensor([[pad] * (width - len(b)) + b for b in batch])  # left padding
+            mask = torch.tensor([[0] * (width - len(b)) + [1] * len(b) for b in batch])
+            kwargs = dict(do_sample=True, temperature=temperature, top_p=0.95) if temperature > 0 else dict(do_sample=False)
+            gen = target.generate(input_ids=ids.to(target.device), attention_mask=mask.to(target.device),
+                                  max_new_tokens=max_new_tokens, pad_token_id=pad, **kwargs)[:, width:].tolist()
+            for b, resp in zip(batch, gen):
+                if tokenizer.eos_token_id in resp:
+                    resp = resp[: resp.index(tokenizer.eos_token_id) + 1]
+                f.write(json.dumps({"prompt_ids": b, "response_ids": resp}) + "\n")
+            f.flush()
+            bar.update(len(batch))
+
+
+def batches(rows: list[dict], batch_size: int, shuffle: bool, seed: int = 0):
+    """Length-bucketed batches of (input_ids [B, T], mask [B, T], response start per row)."""
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i]["prompt_ids"]) + len(rows[i]["response_ids"]))
+    chunks = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    if shuffle:
+        random.Random(seed).shuffle(chunks)
+    for chunk in chunks:
+        seqs = [rows[i]["prompt_ids"] + rows[i]["response_ids"] for i in chunk]
+        width = max(map(len, seqs))
+        ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])  # right padding
+        mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+        yield chunk, ids, mask
+
+
+def response_positions(rows: list[dict], chunk: list[int]) -> list[tuple[int, int, int]]:
+    """(row in batch, first position, last position + 1) of the logits that predict response tokens."""
+    out = []
+    for b, i in enumerate(chunk):
+        p, r = len(rows[i]["prompt_ids"]), len(rows[i]["response_ids"])
+        out.append((b, p - 1, p - 1 + r))
+    return out
+
+
+@torch.inference_mode()
+def label_topk(target, rows: list[dict], path: Path, k: int, batch_size: int) -> list[dict]:
+    """Soft targets: for each row, top-k ids [R, k] and probs [R, k] of p at its response positions."""
+    if path.exists():
+        labels = torch.load(path)
+        if len(labels) == len(rows):
+            return labels
+    labels: list[dict | None] = [None] * len(rows)
+    for chunk, ids, mask in tqdm(list(batches(rows, batch_size, shuffle=False)), desc="label", unit="batch"):
+        logits = target(input_ids=ids.to(target.device), attention_mask=mask.to(target.device)).logits.float()
+        for b, lo, hi in response_positions(rows, chunk):
+            probs, top = logits[b, lo:hi].softmax(-1).topk(k, dim=-1)
+            labels[chunk[b]] = {"ids": top.to(torch.int32).cpu(), "probs": probs.half().cpu()}
+    torch.save(labels, path)
+    return labels
+
+
+def frequent_vocab(rows: list[dict], size: int, vocab_size: int) -> torch.Tensor:
+    """FR-Spec head: the `size` most frequent response tokens, topped up with the lowest ids
+    (BPE gives low ids to early, frequent merges). Sorted ids."""
+    counts = torch.bincount(torch.tensor([t for r in rows for t in r["response_ids"]]), minlength=vocab_size)
+    ranked = torch.argsort(counts, descending=True, stable=True)  # ties keep low ids first
+    return torch.sort(ranked[: min(size, vocab_size)]).values
+
+
+# ---------------------------------------------------------------- training
+def draft_logits(draft, ids, mask, head: torch.Tensor) -> torch.Tensor:
+    hidden = draft.model(input_ids=ids, attention_mask=mask).last_hidden_state  # [B, T, H]
+    return hidden @ head.T  # [B, T, |subset|]
+
+
+def kl_loss(logits_sub: torch.Tensor, rows, chunk, labels, remap: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """Cross-entropy of the draft against the teacher's top-k probs (renormalised over the subset);
+    equals KL(p || q) up to the teacher's entropy. Also returns argmax agreements and positions."""
+    losses, agree, total = [], 0, 0
+    for b, lo, hi in response_positions(rows, chunk):
+        logq = logits_sub[b, lo:hi].float().log_softmax(-1)  # [R, S]
+        lab = labels[chunk[b]]
+        sub_ids = remap[lab["ids"].long()]  # position in the subset, -1 when outside
+        p = lab["probs"].float() * (sub_ids >= 0)
+        p = p / p.sum(-1, keepdim=True).clamp_min(1e-8)
+        losses.append(-(p * logq.gather(-1, sub_ids.clamp_min(0))).sum(-1))
+        agree += int((logq.argmax(-1) == sub_ids[:, 0]).sum())
+        total += hi - lo
+    return torch.cat(losses).mean(), agree, total
+
+
+def evaluate(draft, rows, labels, head, remap, batch_size) -> float:
+    """Greedy agreement: how often the draft's argmax equals the target's argmax on held-out rows."""
+    agree = total = 0
+    draft.eval()
+    with torch.inference_mode():
+        for chunk, ids, mask in batches(rows, batch_size, shuffle=False):
+            _, a, t = kl_loss(draft_logits(draft, ids, mask, head), rows, chunk, labels, remap)
+            agree, total = agree + a, total + t
+    draft.train()
+    return agree / max(total, 1)
+
+
+def train_draft(target, rows: list[dict], labels: list[dict], val_rows, val_labels, *, layers: int, vocab: int,
+                epochs: float, lr: float, batch_size: int, seed: int, log_path: Path, max_minutes: float | None):
+    torch.manual_seed(seed)
+    draft = draft_from_target(target, layers).train()
+    for module in (draft.model.embed_tokens, draft.lm_head):  # shared with the target: frozen
+        module.requires_grad_(False)
+    vocab_size = target.get_output_embeddings().weight.shape[0]
+    subset = frequent_vocab(rows, vocab, vocab_size)
+    remap = torch.full((vocab_size,), -1, dtype=torch.long)
+    remap[subset] = torch.arange(len(subset))
+    head = target.get_output_embeddings().weight[subset].detach().contiguous()
+    params = [p for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    steps_per_epoch = math.ceil(len(rows) / batch_size)
+    total_steps = max(1, int(epochs * steps_per_epoch))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps)))
+    log = open(log_path, "a")
+    start, step = time.time(), 0
+    first = evaluate(draft, val_rows, val_labels, head, remap, batch_size)
+    print(json.dumps({"step": 0, "val_agreement": round(first, 4)}), file=log, flush=True)
+    bar = tqdm(total=total_steps, desc="train", unit="step")
+    stopped = False
+    for epoch in range(math.ceil(epochs)):
+        for chunk, ids, mask in batches(rows, batch_size, shuffle=True, seed=seed + epoch):
+            loss, agree, total = kl_loss(draft_logits(draft, ids, mask, head), rows, chunk, labels, remap)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sched.step()
+            step += 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss.item():.3f}", agree=f"{agree / max(total, 1):.3f}")
+            if step % 25 == 0 or step == total_steps:
+                print(json.dumps({"step": step, "epoch": round(step / steps_per_epoch, 3), "loss": round(loss.item(), 4),
+                                  "train_agreement": round(agree / max(total, 1), 4),
+                                  "lr": sched.get_last_lr()[0], "minutes": round((time.time() - start) / 60, 2)}),
+                      file=log, flush=True)
+            if step >= total_steps or (max_minutes and time.time() - start > 60 * max_minutes):
+                stopped = True
+                break
+        val = evaluate(draft, val_rows, val_labels, head, remap, batch_size)
+        print(json.dumps({"step": step, "epoch": round(step / steps_per_epoch, 3), "val_agreement": round(val, 4)}),
+              file=log, flush=True)
+        tqdm.write(f"epoch {epoch + 1}: held-out greedy agreement {val:.4f}")
+        if stopped:
+            break
+    bar.close()
+    draft.eval()
+    return draft, subset, {"val_agreement": round(val, 4), "steps": step, "minutes": round((time.time() - start) / 60, 2)}
+
+
+def split_by_prompt(rows: list[dict], val_fraction: float, seed: int):
+    """Hold out whole prompts (a prompt's greedy and sampled responses go to the same side)."""
+    keys = sorted({tuple(r["prompt_ids"]) for r in rows})
+    random.Random(seed).shuffle(keys)
+    val_keys = set(keys[: max(1, int(len(keys) * val_fraction))])
+    train = [r for r in rows if tuple(r["prompt_ids"]) not in val_keys]
+    val = [r for r in rows if tuple(r["prompt_ids"]) in val_keys]
+    return train, val
+
+
+def run_distill(args) -> dict:
+    from .models import load_pair
+
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(args.threads) if args.threads else None
+    pair = load_pair(args.target, None, device=args.device, dtype="float32")
+    target, tok = pair.target.model, pair.target.tokenizer
+    target.requires_grad_(False)
+    rows: list[dict] = []
+    for corpus in args.corpus or []:
+        rows += [{"prompt_ids": r["prompt_ids"], "response_ids": r["response_ids"]} for r in read_jsonl(Path(corpus))]
+    if args.prompts:
+        generated = work / "generated.jsonl"
+        prompts = read_jsonl(Path(args.prompts))[: args.limit or None]
+        generate_responses(target, tok, prompts, generated, args.max_new_tokens, args.gen_batch_size,
+                           args.gen_temperature, args.seed)
+        rows += read_jsonl(generated)
+    rows = [r for r in rows if r["response_ids"]]
+    if args.max_tokens:
+        random.Random(args.seed).shuffle(rows)
+        kept, n = [], 0
+        for r in rows:
+            if n >= args.max_tokens:
+                break
+            kept.append(r)
+            n += len(r["response_ids"])
+        rows = kept
+    if len(rows) < 2:
+        raise SpecBranchError("distill needs at least two (prompt, response) rows: give --corpus or --prompts")
+    train_rows, val_rows = split_by_prompt(rows, args.val_fraction, args.seed)
+    n_tokens = sum(len(r["response_ids"]) for r in train_rows)
+    print(f"distill: {len(train_rows)} training rows ({n_tokens} response tokens), {len(val_rows)} held-out rows")
+    labels = label_topk(target, train_rows + val_rows, work / f"labels_top{args.top_k}_{len(rows)}_{args.seed}.pt",
+                        args.top_k, args.label_batch_size)
+    train_labels, val_labels = labels[: len(train_rows)], labels[len(train_rows):]
+    draft, subset, summary = train_draft(
+        target, train_rows, train_labels, val_rows, val_labels, layers=args.layers, vocab=args.vocab,
+        epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, seed=args.seed,
+        log_path=work / "train_log.jsonl", max_minutes=args.max_minutes)
+    meta = {"target": args.target, "layers": args.layers, "vocab_subset_size": int(len(subset)),
+            "train_rows": len(train_rows), "train_response_tokens": n_tokens, "held_out_rows": len(val_rows),
+            "epochs": args.epochs, "lr": args.lr, "batch_size": args.batch_size, "seed": args.seed,
+            "top_k_labels": args.top_k, **summary}
+    use_subset = args.vocab < target.get_output_embeddings().weight.shape[0]
+    save_draft(draft, Path(args.out), subset if use_subset else None, meta)
+    (Path(args.out) / "training_log.jsonl").write_text((work / "train_log.jsonl").read_text())
+    print(json.dumps(meta))
+    return meta
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--target", default="embedded")
+    p.add_argument("--corpus", action="append", help="JSONL rows with prompt_ids and response_ids (repeatable)")
+    p.add_argument("--prompts", help="JSONL prompts (field 'prompt', optional 'chat') to generate responses for")
+    p.add_argument("--limit", type=int, default=0, help="use only the first N prompts")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--gen-batch-size", type=int, default=16)
+    p.add_argument("--gen-temperature", type=float, default=0.0)
+    p.add_argument("--max-tokens", type=int, default=0, help="cap on response tokens used (0 = all)")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=8192, help="reduced LM-head size (FR-Spec); >= vocab means full")
+    p.add_argument("--epochs", type=float, default=3)
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--label-batch-size", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=32, help="teacher probabilities kept per position")
+    p.add_argument("--val-fraction", type=float, default=0.03)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-minutes", type=float, default=None, help="stop training after this long")
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--device", default=None)
+    p.add_argument("--work-dir", default="runs/distill")
+    p.add_argument("--out", required=True, help="directory to write the draft to")

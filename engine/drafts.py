@@ -1,0 +1,101 @@
+"""Distilled drafts: a few transformer layers that borrow the target's embeddings and LM head.
+
+On disk a draft is a directory with
+  config.json         the draft's transformers config, plus a "specbranch_draft" entry
+  model.safetensors   only the draft's own weights (layers, final norm), in float16
+  vocab_subset.safetensors   (optional) ids of the reduced LM head, FR-Spec style
+The shared tensors (embeddings, head) are taken from the target at load time, so a shipped draft
+stays a few tens of MB. With a reduced head the draft's logits are -inf outside the subset, so q is
+still a full-vocabulary distribution (zeros outside) and verification stays exact.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .config import SpecBranchError
+
+SHARED_PREFIXES = ("model.embed_tokens.", "lm_head.")
+
+
+def is_specbranch_draft(path: Path) -> bool:
+    config = path / "config.json"
+    return config.exists() and "specbranch_draft" in json.loads(config.read_text())
+
+
+def draft_from_target(target, n_layers: int):
+    """A draft of the target's class with its first n layers copied, sharing embeddings and head."""
+    total = target.config.num_hidden_layers
+    if not 1 <= n_layers < total:
+        raise SpecBranchError(f"a draft needs 1 <= layers < {total} (the target's depth), got {n_layers}")
+    config = copy.deepcopy(target.config)
+    config.num_hidden_layers = n_layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:n_layers]
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    draft = type(target)(config)
+    own = {k: v for k, v in target.state_dict().items()
+           if not k.startswith(SHARED_PREFIXES) and (not k.startswith("model.layers.") or int(k.split(".")[2]) < n_layers)}
+    draft.load_state_dict({k: v.clone() for k, v in own.items()}, strict=False)
+    share_with_target(draft, target)
+    return draft.eval()
+
+
+def share_with_target(draft, target) -> None:
+    """Point the draft's embeddings and head at the target's modules (no copy). `load_pair` copies
+    them instead when the draft sits on another device or dtype, since `.to()` would move the target's."""
+    draft.model.embed_tokens = target.model.embed_tokens
+    draft.lm_head = target.lm_head
+
+
+def own_state_dict(draft) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in draft.state_dict().items() if not k.startswith(SHARED_PREFIXES)}
+
+
+def save_draft(draft, out: Path, vocab_subset: torch.Tensor | None, meta: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    config = draft.config.to_dict()
+    config["specbranch_draft"] = {"shared_from_target": list(SHARED_PREFIXES),
+                                  "vocab_subset": vocab_subset is not None, **meta}
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    weights = {k: v.detach().to("cpu", torch.float16).contiguous() for k, v in own_state_dict(draft).items()}
+    save_file(weights, str(out / "model.safetensors"))
+    if vocab_subset is not None:
+        save_file({"ids": vocab_subset.to(torch.int64).cpu().contiguous()}, str(out / "vocab_subset.safetensors"))
+
+
+def load_draft_dir(path: Path, target, dtype: torch.dtype, device: torch.device):
+    """Load a saved draft for `target`; returns (model, vocab_subset or None)."""
+    from transformers import AutoConfig
+
+    raw = json.loads((path / "config.json").read_text())
+    info = raw.pop("specbranch_draft")
+    config = AutoConfig.for_model(**raw)
+    if config.hidden_size != target.config.hidden_size or config.vocab_size != target.config.vocab_size:
+        raise SpecBranchError(f"draft {path} was trained for another target "
+                              f"(hidden {config.hidden_size}, vocab {config.vocab_size}; the target has "
+                              f"{target.config.hidden_size}, {target.config.vocab_size})")
+    draft = type(target)(config)
+    weights = load_file(str(path / "model.safetensors"))
+    missing, unexpected = draft.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, strict=False)
+    missing = [k for k in missing if not k.startswith(SHARED_PREFIXES)]
+    if missing or unexpected:
+        raise SpecBranchError(f"draft {path} does not fit: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    share_with_target(draft, target)
+    subset = None
+    if info.get("vocab_subset"):
+        subset = load_file(str(path / "vocab_subset.safetensors"))["ids"].to(device)
+    return place(draft, target, device, dtype), subset
+
+
+def place(draft, target, device: torch.device, dtype: torch.dtype):
+    """Move a draft that shares the target's embeddings/head; copy those first if it goes elsewhere."""
+    if torch.device(device) != target.device or dtype != target.dtype:
+        draft.model.embed_tokens = copy.deepcopy(target.model.embed_tokens)
+        draft.lm_head = copy.deepcopy(target.lm_head)
+    return draft.to(device=device, dtype=dtype).eval()

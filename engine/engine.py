@@ -1,0 +1,119 @@
+"""The Engine: a loaded model pair, one worker thread per model, and `generate`, an async generator
+of events for any method. Generations on one engine are serialised by a lock (they queue)."""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import torch
+
+from .ar import autoregressive_decode
+from .config import GenerationConfig, SpecBranchError
+from .decoding import RunState
+from .events import Event, Finished, Notice, RunStarted, TokensEmitted
+from .metrics import compute_metrics
+from .models import ModelPair
+from .runtime import Worker, new_event_loop
+from .sd import speculative_decode
+
+DECODERS = {"ar": autoregressive_decode, "sd": speculative_decode}
+NEEDS_DRAFT = {"sd"}
+
+
+@dataclass
+class Result:
+    method: str
+    token_ids: list[int]
+    text: str
+    metrics: dict
+    events: list[Event]
+    finish_reason: str
+
+
+class Engine:
+    def __init__(self, pair: ModelPair, threads: int = 1):
+        self.pair = pair
+        self.target_worker = Worker("target", threads)
+        self.draft_worker = Worker("draft", threads)
+        self._locks: dict[asyncio.AbstractEventLoop, asyncio.Lock] = {}
+
+    def encode(self, prompt: str, chat: bool) -> list[int]:
+        if not prompt or not prompt.strip():
+            raise SpecBranchError("the prompt is empty")
+        tok = self.pair.tokenizer
+        if chat:
+            if not getattr(tok, "chat_template", None):
+                raise SpecBranchError("--chat needs a tokenizer with a chat template; this one has none")
+            ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=False)
+            ids = ids["input_ids"] if isinstance(ids, dict) else ids
+        else:
+            ids = tok.encode(prompt)
+        return [int(i) for i in ids]
+
+    def check_prompt(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise SpecBranchError("the prompt is empty")
+        limit = self.pair.target.context_length
+        if len(prompt_ids) >= limit:
+            raise SpecBranchError(f"the prompt is {len(prompt_ids)} tokens; the model's context holds {limit}, "
+                                  f"with room for at least one new token")
+
+    def _lock(self) -> asyncio.Lock:
+        loop = asyncio.get_running_loop()
+        return self._locks.setdefault(loop, asyncio.Lock())
+
+    async def generate(self, prompt_ids: list[int], cfg: GenerationConfig, prompt_text: str = "") -> AsyncIterator[Event]:
+        cfg.validate()
+        self.check_prompt(prompt_ids)
+        if cfg.method in NEEDS_DRAFT and self.pair.draft is None:
+            raise SpecBranchError(f"method {cfg.method!r} needs a draft model")
+        async with self._lock():
+            state = RunState(self.pair, cfg, self.target_worker, self.draft_worker, list(prompt_ids),
+                             len(prompt_ids), self.pair.eos_ids)
+            events: list[Event] = [RunStarted(cfg.method, self.pair.target.name,
+                                              self.pair.draft.name if self.pair.draft else None, list(prompt_ids),
+                                              prompt_text, cfg.to_dict(), str(self.pair.target.device), time.time())]
+            yield events[0]
+            if state.budget < cfg.max_new_tokens:
+                notice = Notice("warning", f"max-new-tokens cut to {state.budget} by the context length")
+                events.append(notice)
+                yield notice
+            async for event in DECODERS[cfg.method](state):
+                events.append(event)
+                yield event
+            decode_s = state.now() - state.decode_start
+            done = Finished(state.finish_reason or "length", round(state.prefill_s, 6), round(decode_s, 6),
+                            state.emitted, {})
+            events.append(done)
+            metrics = compute_metrics(events)
+            yield Finished(done.reason, done.prefill_s, done.decode_s, done.new_tokens, metrics)
+
+    def run(self, prompt_ids: list[int], cfg: GenerationConfig, prompt_text: str = "") -> Result:
+        """Synchronous helper: run one generation to the end and collect its events."""
+        async def collect():
+            return [e async for e in self.generate(prompt_ids, cfg, prompt_text)]
+
+        loop = new_event_loop()
+        try:
+            events = loop.run_until_complete(collect())
+        finally:
+            loop.close()
+        return result_from_events(events, self.pair.tokenizer)
+
+    def close(self) -> None:
+        self.target_worker.shutdown()
+        self.draft_worker.shutdown()
+
+
+def result_from_events(events: list[Event], tokenizer=None) -> Result:
+    start = next(e for e in events if isinstance(e, RunStarted))
+    finished = next((e for e in events if isinstance(e, Finished)), None)
+    ids = [t for e in events if isinstance(e, TokensEmitted) for t in e.tokens]
+    text = "".join(e.text for e in events if isinstance(e, TokensEmitted))
+    metrics = finished.metrics if finished and finished.metrics else compute_metrics(events)
+    return Result(start.method, ids, text, metrics, events, finished.reason if finished else "partial")
+
+

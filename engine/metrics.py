@@ -1,0 +1,118 @@
+"""Metrics, computed from the event stream alone (so replay reproduces them exactly).
+Definitions (SPECBRANCH.md §5):
+  tokens/s            tokens emitted after prefill / decode wall time (prefill reported separately)
+  acceptance rate     accepted draft tokens / draft tokens the target verified
+  mean accepted len   emitted tokens / target forward passes (prefill included, so AR = 1)
+  rollback rate       drafted tokens thrown away / all drafted tokens
+  per-position acc.   P(accept at draft position i | positions < i accepted)
+  idle fraction       per model: 1 - busy time / decode wall time
+  overlap             time both models compute at once / decode wall time
+"""
+from __future__ import annotations
+
+from .events import DraftProposed, Event, Finished, Rollback, TimingSpan, TokensEmitted, Verified
+
+FORMULAS = {
+    "tokens_per_s": "tokens emitted after prefill / decode wall time",
+    "acceptance_rate": "accepted draft tokens / verified draft tokens",
+    "mean_accepted_length": "emitted tokens / target forward passes",
+    "rollback_rate": "discarded drafted tokens / drafted tokens",
+    "per_position_acceptance": "P(accept at i | all before i accepted)",
+    "idle_fraction": "1 - busy time / decode wall time (per model)",
+    "overlap": "time both models compute at once / decode wall time",
+}
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+def _length(intervals) -> float:
+    return sum(e - s for s, e in intervals)
+
+
+def _intersection(a, b) -> float:
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        total += max(0.0, hi - lo)
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def busy_intervals(spans: list[TimingSpan], worker: str, start: float, end: float):
+    return _union([(max(s.start, start), min(s.end, end)) for s in spans
+                   if s.worker == worker and s.end > start and s.start < end])
+
+
+def compute_metrics(events: list[Event]) -> dict:
+    finished = next((e for e in events if isinstance(e, Finished)), None)
+    spans = [e for e in events if isinstance(e, TimingSpan)]
+    emitted = [e for e in events if isinstance(e, TokensEmitted)]
+    verified = [e for e in events if isinstance(e, Verified)]
+    new_tokens = sum(len(e.tokens) for e in emitted)
+    after_prefill = sum(len(e.tokens) for e in emitted if e.step > 0)
+    prefill_end = max((s.end for s in spans if s.kind == "prefill"), default=0.0)
+    end = max((s.end for s in spans), default=prefill_end)
+    decode_s = finished.decode_s if finished else max(end - prefill_end, 0.0)
+    drafted = sum(len(e.tokens) for e in events if isinstance(e, DraftProposed))
+    discarded = sum(len(e.tokens) for e in events if isinstance(e, Rollback) and e.model == "draft")
+    n_verified = sum(v.drafted for v in verified)
+    n_accepted = sum(v.accepted for v in verified)
+    target_forwards = sum(1 for s in spans if s.worker == "target")
+    draft_forwards = sum(1 for s in spans if s.worker == "draft" and s.kind != "prefill")
+
+    longest = max((v.drafted for v in verified), default=0)
+    reached, passed = [0] * longest, [0] * longest
+    for v in verified:
+        for i in range(v.drafted):
+            if i <= v.accepted:
+                reached[i] += 1
+                passed[i] += i < v.accepted
+
+    window_start, window_end = prefill_end, prefill_end + decode_s
+    busy = {w: busy_intervals(spans, w, window_start, window_end) for w in ("target", "draft")}
+    wall = max(decode_s, 1e-9)
+
+    def mean_ms(worker, kinds):
+        d = [s.end - s.start for s in spans if s.worker == worker and s.kind in kinds]
+        return round(1000 * sum(d) / len(d), 3) if d else None
+
+    return {
+        "new_tokens": new_tokens,
+        "tokens_per_s": round(after_prefill / decode_s, 3) if decode_s > 0 else 0.0,
+        "prefill_s": round(finished.prefill_s if finished else prefill_end, 6),
+        "decode_s": round(decode_s, 6),
+        "acceptance_rate": round(n_accepted / n_verified, 6) if n_verified else None,
+        "mean_accepted_length": round(new_tokens / target_forwards, 6) if target_forwards else None,
+        "rollback_rate": round(discarded / drafted, 6) if drafted else None,
+        "drafted_tokens": drafted,
+        "verified_tokens": n_verified,
+        "accepted_tokens": n_accepted,
+        "rolled_back_tokens": discarded,
+        "target_forwards": target_forwards,
+        "draft_forwards": draft_forwards,
+        "per_position_acceptance": [round(p / r, 6) if r else None for p, r in zip(passed, reached)],
+        "accepted_length_histogram": _histogram([v.accepted for v in verified]),
+        "target_idle_fraction": round(1 - _length(busy["target"]) / wall, 6),
+        "draft_idle_fraction": round(1 - _length(busy["draft"]) / wall, 6) if draft_forwards else None,
+        "overlap": round(_intersection(busy["target"], busy["draft"]) / wall, 6),
+        "target_forward_ms": mean_ms("target", ("decode", "verify")),
+        "draft_forward_ms": mean_ms("draft", ("draft", "branch_draft")),
+    }
+
+
+def _histogram(values: list[int]) -> dict[str, int]:
+    hist: dict[str, int] = {}
+    for v in sorted(values):
+        hist[str(v)] = hist.get(str(v), 0) + 1
+    return hist

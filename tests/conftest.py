@@ -1,0 +1,84 @@
+"""Shared fixtures: tiny random-weight Llama models (fast, small vocabulary) and the embedded pair."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(1)
+
+TINY_WORDS = ["<unk>", "<eos>", "a", "b", "c", "d", "e", "f", "g", "h"]
+
+
+def tiny_tokenizer(words=TINY_WORDS):
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+
+
+def make_tiny_model(path: Path, seed: int, vocab: int = len(TINY_WORDS), layers: int = 2, init: float = 0.3,
+                    context: int = 64, words=TINY_WORDS, eos: int | None = None, perturb: float = 0.0,
+                    perturb_seed: int = 0) -> Path:
+    """A random-weight Llama saved as a transformers directory (loads like any local model).
+    A large init makes its next-token distributions peaky enough for statistical tests to have power."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
+                         initializer_range=init, tie_word_embeddings=False, eos_token_id=eos, bos_token_id=None,
+                         pad_token_id=None)
+    model = LlamaForCausalLM(config).eval()
+    if perturb:  # a draft that resembles the target: same init, plus noise
+        g = torch.Generator().manual_seed(perturb_seed)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * perturb * p.std().clamp_min(1e-3))
+    model.generation_config.eos_token_id = eos
+    model.save_pretrained(path)
+    tiny_tokenizer(words[:vocab]).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return {
+        "target": make_tiny_model(root / "target", seed=1),
+        "draft": make_tiny_model(root / "draft", seed=1, perturb=0.5, perturb_seed=2),
+        "other_vocab": make_tiny_model(root / "other", seed=3, words=["<unk>", "<eos>"] + list("zyxwvuts")),
+    }
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_dirs):
+    from engine.engine import Engine
+    from engine.models import load_pair
+
+    engine = Engine(load_pair(str(tiny_dirs["target"]), str(tiny_dirs["draft"]), device="cpu"))
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="session")
+def embedded_target():
+    from engine.models import load_pair
+
+    return load_pair("embedded", None, device="cpu")
+
+
+def engine_with_draft(target_pair, draft_spec: str):
+    """An Engine on the already-loaded embedded target with another draft (no reload of the target)."""
+    from engine.engine import Engine
+    from engine.models import LM, ModelPair, load_draft
+
+    t = target_pair.target
+    model, tok, head_ids = load_draft(draft_spec, t.model, t.tokenizer, t.device, t.model.dtype, False)
+    return Engine(ModelPair(t, LM(draft_spec, model, tok, t.vocab_size, head_ids)))

@@ -1,0 +1,89 @@
+"""The CLI's JSON contract, the event stream's completeness and serialisation, and the metrics."""
+from __future__ import annotations
+
+import json
+
+from engine.__main__ import main
+from engine.config import GenerationConfig
+from engine.events import (DraftProposed, Finished, RunStarted, StepStarted, TimingSpan, TokensEmitted, Verified,
+                           from_dict)
+from engine.metrics import compute_metrics
+
+
+def test_generate_json(capsys, tiny_dirs):
+    code = main(["generate", "--method", "sd", "--target", str(tiny_dirs["target"]), "--draft", str(tiny_dirs["draft"]),
+                 "--device", "cpu", "--prompt", "a b c", "--max-new-tokens", "12", "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out.strip())
+    assert out["method"] == "sd" and len(out["token_ids"]) == 12
+    for key in ("tokens_per_s", "acceptance_rate", "mean_accepted_length", "rollback_rate"):
+        assert key in out["metrics"]
+    assert isinstance(out["text"], str) and out["text"]
+
+
+def test_generate_prompt_file(capsys, tiny_dirs, tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "a b"}\n{"prompt": "c d e"}\n')
+    code = main(["generate", "--method", "ar", "--target", str(tiny_dirs["target"]), "--device", "cpu",
+                 "--prompt-file", str(f), "--max-new-tokens", "5", "--json"])
+    assert code == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    assert len(lines) == 2 and all(len(x["token_ids"]) == 5 for x in lines)
+
+
+def test_bench_writes_speedups(capsys, tiny_dirs, tmp_path):
+    prompts = tmp_path / "b.jsonl"
+    prompts.write_text('{"prompt": "a b", "chat": false}\n{"prompt": "c d", "chat": false}\n')
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--methods", "ar,sd", "--target", str(tiny_dirs["target"]), "--draft",
+                 str(tiny_dirs["draft"]), "--device", "cpu", "--dataset", str(prompts), "--max-new-tokens", "8",
+                 "--json", str(out)])
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert report["results"]["ar"]["all"]["speedup_vs_ar"] == 1.0
+    sd = report["results"]["sd"]["all"]
+    assert sd["prompts"] == 2 and sd["speedup_vs_ar"] > 0 and sd["acceptance_rate"] is not None
+    assert "speedup" in capsys.readouterr().out
+
+
+def test_event_stream_is_complete_and_round_trips(tiny_engine):
+    r = tiny_engine.run([2, 3, 4], GenerationConfig(method="sd", max_new_tokens=20, gamma=3, temperature=1.0, seed=3))
+    kinds = {type(e) for e in r.events}
+    assert {RunStarted, StepStarted, DraftProposed, Verified, TokensEmitted, TimingSpan, Finished} <= kinds
+    for e in r.events:
+        assert from_dict(json.loads(json.dumps(e.to_dict()))) == e
+    # metrics are a pure function of the stream, so a replay computes the same numbers
+    finished = r.events[-1]
+    assert isinstance(finished, Finished)
+    assert compute_metrics(r.events[:-1] + [Finished(finished.reason, finished.prefill_s, finished.decode_s,
+                                                     finished.new_tokens, {})]) == finished.metrics
+    emitted = [t for e in r.events if isinstance(e, TokensEmitted) for t in e.tokens]
+    assert emitted == r.token_ids and len(emitted) == 20
+    # the first token comes from the target's prefill; accepted tokens are those the verifications accepted
+    verified = [e for e in r.events if isinstance(e, Verified)]
+    kinds = [k for e in r.events if isinstance(e, TokensEmitted) for k in e.kinds]
+    assert kinds[0] == "target"
+    assert kinds.count("accepted") == sum(v.accepted for v in verified)
+    assert kinds.count("correction") + kinds.count("bonus") == len(verified)
+
+
+def test_metrics_from_known_spans():
+    spans = [TimingSpan("target", "prefill", 0, 0.0, 1.0), TimingSpan("target", "verify", 1, 1.0, 2.0),
+             TimingSpan("draft", "draft", 1, 1.5, 2.5), TimingSpan("target", "verify", 2, 2.5, 3.0)]
+    events = spans + [TokensEmitted(0, [5], ["x"], ["target"], "x"), TokensEmitted(1, [6, 7], ["y", "z"],
+                      ["accepted", "bonus"], "yz"), Finished("length", 1.0, 2.0, 3, {})]
+    m = compute_metrics(events)
+    assert m["tokens_per_s"] == 1.0  # 2 tokens after prefill in 2 s
+    assert m["overlap"] == 0.25  # both busy 1.5..2.0 out of 2 s
+    assert m["target_idle_fraction"] == 0.25  # target idle 2.0..2.5
+    assert m["draft_idle_fraction"] == 0.5
+    assert m["mean_accepted_length"] == 1.0  # 3 tokens / 3 target forwards
+
+
+def test_bad_event_dicts_are_refused():
+    import pytest
+
+    with pytest.raises(ValueError):
+        from_dict({"type": "nope"})
+    with pytest.raises(ValueError):
+        from_dict({"type": "step_started", "step": 1, "position": 2, "t": 0.0, "extra": 1})
