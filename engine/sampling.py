@@ -90,3 +90,66 @@ def top_alternatives(probs: torch.Tensor, k: int = 3) -> list[list[float]]:
     """[[token_id, prob], ...] for the k most likely tokens of a row (for the UI's hover and trees)."""
     values, ids = torch.topk(probs, min(k, probs.shape[-1]))
     return [[int(i), round(float(v), 6)] for v, i in zip(values, ids) if float(v) > 0]
+
+
+# ---------------------------------------------------------------- several candidates at one position
+# A branch point offers k candidate tokens x_1..x_k. Which exact rule keeps the output distributed as p
+# depends on how the candidates were drawn (SPECBRANCH.md §3); each rule below is one step of a chain:
+# try candidate i against p_i, and on rejection move on to p_{i+1}; after the last, sample from p_{k+1}.
+TOPK, IID, NO_REPLACEMENT = "topk", "iid", "without_replacement"
+
+
+def draw_candidates(q: torch.Tensor, k: int, scheme: str, generator: torch.Generator | None) -> list[int]:
+    """k candidates from the draft row q: its top-k (deterministic), i.i.d. samples, or samples
+    without replacement (never more than the support holds)."""
+    support = int((q > 0).sum())
+    if scheme == TOPK:
+        return [int(i) for i in torch.topk(q, min(k, support)).indices]
+    if scheme == IID:
+        return [int(i) for i in torch.multinomial(q, k, replacement=True, generator=generator)]
+    if scheme == NO_REPLACEMENT:
+        return [int(i) for i in torch.multinomial(q, min(k, support), replacement=False, generator=generator)]
+    raise ValueError(f"unknown candidate scheme {scheme!r}")
+
+
+def candidate_q(q: torch.Tensor, earlier: list[int], scheme: str) -> torch.Tensor:
+    """The distribution candidate i was drawn from, given the candidates drawn before it."""
+    if scheme != NO_REPLACEMENT or not earlier:
+        return q
+    q = q.clone()
+    q[earlier] = 0
+    return q / q.sum()
+
+
+def candidate_step(p_i: torch.Tensor, q_i: torch.Tensor, x: int, scheme: str) -> tuple[float, torch.Tensor]:
+    """(probability of accepting candidate x under p_i, p_{i+1} to use if it is rejected)."""
+    if scheme == TOPK:  # a point mass at x: accept with p_i(x), else remove x from p_i
+        rest = p_i.clone()
+        rest[x] = 0
+        total = rest.sum()
+        return float(p_i[x]), (rest / total if float(total) > 0 else p_i)
+    return accept_probability(p_i, q_i, x), residual_distribution(p_i, q_i)
+
+
+@dataclass
+class CandidateVerdict:
+    index: int | None  # which candidate survived (None: all rejected)
+    token: int  # the surviving candidate, or the token sampled from p_{k+1}
+    prob: float  # probability of `token` under the distribution it was finally drawn from
+    p: list[float]  # p(x_i) for each candidate (under the original p)
+    u: list[float]  # the uniform draw for each tried candidate (-1 where greedy needs none)
+
+
+def verify_candidates(p: torch.Tensor, q: torch.Tensor, candidates: list[int], scheme: str,
+                      generator: torch.Generator | None, greedy: bool) -> CandidateVerdict:
+    p_i, us = p, []
+    for i, x in enumerate(candidates):
+        q_i = candidate_q(q, candidates[:i], scheme)
+        a, p_next = candidate_step(p_i, q_i, x, scheme)
+        u = -1.0 if greedy else uniform(generator)
+        us.append(u)
+        if (a == 1.0) if greedy else (u < a):
+            return CandidateVerdict(i, x, float(p[x]), [float(p[c]) for c in candidates], us)
+        p_i = p_next
+    token = sample(p_i, generator)
+    return CandidateVerdict(None, token, float(p_i[token]), [float(p[c]) for c in candidates], us)

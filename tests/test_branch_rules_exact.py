@@ -1,0 +1,101 @@
+"""Exact enumeration (float64, V = 5, k up to 3) of the multi-candidate rules used at a branch point:
+for each way of drawing the k candidates, the engine's rule emits a token distributed exactly as p.
+Negative controls: the three mistakes SPECBRANCH.md lists must each be badly biased."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from engine.sampling import IID, NO_REPLACEMENT, TOPK, candidate_q, candidate_step, logits_to_probs
+
+V = 5
+
+
+def rand_dist(seed: int, peaky: float = 1.5) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(V, generator=g, dtype=torch.float64) * peaky).softmax(-1)
+
+
+def candidate_sets(q: torch.Tensor, k: int, scheme: str):
+    """Every candidate tuple with its probability of being drawn."""
+    if scheme == TOPK:
+        yield tuple(int(i) for i in torch.topk(q, k).indices), 1.0
+        return
+    for cands in itertools.product(range(V), repeat=k):
+        if scheme == NO_REPLACEMENT and len(set(cands)) < k:
+            continue
+        prob = 1.0
+        for i, x in enumerate(cands):
+            prob *= float(candidate_q(q, list(cands[:i]), scheme)[x])
+        if prob > 0:
+            yield cands, prob
+
+
+def output_distribution(p, q, k, scheme, step=candidate_step, q_of=candidate_q, order=lambda c, q: c):
+    out = torch.zeros(V, dtype=torch.float64)
+    for cands, pc in candidate_sets(q, k, scheme):
+        cands = order(cands, q)
+        p_i, reach = p, pc
+        for i, x in enumerate(cands):
+            a, p_next = step(p_i, q_of(q, list(cands[:i]), scheme), x, scheme)
+            out[x] += reach * a
+            reach *= 1 - a
+            p_i = p_next
+        out += reach * p_i
+    return out
+
+
+CASES = [(1, 2), (3, 4), (5, 6), (7, 8)]
+
+
+@pytest.mark.parametrize("scheme", [TOPK, IID, NO_REPLACEMENT])
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("seeds", CASES)
+def test_rule_is_exact(scheme, k, seeds):
+    p, q = rand_dist(seeds[0]), rand_dist(seeds[1])
+    assert float((output_distribution(p, q, k, scheme) - p).abs().max()) < 1e-9
+
+
+@pytest.mark.parametrize("scheme", [TOPK, IID, NO_REPLACEMENT])
+def test_rule_is_exact_with_truncated_rows(scheme):
+    """Zeros in q (top-k/top-p) and in p: still exact."""
+    def row(seed, t, top_k, top_p):
+        r = logits_to_probs(rand_dist(seed).log(), t, top_k, top_p).double()
+        return r / r.sum()
+    p, q = row(11, 0.8, 4, 0.95), row(12, 1.2, 0, 0.7)
+    k = min(3, int((q > 0).sum()))
+    assert float((output_distribution(p, q, k, scheme) - p).abs().max()) < 1e-9
+
+
+def test_greedy_topk_follows_target_argmax():
+    p = logits_to_probs(rand_dist(1).log(), 0.0).double()
+    q = rand_dist(2)
+    assert torch.equal(output_distribution(p, q, 3, TOPK), p)
+
+
+def tv(a, b) -> float:
+    return 0.5 * float((a - b).abs().sum())
+
+
+def test_negative_control_draft_ratio_for_topk():
+    """Mistake 1: verifying deterministic top-k candidates with the p/q ratio."""
+    p, q = rand_dist(3, 2.5), rand_dist(4, 2.5)
+    wrong = output_distribution(p, q, 3, TOPK, step=lambda p_i, q_i, x, s: candidate_step(p_i, q_i, x, IID))
+    assert tv(wrong, p) > 0.3
+
+
+def test_negative_control_unadjusted_q_without_replacement():
+    """Mistake 2: drawing without replacement but leaving q unadjusted in the rule."""
+    p, q = rand_dist(5, 2.5), rand_dist(6, 2.5)
+    wrong = output_distribution(p, q, 3, NO_REPLACEMENT, q_of=lambda q, earlier, s: q)
+    assert tv(wrong, p) > 0.2
+
+
+def test_negative_control_resorting_candidates():
+    """Mistake 3: re-sorting sampled candidates (by q) before verifying them."""
+    p, q = rand_dist(7, 2.5), rand_dist(8, 2.5)
+    resort = lambda c, q: tuple(sorted(c, key=lambda x: -float(q[x])))  # noqa: E731
+    wrong = output_distribution(p, q, 3, NO_REPLACEMENT, order=resort)
+    assert tv(wrong, p) > 0.1
