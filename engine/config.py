@@ -9,7 +9,7 @@ class SpecBranchError(ValueError):
     """A user-facing error: the message says what is wrong and what is allowed."""
 
 
-METHODS = ("ar", "sd")
+METHODS = ("ar", "sd", "pearl", "specbranch", "specbranch-no-branch", "specbranch-no-hrad", "hf-assisted")
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,10 @@ class GenerationConfig:
     top_k: int = 0  # 0 disables top-k
     top_p: float = 1.0
     seed: int = 0
-    gamma: int = 4  # draft block length for sd
+    gamma: int = 4  # draft block length (sd); draft steps per round (pearl, specbranch)
+    branches: int = 3  # specbranch: most candidates at a branch point (k_max)
+    epsilon: float = 0.5  # specbranch: branch at the first draft token with confidence below this
+    hrad: bool = True  # specbranch: let the H-RAD classifier place branch points (when weights exist)
 
     @property
     def greedy(self) -> bool:
@@ -39,6 +42,10 @@ class GenerationConfig:
             raise SpecBranchError(f"top-k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not isinstance(self.gamma, int) or self.gamma < 1:
             raise SpecBranchError(f"gamma (draft length) must be an integer >= 1, got {self.gamma!r}")
+        if not isinstance(self.branches, int) or self.branches < 1:
+            raise SpecBranchError(f"branches must be an integer >= 1, got {self.branches!r}")
+        if not (0.0 <= self.epsilon <= 1.0):
+            raise SpecBranchError(f"epsilon must be in [0, 1], got {self.epsilon!r}")
         return self
 
     def to_dict(self) -> dict:

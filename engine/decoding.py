@@ -3,6 +3,7 @@ verify_and_commit, emit. The decoders (ar.py, sd.py, ...) are short loops over t
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -10,8 +11,8 @@ import torch
 
 from . import cache as kv
 from .config import GenerationConfig
-from .events import (BONUS, CORRECTION, TARGET, DraftProposed, Event, Rollback, TimingSpan, TokensEmitted,
-                     Verified)
+from .events import (BONUS, CORRECTION, DECODE, DRAFT, PREFILL, TARGET, VERIFY, DraftProposed, Event, Rollback,
+                     TimingSpan, TokensEmitted, Verified)
 from .models import LM, ModelPair
 from .runtime import Worker
 from .sampling import logits_to_probs, sample, top_alternatives, verify_block
@@ -33,13 +34,16 @@ class RunState:
     decode_start: float = 0.0
     prefill_s: float = 0.0
     sent_text: str = ""
-    generator: torch.Generator = field(default_factory=torch.Generator)
+    generator: torch.Generator = field(default_factory=torch.Generator)  # verification draws
+    draft_generator: torch.Generator = field(default_factory=torch.Generator)  # the draft's own samples
+    target_seq: list[int] = field(default_factory=list)  # tokens the target cache holds (parallel methods)
     target_cache: object = None
     draft_cache: object = None
     budget: int = 0  # max new tokens, capped by the context length
 
     def __post_init__(self):
         self.generator.manual_seed(self.cfg.seed)
+        self.draft_generator.manual_seed(self.cfg.seed + 1_000_003)
         self.target_cache = kv.new_cache(self.pair.target.model)
         if self.pair.draft is not None:
             self.draft_cache = kv.new_cache(self.pair.draft.model)
@@ -77,11 +81,13 @@ async def forward(state: RunState, lm: LM, worker: Worker, cache, ids: list[int]
 
 
 async def prefill(state: RunState, events: list[Event]) -> None:
-    """Run the prompt through the target (and the draft, serially) and commit the target's first token."""
+    """Run the prompt through the target and the draft (at once, on their workers) and commit the
+    target's first token."""
     prompt = state.tokens
-    logits = await forward(state, state.pair.target, state.target_worker, state.target_cache, prompt, "prefill", events)
+    jobs = [forward(state, state.pair.target, state.target_worker, state.target_cache, prompt, PREFILL, events)]
     if state.pair.draft is not None:
-        await forward(state, state.pair.draft, state.draft_worker, state.draft_cache, prompt, "prefill", events)
+        jobs.append(forward(state, state.pair.draft, state.draft_worker, state.draft_cache, prompt, PREFILL, events))
+    logits = (await asyncio.gather(*jobs))[0]
     state.prefill_s = state.now()
     state.decode_start = state.prefill_s
     p = state.probs(logits[-1])
@@ -92,12 +98,12 @@ async def prefill(state: RunState, events: list[Event]) -> None:
 async def decode_one_token(state: RunState, events: list[Event]) -> None:
     """One plain autoregressive step of the target."""
     feed = state.tokens[kv.cache_length(state.target_cache):]
-    logits = await forward(state, state.pair.target, state.target_worker, state.target_cache, feed, "decode", events)
+    logits = await forward(state, state.pair.target, state.target_worker, state.target_cache, feed, DECODE, events)
     token = sample(state.probs(logits[-1]), state.generator)
     events.append(emit(state, [token], [TARGET]))
 
 
-async def draft_block(state: RunState, gamma: int, events: list[Event], kind: str = "draft"):
+async def draft_block(state: RunState, gamma: int, events: list[Event], kind: str = DRAFT):
     """Draft gamma tokens autoregressively on top of the committed tokens.
     Returns (tokens, q_rows [gamma, V]); the last drafted token is not fed to the draft cache."""
     draft = state.pair.draft
@@ -106,7 +112,7 @@ async def draft_block(state: RunState, gamma: int, events: list[Event], kind: st
     for _ in range(gamma):
         logits = await forward(state, draft, state.draft_worker, state.draft_cache, feed, kind, events)
         q = state.probs(logits[-1])
-        x = sample(q, state.generator)
+        x = sample(q, state.draft_generator)
         tokens.append(x)
         q_rows.append(q)
         feed = [x]
@@ -120,7 +126,7 @@ async def verify_and_commit(state: RunState, tokens: list[int], q_rows: torch.Te
     """One target forward over [unfed committed tokens, x_1..x_g]; accept a prefix, roll back the rest,
     commit accepted tokens plus the correction or bonus token. Returns the Verdict."""
     feed = state.tokens[kv.cache_length(state.target_cache):] + tokens
-    logits = await forward(state, state.pair.target, state.target_worker, state.target_cache, feed, "verify", events)
+    logits = await forward(state, state.pair.target, state.target_worker, state.target_cache, feed, VERIFY, events)
     p_rows = state.probs(logits[-(len(tokens) + 1):])  # p at the positions predicting x_1..x_g and the bonus
     verdict = verify_block(tokens, q_rows, p_rows, state.generator, state.cfg.greedy)
     n = verdict.accepted

@@ -10,16 +10,17 @@ from typing import AsyncIterator
 import torch
 
 from .ar import autoregressive_decode
+from .assisted import assisted_decode
 from .config import GenerationConfig, SpecBranchError
 from .decoding import RunState
 from .events import Event, Finished, Notice, RunStarted, TokensEmitted
 from .metrics import compute_metrics
 from .models import ModelPair
 from .runtime import Worker, new_event_loop
+from .parallel import Policy, parallel_decode
 from .sd import speculative_decode
 
-DECODERS = {"ar": autoregressive_decode, "sd": speculative_decode}
-NEEDS_DRAFT = {"sd"}
+NEEDS_DRAFT = {"sd", "pearl", "specbranch", "specbranch-no-branch", "specbranch-no-hrad", "hf-assisted"}
 
 
 @dataclass
@@ -38,6 +39,7 @@ class Engine:
         self.target_worker = Worker("target", threads)
         self.draft_worker = Worker("draft", threads)
         self._locks: dict[asyncio.AbstractEventLoop, asyncio.Lock] = {}
+        self.hrad = None  # H-RAD classifier for this pair, when trained weights fit it
 
     def encode(self, prompt: str, chat: bool) -> list[int]:
         if not prompt or not prompt.strip():
@@ -81,7 +83,7 @@ class Engine:
                 notice = Notice("warning", f"max-new-tokens cut to {state.budget} by the context length")
                 events.append(notice)
                 yield notice
-            async for event in DECODERS[cfg.method](state):
+            async for event in self.decoder(state):
                 events.append(event)
                 yield event
             decode_s = state.now() - state.decode_start
@@ -90,6 +92,23 @@ class Engine:
             events.append(done)
             metrics = compute_metrics(events)
             yield Finished(done.reason, done.prefill_s, done.decode_s, done.new_tokens, metrics)
+
+    def policy(self, cfg: GenerationConfig) -> Policy:
+        """Branching policy for the parallel methods: pearl never branches; the ablations drop one part."""
+        if cfg.method == "pearl" or cfg.method == "specbranch-no-branch":
+            return Policy(max_branches=1)
+        use_hrad = cfg.hrad and cfg.method == "specbranch"
+        return Policy(max_branches=cfg.branches, epsilon=cfg.epsilon, hrad=self.hrad if use_hrad else None)
+
+    def decoder(self, state: RunState):
+        method = state.cfg.method
+        if method == "ar":
+            return autoregressive_decode(state)
+        if method == "sd":
+            return speculative_decode(state)
+        if method == "hf-assisted":
+            return assisted_decode(state)
+        return parallel_decode(state, self.policy(state.cfg))
 
     def run(self, prompt_ids: list[int], cfg: GenerationConfig, prompt_text: str = "") -> Result:
         """Synchronous helper: run one generation to the end and collect its events."""

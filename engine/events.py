@@ -12,6 +12,8 @@ from typing import Any, ClassVar
 
 # Where an emitted token came from (the UI colours tokens by this).
 ACCEPTED, CORRECTION, BONUS, TARGET, RESCUED = "accepted", "correction", "bonus", "target", "rescued"
+# What a timing span's forward pass did.
+PREFILL, DRAFT, BRANCH_DRAFT, VERIFY, DECODE = "prefill", "draft", "branch_draft", "verify", "decode"
 
 
 @dataclass(frozen=True)
@@ -51,8 +53,9 @@ class DraftProposed(Event):
     tokens: list[int]
     pieces: list[str]  # decoded text of each token, so replay needs no tokenizer
     q: list[float]  # q(x_i): probability of each drafted token under the distribution it was sampled from
-    branch: int = 0  # branch index (0 for a plain block)
-    parent_position: int = 0  # committed length the block hangs from
+    branch: int = 0  # 0 for the linear path; i >= 1 for the i-th branch of a fork
+    parent_position: int = 0  # number of tokens (committed + drafted) the block hangs from
+    kind: str = "path"  # "path" (linear tokens), "candidates" (a fork's k candidates), "branch" (one branch step)
     top: list[list[list[float]]] = field(default_factory=list)  # per token: [[id, q], ...] top alternatives
 
 
@@ -66,10 +69,29 @@ class Verified(Event):
     p: list[float]  # p(x_i) under the target, for each verified draft token
     q: list[float]  # q(x_i), as drafted
     u: list[float]  # the uniform draw for each verified token (NaN-free: -1 when greedy)
-    next_token: int  # correction (on rejection) or bonus (all accepted)
-    next_kind: str  # CORRECTION or BONUS
+    next_token: int  # correction (on rejection) or bonus (all accepted); -1: none (a branch point follows)
+    next_kind: str  # CORRECTION, BONUS, or "" when next_token is -1
     next_p: float  # probability of next_token under the distribution it was drawn from
     branch: int = 0
+
+
+@dataclass(frozen=True)
+class BranchResolved(Event):
+    """The target's verdict at a branch point: which of the k candidates (if any) survived."""
+    type: ClassVar[str] = "branch_resolved"
+    step: int
+    position: int  # committed length at the branch point
+    candidates: list[int]
+    pieces: list[str]
+    q: list[float]  # q(candidate) under the draft row the candidates were drawn from
+    p: list[float]  # p(candidate) under the target
+    u: list[float]  # uniform draw per tried candidate (-1 when greedy)
+    scheme: str  # how candidates were drawn: topk / without_replacement / iid
+    branches: list[list[int]]  # tokens drafted after each candidate
+    branch_pieces: list[list[str]]
+    survivor: int  # index of the surviving candidate, -1 if none
+    token: int  # the committed token (survivor, or a sample from the final residual)
+    rescued: bool  # a candidate other than the draft's first choice survived
 
 
 @dataclass(frozen=True)
@@ -124,7 +146,7 @@ class Finished(Event):
 
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.type: cls
-    for cls in (RunStarted, StepStarted, DraftProposed, Verified, Rollback, TokensEmitted, TimingSpan, Notice, Finished)
+    for cls in (RunStarted, StepStarted, DraftProposed, Verified, BranchResolved, Rollback, TokensEmitted, TimingSpan, Notice, Finished)
 }
 
 

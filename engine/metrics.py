@@ -10,7 +10,7 @@ Definitions (SPECBRANCH.md §5):
 """
 from __future__ import annotations
 
-from .events import DraftProposed, Event, Finished, Rollback, TimingSpan, TokensEmitted, Verified
+from .events import BranchResolved, DraftProposed, Event, Finished, Rollback, TimingSpan, TokensEmitted, Verified
 
 FORMULAS = {
     "tokens_per_s": "tokens emitted after prefill / decode wall time",
@@ -66,8 +66,10 @@ def compute_metrics(events: list[Event]) -> dict:
     decode_s = finished.decode_s if finished else max(end - prefill_end, 0.0)
     drafted = sum(len(e.tokens) for e in events if isinstance(e, DraftProposed))
     discarded = sum(len(e.tokens) for e in events if isinstance(e, Rollback) and e.model == "draft")
-    n_verified = sum(v.drafted for v in verified)
-    n_accepted = sum(v.accepted for v in verified)
+    forks = [e for e in events if isinstance(e, BranchResolved)]
+    # a branch point counts as one verified draft position, accepted when some branch survived
+    n_verified = sum(v.drafted for v in verified) + len(forks)
+    n_accepted = sum(v.accepted for v in verified) + sum(f.survivor >= 0 for f in forks)
     target_forwards = sum(1 for s in spans if s.worker == "target")
     draft_forwards = sum(1 for s in spans if s.worker == "draft" and s.kind != "prefill")
 
@@ -106,6 +108,9 @@ def compute_metrics(events: list[Event]) -> dict:
         "target_idle_fraction": round(1 - _length(busy["target"]) / wall, 6),
         "draft_idle_fraction": round(1 - _length(busy["draft"]) / wall, 6) if draft_forwards else None,
         "overlap": round(_intersection(busy["target"], busy["draft"]) / wall, 6),
+        "branch_points": len(forks),
+        "branch_rescues": sum(f.rescued for f in forks),
+        "rescue_rate": round(sum(f.rescued for f in forks) / len(forks), 6) if forks else None,
         "target_forward_ms": mean_ms("target", ("decode", "verify")),
         "draft_forward_ms": mean_ms("draft", ("draft", "branch_draft")),
     }

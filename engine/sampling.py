@@ -58,7 +58,7 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 @dataclass
 class Verdict:
     accepted: int  # length of the accepted prefix of the draft block
-    next_token: int  # correction (rejection) or bonus (all accepted)
+    next_token: int | None  # correction (rejection) or bonus (all accepted); None: all accepted, no bonus row
     next_p: float  # probability of next_token under the distribution it was drawn from
     bonus: bool
     p: list[float]  # p(x_i) for every verified draft token
@@ -68,7 +68,8 @@ class Verdict:
 
 def verify_block(tokens: list[int], q_rows: torch.Tensor, p_rows: torch.Tensor,
                  generator: torch.Generator | None, greedy: bool) -> Verdict:
-    """Verify draft tokens x_1..x_g (q_rows [g, V]) against target rows p_rows [g+1, V]."""
+    """Verify draft tokens x_1..x_g (q_rows [g, V]) against target rows p_rows [g+1, V] (or [g, V]:
+    then nothing is drawn when all are accepted, because the caller resolves that position itself)."""
     p_of, q_of, us = [], [], []
     for i, x in enumerate(tokens):
         p_of.append(float(p_rows[i, x]))
@@ -81,6 +82,8 @@ def verify_block(tokens: list[int], q_rows: torch.Tensor, p_rows: torch.Tensor,
         residual = residual_distribution(p_rows[i], q_rows[i])
         token = sample(residual, generator)
         return Verdict(i, token, float(residual[token]), False, p_of, q_of, us)
+    if len(p_rows) == len(tokens):
+        return Verdict(len(tokens), None, 0.0, False, p_of, q_of, us)
     bonus_row = p_rows[len(tokens)]
     token = sample(bonus_row, generator)
     return Verdict(len(tokens), token, float(bonus_row[token]), True, p_of, q_of, us)

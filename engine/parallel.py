@@ -1,0 +1,245 @@
+"""Parallel speculative decoding: PEARL and SpecBranch on one overlapped loop.
+
+Each round two jobs run at the same time, each on its own worker thread:
+  target  verifies the pending path: one forward over [unfed committed tokens, path]
+  draft   drafts `gamma` more steps ahead of everything pending: linearly, or, once the policy
+          expects a rejection, as k branches from k candidates, all in one batched forward a step
+When both are done, the verdict: commit the accepted prefix of the path, then resolve the next
+draft node with the target's last row (a linear token by the ordinary rule, a branch point by the
+multi-candidate rule), and roll back whatever no longer hangs off the committed tokens.
+
+PEARL is this loop with no branches: an empty path is its pre-verify mode (the target scores the
+first drafted token's position while the draft drafts), a non-empty path its post-verify mode.
+SpecBranch branches where the policy says: at the first low-confidence token (q < ε), or where
+H-RAD predicts a rejection; k adapts to the draft's confidence, up to --branches.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from . import cache as kv
+from .decoding import RunState, drain, emit, forward, prefill
+from .events import (ACCEPTED, BONUS, BRANCH_DRAFT, CORRECTION, DRAFT, RESCUED, VERIFY, BranchResolved, DraftProposed,
+                     Event, Rollback, StepStarted, Verified)
+from .sampling import NO_REPLACEMENT, TOPK, draw_candidates, sample, top_alternatives, verify_block, verify_candidates
+
+REJECT_AT_ONCE, PARTLY, ALL_ACCEPTED = 0, 1, 2  # H-RAD classes
+
+
+@dataclass
+class Fork:
+    """k candidates for one position, each followed by its own drafted branch."""
+    q: torch.Tensor  # the draft row [V] the candidates were drawn from
+    candidates: list[int]
+    scheme: str
+    branches: list[list[int]] = field(default_factory=list)
+    branch_q: list[list[torch.Tensor]] = field(default_factory=list)
+
+
+@dataclass
+class Speculation:
+    """What the draft has proposed beyond the committed tokens: a linear path, then maybe a fork."""
+    path: list[int] = field(default_factory=list)
+    path_q: list[torch.Tensor] = field(default_factory=list)
+    fork: Fork | None = None
+
+    def tokens(self) -> list[int]:
+        extra = [] if self.fork is None else [t for c, b in zip(self.fork.candidates, self.fork.branches) for t in [c, *b]]
+        return self.path + extra
+
+
+@dataclass
+class Policy:
+    """Where to branch and how wide. max_branches = 1 gives PEARL."""
+    max_branches: int = 1
+    epsilon: float = 0.5  # branch at the first token whose draft confidence is below this
+    hrad: object | None = None  # engine.hrad.HRAD, or None for confidence only
+
+    def branch_width(self, confidence: float, fresh: bool, hrad_class: int | None) -> int:
+        """How many candidates to fork at this draft position (1 = no fork).
+        `fresh`: the first draft step after a verdict, where H-RAD's prediction applies."""
+        if self.max_branches <= 1:
+            return 1
+        if hrad_class == ALL_ACCEPTED:
+            return 1
+        if hrad_class == REJECT_AT_ONCE and fresh:
+            return self.max_branches
+        if confidence >= self.epsilon:
+            return 1
+        # the paper's k = k_max (1 - q(x_b)), at least 2 where we do branch
+        return min(self.max_branches, max(2, math.ceil(self.max_branches * (1 - confidence))))
+
+
+@dataclass
+class DraftState:
+    rows: list[list[int]]  # the tokens each row of the draft cache holds (k rows while forked)
+    fresh: bool = True  # no draft step yet since the last verdict
+    hrad_class: int | None = None
+
+
+async def draft_step(state: RunState, spec: Speculation, ds: DraftState, policy: Policy, events: list[Event]) -> None:
+    """One draft forward: extend the path by a token, or fork here, or extend every branch by one."""
+    draft, cache = state.pair.draft, state.draft_cache
+    if spec.fork is None:
+        seq = state.tokens + spec.path
+        feed = seq[len(ds.rows[0]):]
+        logits = await forward(state, draft, state.draft_worker, cache, feed, DRAFT, events)
+        ds.rows[0] = seq
+        raw = logits[-1].float().softmax(-1)  # confidence is read from the untempered distribution
+        q = state.probs(logits[-1])
+        k = policy.branch_width(float(raw.max()), ds.fresh, ds.hrad_class)
+        ds.fresh = False
+        if k > 1:
+            # greedy: the draft's top-k (point masses; the rule needs only p, so the untempered row serves);
+            # sampled: k draws from q without replacement, verified in the order drawn
+            scheme, row = (TOPK, raw) if state.cfg.greedy else (NO_REPLACEMENT, q)
+            cands = draw_candidates(row, k, scheme, state.draft_generator)
+            if len(cands) > 1:
+                spec.fork = Fork(row, cands, scheme, [[] for _ in cands], [[] for _ in cands])
+                events.append(DraftProposed(state.step, cands, state.pieces(cands), [float(q[c]) for c in cands],
+                                            parent_position=len(seq), top=[top_alternatives(q)], kind="candidates"))
+                return
+        x = sample(q, state.draft_generator)
+        spec.path.append(x)
+        spec.path_q.append(q)
+        events.append(DraftProposed(state.step, [x], state.pieces([x]), [float(q[x])],
+                                    parent_position=len(seq), top=[top_alternatives(q)]))
+        return
+    fork = spec.fork
+    k = len(fork.candidates)
+    if len(ds.rows) == 1:  # first step after forking: one cache row per branch
+        cache.batch_repeat_interleave(k)
+        ds.rows = [list(ds.rows[0]) for _ in range(k)]
+    last = [(b[-1] if b else c) for c, b in zip(fork.candidates, fork.branches)]
+    x = torch.tensor(last, dtype=torch.long)[:, None]  # [k, 1]
+    logits, span = await state.draft_worker.run(draft.forward, x, cache, kind=BRANCH_DRAFT, step=state.step,
+                                                t0=state.t0, tokens=k)
+    events.append(span)
+    for i in range(k):
+        ds.rows[i] = ds.rows[i] + [last[i]]
+        q = state.probs(logits[i, -1])
+        t = sample(q, state.draft_generator)
+        fork.branches[i].append(t)
+        fork.branch_q[i].append(q)
+        events.append(DraftProposed(state.step, [t], state.pieces([t]), [float(q[t])], branch=i + 1,
+                                    parent_position=len(ds.rows[i]), top=[top_alternatives(q)], kind="branch"))
+    ds.fresh = False
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def collapse_draft(state: RunState, ds: DraftState, row: int) -> None:
+    """Keep one cache row (the surviving branch, or any when all speculation is dropped)."""
+    if len(ds.rows) > 1:
+        state.draft_cache.batch_select_indices(torch.tensor([row]))
+        ds.rows = [ds.rows[row]]
+
+
+def sync_draft(state: RunState, ds: DraftState, spec: Speculation) -> None:
+    """Crop the draft cache to what still hangs off the committed tokens and the speculation."""
+    want = state.tokens + spec.path
+    keep = common_prefix(ds.rows[0], want)
+    kv.rollback(state.draft_cache, keep)
+    ds.rows[0] = ds.rows[0][:keep]
+
+
+async def verify_round(state: RunState, spec: Speculation, n_path: int, fork_at_start: bool, logits: torch.Tensor,
+                       ds: DraftState, events: list[Event]) -> Speculation:
+    """Apply the target's verdict on path[:n_path] and the node right after it; returns what stays speculative."""
+    p_rows = state.probs(logits[-(n_path + 1):])  # rows for path[0..n_path) and the position after
+    linear_next = len(spec.path) > n_path
+    checked = spec.path[: n_path + 1] if linear_next else spec.path[:n_path]
+    q_rows = torch.stack(spec.path_q[: len(checked)]) if checked else p_rows[:0]
+    verdict = verify_block(checked, q_rows, p_rows[: len(checked)] if (linear_next or spec.fork) else p_rows,
+                           state.generator, state.cfg.greedy)
+    n = verdict.accepted
+    events.append(Verified(state.step, len(checked), n, verdict.p, verdict.q, verdict.u,
+                           -1 if verdict.next_token is None else verdict.next_token,
+                           "" if verdict.next_token is None else (BONUS if verdict.bonus else CORRECTION),
+                           verdict.next_p))
+    kinds = [ACCEPTED] * n
+    if verdict.next_token is not None:  # a rejection, or a bonus with nothing drafted beyond the path
+        dropped = spec.tokens()[n:]
+        if dropped:
+            events.append(Rollback(state.step, "draft", dropped, state.pieces(dropped),
+                                   "rejected" if not verdict.bonus else "superseded"))
+        events.append(emit(state, checked[:n] + [verdict.next_token],
+                           kinds + [BONUS if verdict.bonus else CORRECTION]))
+        collapse_draft(state, ds, 0)
+        new = Speculation()
+    elif linear_next:  # the whole path and the next drafted token were accepted: the rest stays pending
+        events.append(emit(state, checked, kinds))
+        new = Speculation(spec.path[n:], spec.path_q[n:], spec.fork)
+    else:  # path accepted and a branch point follows: pick a branch with the multi-candidate rule
+        fork = spec.fork
+        cv = verify_candidates(p_rows[-1], fork.q, fork.candidates, fork.scheme, state.generator, state.cfg.greedy)
+        position = len(state.tokens) + n
+        rescued = cv.index is not None and cv.index > 0
+        events.append(BranchResolved(
+            state.step, position, fork.candidates, state.pieces(fork.candidates),
+            [float(fork.q[c]) for c in fork.candidates], cv.p, cv.u, fork.scheme, [list(b) for b in fork.branches],
+            [state.pieces(b) for b in fork.branches], -1 if cv.index is None else cv.index, cv.token, rescued))
+        losers = [i for i in range(len(fork.candidates)) if i != cv.index]
+        dropped = [t for i in losers for t in [fork.candidates[i], *fork.branches[i]]]
+        if dropped:
+            events.append(Rollback(state.step, "draft", dropped, state.pieces(dropped),
+                                   "losing branches" if cv.index is not None else "all branches rejected"))
+        kind = (RESCUED if rescued else ACCEPTED) if cv.index is not None else CORRECTION
+        events.append(emit(state, checked + [cv.token], kinds + [kind]))
+        if cv.index is None:
+            collapse_draft(state, ds, 0)
+            new = Speculation()
+        else:
+            collapse_draft(state, ds, cv.index)
+            new = Speculation(fork.branches[cv.index], fork.branch_q[cv.index])
+    # target: keep only the committed part of what it was fed
+    kept = common_prefix(state.target_seq, state.tokens)
+    removed = state.target_seq[kept:]
+    kv.rollback(state.target_cache, kept)
+    state.target_seq = state.target_seq[:kept]
+    if removed:
+        events.append(Rollback(state.step, "target", removed, state.pieces(removed), "unverified positions"))
+    if state.finish_reason:
+        return Speculation()
+    sync_draft(state, ds, new)
+    ds.fresh = True
+    return new
+
+
+async def parallel_decode(state: RunState, policy: Policy):
+    """PEARL (policy.max_branches == 1) or SpecBranch; yields events."""
+    events: list[Event] = []
+    await prefill(state, events)
+    state.target_seq = list(state.tokens[:-1])  # what the target cache holds (the prefill-sampled token is unfed)
+    ds = DraftState(rows=[list(state.tokens[:-1])])
+    spec = Speculation()
+    while True:
+        for e in drain(events):
+            yield e
+        if state.finish_reason:
+            return
+        state.step += 1
+        events.append(StepStarted(state.step, len(state.tokens), round(state.now(), 6)))
+        n_path = min(len(spec.path), max(state.remaining - 1, 0))  # never verify past the token budget
+        feed = state.tokens[len(state.target_seq):] + spec.path[:n_path]
+        target_job = asyncio.ensure_future(forward(state, state.pair.target, state.target_worker, state.target_cache,
+                                                   feed, VERIFY, events))
+        state.target_seq = state.target_seq + feed
+        try:
+            for _ in range(state.cfg.gamma):
+                await draft_step(state, spec, ds, policy, events)
+            logits = await target_job
+        except BaseException:
+            target_job.cancel()
+            raise
+        spec = await verify_round(state, spec, n_path, spec.fork is not None, logits, ds, events)

@@ -1,0 +1,74 @@
+"""PEARL and SpecBranch are lossless: sampled output follows the target's distribution (chi-square
+through the real overlapped engine on tiny models, branching forced everywhere), and greedy output
+equals the target's greedy `generate()` on the embedded pair."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import GenerationConfig
+from engine.events import BranchResolved, TokensEmitted
+
+from .conftest import engine_with_draft
+from .test_sampling_montecarlo import PROMPT, chi_square, exact_joint
+
+N = 1500
+
+
+@pytest.mark.parametrize("method, extra", [
+    ("pearl", dict(gamma=2)),
+    ("specbranch", dict(gamma=3, branches=3, epsilon=1.0)),  # ε = 1: fork at every fresh draft step
+    ("specbranch", dict(gamma=2, branches=2, epsilon=1.0, top_k=5, top_p=0.9, temperature=0.8)),
+])
+def test_sampled_first_tokens_follow_target(tiny_engine, method, extra):
+    cfg = GenerationConfig(method=method, temperature=extra.pop("temperature", 1.0), max_new_tokens=3, **extra)
+    counts: dict = {}
+    forks = rescues = 0
+    for seed in range(N):
+        r = tiny_engine.run(PROMPT, GenerationConfig(**{**cfg.to_dict(), "seed": seed}))
+        key = tuple(r.token_ids[:3])
+        counts[key] = counts.get(key, 0) + 1
+        forks += sum(isinstance(e, BranchResolved) for e in r.events)
+        rescues += r.metrics["branch_rescues"]
+    if method == "specbranch":
+        assert forks > N / 2 and rescues > 0, "branches must be exercised, or this tests only PEARL"
+    vocab = tiny_engine.pair.target.vocab_size
+    assert chi_square(counts, exact_joint(tiny_engine.pair.target.model, PROMPT, 3, cfg, vocab), N) > 1e-3
+    assert chi_square(counts, exact_joint(tiny_engine.pair.draft.model, PROMPT, 3, cfg, vocab), N) < 1e-6
+
+
+PROMPTS = [
+    ("What are three tips for staying healthy?", True),
+    ("A train travels 60 miles in 1.5 hours. What is its average speed in miles per hour?", True),
+    ("Write a haiku about autumn leaves.", True),
+    ("def is_palindrome(s: str) -> bool:\n    \"\"\"Check whether s reads the same backwards.\"\"\"\n", False),
+    ("List the planets of the solar system in order from the sun.", True),
+]
+
+
+@pytest.fixture(scope="module")
+def greedy_references(embedded_target):
+    engine = engine_with_draft(embedded_target, "self")
+    refs = []
+    for text, chat in PROMPTS:
+        ids = engine.encode(text, chat)
+        with torch.inference_mode():
+            out = embedded_target.target.model.generate(torch.tensor([ids]), max_new_tokens=128, do_sample=False)
+        refs.append((ids, out[0, len(ids):].tolist()))
+    return refs
+
+
+@pytest.mark.parametrize("method, extra", [
+    ("pearl", dict(gamma=4)),
+    ("specbranch", dict(gamma=4, branches=3, epsilon=0.9)),
+])
+def test_greedy_equals_generate(embedded_target, greedy_references, method, extra):
+    engine = engine_with_draft(embedded_target, "truncated:6")
+    kinds = []
+    for ids, want in greedy_references:
+        r = engine.run(ids, GenerationConfig(method=method, max_new_tokens=128, **extra))
+        assert r.token_ids == want
+        kinds += [k for e in r.events if isinstance(e, TokensEmitted) for k in e.kinds]
+        assert r.metrics["overlap"] > 0.2  # the two workers really ran at once
+    if method == "specbranch":
+        assert "rescued" in kinds or "accepted" in kinds
