@@ -25,12 +25,16 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--gamma", type=int, default=4, help="draft block length (sd)")
+    p.add_argument("--gamma", type=int, default=4, help="draft block length (sd); draft steps per round (pearl, specbranch)")
+    p.add_argument("--branches", type=int, default=3, help="specbranch: most candidates at a branch point")
+    p.add_argument("--epsilon", type=float, default=0.5, help="specbranch: confidence threshold for branching, [0, 1]")
+    p.add_argument("--no-hrad", dest="hrad", action="store_false", help="specbranch: confidence only, no H-RAD")
 
 
 def config_from(args, method: str) -> GenerationConfig:
     return GenerationConfig(method=method, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                            top_k=args.top_k, top_p=args.top_p, seed=args.seed, gamma=args.gamma).validate()
+                            top_k=args.top_k, top_p=args.top_p, seed=args.seed, gamma=args.gamma,
+                            branches=args.branches, epsilon=args.epsilon, hrad=args.hrad).validate()
 
 
 def build_engine(args, need_draft: bool):
@@ -57,6 +61,9 @@ def cmd_generate(args) -> None:
     for prompt in prompts:
         ids = engine.encode(prompt, args.chat)
         result = engine.run(ids, cfg, prompt)
+        for e in result.events:
+            if e.type == "notice":
+                print(f"{e.level}: {e.message}", file=sys.stderr)
         record = {"method": result.method, "token_ids": result.token_ids, "text": result.text,
                   "finish_reason": result.finish_reason, "metrics": result.metrics}
         if args.json:
@@ -79,6 +86,14 @@ def cmd_bench(args) -> None:
     config_from(args, methods[0])  # validate the shared settings before loading models
     engine = build_engine(args, need_draft=any(m != "ar" for m in methods))
     run_bench(engine, args, methods)
+
+
+def cmd_train_hrad(args) -> None:
+    from .hrad import run_train_hrad
+
+    config_from(args, "specbranch")
+    args.build_engine = lambda a: build_engine(a, need_draft=True)
+    run_train_hrad(args)
 
 
 def cmd_distill(args) -> None:
@@ -116,6 +131,13 @@ def main(argv: list[str] | None = None) -> int:
     from .distill import add_arguments
     add_arguments(d)
     d.set_defaults(func=cmd_distill)
+
+    h = sub.add_parser("train-hrad", help="collect H-RAD data on training prompts and train the classifier")
+    add_model_arguments(h)
+    add_sampling_arguments(h)
+    from .hrad import add_arguments as add_hrad_arguments
+    add_hrad_arguments(h)
+    h.set_defaults(func=cmd_train_hrad)
 
     args = parser.parse_args(argv)
     try:

@@ -40,6 +40,7 @@ class RunState:
     target_cache: object = None
     draft_cache: object = None
     budget: int = 0  # max new tokens, capped by the context length
+    hrad_samples: list | None = None  # when set: (emitted index, H-RAD features) pairs are collected here
 
     def __post_init__(self):
         self.generator.manual_seed(self.cfg.seed)
@@ -72,12 +73,14 @@ class RunState:
 
 
 async def forward(state: RunState, lm: LM, worker: Worker, cache, ids: list[int], kind: str,
-                  events: list[Event]) -> torch.Tensor:
-    """Feed `ids` (appended to `cache`) on `worker`; returns logits [T, V] and records the span."""
+                  events: list[Event], hidden_states: bool = False):
+    """Feed `ids` (appended to `cache`) on `worker`; returns logits [T, V] (and, if asked, the hidden
+    states of every layer, each [1, T, H]) and records the span."""
     x = torch.tensor([ids], dtype=torch.long)
-    logits, span = await worker.run(lm.forward, x, cache, kind=kind, step=state.step, t0=state.t0, tokens=len(ids))
+    out, span = await worker.run(lm.forward, x, cache, hidden_states, kind=kind, step=state.step, t0=state.t0,
+                                 tokens=len(ids))
     events.append(span)
-    return logits[0]
+    return (out[0][0], out[1]) if hidden_states else out[0]
 
 
 async def prefill(state: RunState, events: list[Event]) -> None:

@@ -13,7 +13,8 @@ from .ar import autoregressive_decode
 from .assisted import assisted_decode
 from .config import GenerationConfig, SpecBranchError
 from .decoding import RunState
-from .events import Event, Finished, Notice, RunStarted, TokensEmitted
+from .events import Event, Finished, Notice, RunStarted, TimingSpan, TokensEmitted
+from .hrad import find_hrad
 from .metrics import compute_metrics
 from .models import ModelPair
 from .runtime import Worker, new_event_loop
@@ -39,7 +40,7 @@ class Engine:
         self.target_worker = Worker("target", threads)
         self.draft_worker = Worker("draft", threads)
         self._locks: dict[asyncio.AbstractEventLoop, asyncio.Lock] = {}
-        self.hrad = None  # H-RAD classifier for this pair, when trained weights fit it
+        self.hrad, self.hrad_notice = find_hrad(pair)  # H-RAD classifier, when trained weights fit this pair
 
     def encode(self, prompt: str, chat: bool) -> list[int]:
         if not prompt or not prompt.strip():
@@ -67,7 +68,8 @@ class Engine:
         loop = asyncio.get_running_loop()
         return self._locks.setdefault(loop, asyncio.Lock())
 
-    async def generate(self, prompt_ids: list[int], cfg: GenerationConfig, prompt_text: str = "") -> AsyncIterator[Event]:
+    async def generate(self, prompt_ids: list[int], cfg: GenerationConfig, prompt_text: str = "",
+                       collect_hrad: list | None = None) -> AsyncIterator[Event]:
         cfg.validate()
         self.check_prompt(prompt_ids)
         if cfg.method in NEEDS_DRAFT and self.pair.draft is None:
@@ -79,13 +81,26 @@ class Engine:
                                               self.pair.draft.name if self.pair.draft else None, list(prompt_ids),
                                               prompt_text, cfg.to_dict(), str(self.pair.target.device), time.time())]
             yield events[0]
+            state.hrad_samples = collect_hrad
+            if cfg.method == "specbranch" and cfg.hrad and self.hrad is None:
+                notice = Notice("warning", f"H-RAD off ({self.hrad_notice}): branching by draft confidence only")
+                events.append(notice)
+                yield notice
             if state.budget < cfg.max_new_tokens:
                 notice = Notice("warning", f"max-new-tokens cut to {state.budget} by the context length")
                 events.append(notice)
                 yield notice
+            checks = 0  # the draft-speed check looks at the first few dozen forwards only
             async for event in self.decoder(state):
                 events.append(event)
                 yield event
+                if checks < 40 and isinstance(event, TimingSpan) and cfg.method != "ar":
+                    checks += 1
+                    notice = slow_draft_notice(events)
+                    if notice:
+                        checks = 40
+                        events.append(notice)
+                        yield notice
             decode_s = state.now() - state.decode_start
             done = Finished(state.finish_reason or "length", round(state.prefill_s, 6), round(decode_s, 6),
                             state.emitted, {})
@@ -110,10 +125,11 @@ class Engine:
             return assisted_decode(state)
         return parallel_decode(state, self.policy(state.cfg))
 
-    def run(self, prompt_ids: list[int], cfg: GenerationConfig, prompt_text: str = "") -> Result:
+    def run(self, prompt_ids: list[int], cfg: GenerationConfig, prompt_text: str = "",
+            collect_hrad: list | None = None) -> Result:
         """Synchronous helper: run one generation to the end and collect its events."""
         async def collect():
-            return [e async for e in self.generate(prompt_ids, cfg, prompt_text)]
+            return [e async for e in self.generate(prompt_ids, cfg, prompt_text, collect_hrad)]
 
         loop = new_event_loop()
         try:
@@ -125,6 +141,20 @@ class Engine:
     def close(self) -> None:
         self.target_worker.shutdown()
         self.draft_worker.shutdown()
+
+
+def slow_draft_notice(events: list[Event]) -> Notice | None:
+    """After a few forwards of each model: warn once if one draft step costs more than one target step."""
+    spans = [e for e in events if isinstance(e, TimingSpan) and e.kind != "prefill"]
+    draft = [s.end - s.start for s in spans if s.worker == "draft"]
+    target = [s.end - s.start for s in spans if s.worker == "target"]
+    if len(draft) < 3 or len(target) < 3:
+        return None
+    d, t = sum(draft) / len(draft), sum(target) / len(target)
+    if d <= t:
+        return None
+    return Notice("warning", f"the draft is slower than the target ({1000 * d:.1f} ms vs {1000 * t:.1f} ms a "
+                             f"forward): speculation cannot pay off with this pair")
 
 
 def result_from_events(events: list[Event], tokenizer=None) -> Result:

@@ -140,7 +140,8 @@ class LM:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache, hidden_states: bool = False):
-        """input_ids [B, T] (on any device) -> logits [B, T, V] float32, appending T positions to `cache`."""
+        """input_ids [B, T] (on any device) -> logits [B, T, V] float32, appending T positions to `cache`;
+        with hidden_states, (logits, per-layer hidden states)."""
         input_ids = input_ids.to(self.device)
         if self.head_ids is None:
             out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True,

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import cache as kv
+from . import hrad
 from .decoding import RunState, drain, emit, forward, prefill
 from .events import (ACCEPTED, BONUS, BRANCH_DRAFT, CORRECTION, DRAFT, RESCUED, VERIFY, BranchResolved, DraftProposed,
                      Event, Rollback, StepStarted, Verified)
@@ -153,8 +154,8 @@ def sync_draft(state: RunState, ds: DraftState, spec: Speculation) -> None:
     ds.rows[0] = ds.rows[0][:keep]
 
 
-async def verify_round(state: RunState, spec: Speculation, n_path: int, fork_at_start: bool, logits: torch.Tensor,
-                       ds: DraftState, events: list[Event]) -> Speculation:
+async def verify_round(state: RunState, spec: Speculation, n_path: int, logits: torch.Tensor, hidden,
+                       ds: DraftState, policy: Policy, events: list[Event]) -> Speculation:
     """Apply the target's verdict on path[:n_path] and the node right after it; returns what stays speculative."""
     p_rows = state.probs(logits[-(n_path + 1):])  # rows for path[0..n_path) and the position after
     linear_next = len(spec.path) > n_path
@@ -204,6 +205,9 @@ async def verify_round(state: RunState, spec: Speculation, n_path: int, fork_at_
             new = Speculation(fork.branches[cv.index], fork.branch_q[cv.index])
     # target: keep only the committed part of what it was fed
     kept = common_prefix(state.target_seq, state.tokens)
+    ds.hrad_class = None
+    if hidden is not None and not new.path and new.fork is None and not state.finish_reason:
+        hrad_features(state, hidden, kept - (len(state.target_seq) - logits.shape[0]) - 1, ds, policy)
     removed = state.target_seq[kept:]
     kv.rollback(state.target_cache, kept)
     state.target_seq = state.target_seq[:kept]
@@ -214,6 +218,19 @@ async def verify_round(state: RunState, spec: Speculation, n_path: int, fork_at_
     sync_draft(state, ds, new)
     ds.fresh = True
     return new
+
+
+def hrad_features(state: RunState, hidden, position: int, ds: DraftState, policy: Policy) -> None:
+    """The draft starts afresh: read the target's state at the last verified position and let H-RAD
+    choose how to draft (and/or log the features for training H-RAD)."""
+    target = state.pair.target
+    with torch.inference_mode():
+        emb = target.model.get_input_embeddings()(torch.tensor([state.tokens[-1]], device=target.device))[0]
+    feats = hrad.features(hidden, position, emb)
+    if policy.hrad is not None:
+        ds.hrad_class = policy.hrad.predict(feats)
+    if state.hrad_samples is not None:
+        state.hrad_samples.append((state.emitted - 1, feats))
 
 
 async def parallel_decode(state: RunState, policy: Policy):
@@ -232,14 +249,16 @@ async def parallel_decode(state: RunState, policy: Policy):
         events.append(StepStarted(state.step, len(state.tokens), round(state.now(), 6)))
         n_path = min(len(spec.path), max(state.remaining - 1, 0))  # never verify past the token budget
         feed = state.tokens[len(state.target_seq):] + spec.path[:n_path]
+        need_hidden = policy.hrad is not None or state.hrad_samples is not None
         target_job = asyncio.ensure_future(forward(state, state.pair.target, state.target_worker, state.target_cache,
-                                                   feed, VERIFY, events))
+                                                   feed, VERIFY, events, hidden_states=need_hidden))
         state.target_seq = state.target_seq + feed
         try:
             for _ in range(state.cfg.gamma):
                 await draft_step(state, spec, ds, policy, events)
-            logits = await target_job
+            out = await target_job
         except BaseException:
             target_job.cancel()
             raise
-        spec = await verify_round(state, spec, n_path, spec.fork is not None, logits, ds, events)
+        logits, hidden = out if need_hidden else (out, None)
+        spec = await verify_round(state, spec, n_path, logits, hidden, ds, policy, events)

@@ -1,0 +1,83 @@
+"""The overlapped runtime: cancellation leaves nothing behind, concurrent generations queue safely,
+a slow draft is flagged, and bad branch settings are refused."""
+from __future__ import annotations
+
+import asyncio
+import pytest
+
+from engine.__main__ import main
+from engine.config import GenerationConfig
+from engine.engine import Engine
+from engine.events import Finished, Notice, RunStarted, TokensEmitted
+from engine.models import load_pair
+from engine.runtime import new_event_loop
+
+from .conftest import make_tiny_model
+
+CFG = GenerationConfig(method="specbranch", max_new_tokens=24, gamma=3, epsilon=1.0, temperature=0.0)
+
+
+def test_cancel_midway_then_generate_again(tiny_engine):
+    want = tiny_engine.run([2, 3, 4], CFG).token_ids
+
+    async def cancel_after(n):
+        agen = tiny_engine.generate([5, 6, 7], CFG)
+        seen = 0
+        async for e in agen:
+            seen += isinstance(e, TokensEmitted)
+            if seen >= n:
+                break
+        await agen.aclose()  # what a client disconnect or the Stop button does
+
+    loop = new_event_loop()
+    try:
+        loop.run_until_complete(cancel_after(3))
+    finally:
+        loop.close()
+    assert tiny_engine.run([2, 3, 4], CFG).token_ids == want
+
+
+def test_two_generations_on_one_engine_queue(tiny_engine):
+    solo = [tiny_engine.run(p, CFG).token_ids for p in ([2, 3], [4, 5])]
+
+    async def both():
+        async def one(p):
+            return [e async for e in tiny_engine.generate(p, CFG)]
+        return await asyncio.gather(one([2, 3]), one([4, 5]))
+
+    loop = new_event_loop()
+    try:
+        a, b = loop.run_until_complete(both())
+    finally:
+        loop.close()
+    for events, want in zip((a, b), solo):
+        assert [t for e in events if isinstance(e, TokensEmitted) for t in e.tokens] == want
+    # they queued: the second started only after the first had finished
+    assert isinstance(a[0], RunStarted) and isinstance(b[0], RunStarted) and isinstance(a[-1], Finished)
+    assert b[0].wall_clock >= a[0].wall_clock + a[-1].prefill_s + a[-1].decode_s - 0.01
+
+
+def test_slow_draft_is_flagged(tmp_path, tiny_dirs):
+    slow = make_tiny_model(tmp_path / "slow", seed=1, layers=12)  # 12 layers vs the target's 2
+    engine = Engine(load_pair(str(tiny_dirs["target"]), str(slow), device="cpu"))
+    r = engine.run([2, 3, 4], GenerationConfig(method="sd", max_new_tokens=20, gamma=3))
+    assert len(r.token_ids) == 20
+    assert any(isinstance(e, Notice) and "slower than the target" in e.message for e in r.events)
+    engine.close()
+
+
+def test_hrad_missing_gives_visible_notice(tiny_engine):
+    r = tiny_engine.run([2, 3], GenerationConfig(method="specbranch", max_new_tokens=4))
+    assert any(isinstance(e, Notice) and "H-RAD off" in e.message for e in r.events)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--branches", "0"], "branches must be an integer >= 1"),
+    (["--gamma", "0"], "gamma (draft length) must be an integer >= 1"),
+    (["--epsilon", "1.5"], "epsilon must be in [0, 1]"),
+    (["--epsilon", "-0.1"], "epsilon must be in [0, 1]"),
+])
+def test_bad_branch_settings(capsys, tiny_dirs, extra, message):
+    code = main(["generate", "--method", "specbranch", "--target", str(tiny_dirs["target"]), "--draft",
+                 str(tiny_dirs["draft"]), "--prompt", "a b", *extra])
+    assert code == 2 and message in capsys.readouterr().err
