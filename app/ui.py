@@ -1,67 +1,240 @@
-"""The Gradio app: a prompt, a method, and a live view of the engine's event stream."""
+"""The Gradio app: chat with a live speculation view, the branch tree of any step, the measured
+bubble timeline, acceptance/rollback charts, a side-by-side comparison and a teaching panel.
+Everything shown is computed from the engine's event stream (app/views.py, app/figures.py)."""
 from __future__ import annotations
 
 import html
+import time
 from pathlib import Path
 
 import gradio as gr
 
-from engine.config import METHODS, GenerationConfig, SpecBranchError
-from engine.events import Event, Finished, TokensEmitted
+from engine.config import GenerationConfig, SpecBranchError
+from engine.events import Event, Finished, Notice, TokensEmitted
+from engine.metrics import compute_metrics
 
-from .views import metric_panel, token_view
+from .figures import acceptance_figure, cumulative_figure, step_numbers, timeline_figure, tree_figure
+from .stream import stream_events
+from .views import fmt, metric_panel, token_view
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
-LEGEND = ('<div class="legend"><span class="tok tok-accepted">accepted</span><span class="tok tok-correction">'
-          'correction</span><span class="tok tok-bonus">bonus</span><span class="tok tok-target">target</span>'
-          '<span class="tok tok-rollback">rolled back</span></div>')
+LIVE_METHODS = ["specbranch", "pearl", "sd", "ar", "specbranch-no-branch", "specbranch-no-hrad"]
+COMPARE_METHODS = ["ar", "sd", "pearl", "specbranch"]
+LEGEND = ('<div class="legend"><span class="tok tok-accepted">accepted draft</span>'
+          '<span class="tok tok-rescued">rescued by a branch</span><span class="tok tok-correction">target correction'
+          '</span><span class="tok tok-bonus">bonus</span><span class="tok tok-target">target</span>'
+          '<span class="tok tok-rollback">rolled back</span> · hover a token for p, q, p/q and u</div>')
+TEACHING = """
+### How to read this
+**Speculative decoding (SD).** A small *draft* model guesses the next few tokens; the big *target* model
+checks all of them in one forward pass. A guess x is kept with probability min(1, p(x)/q(x)) (p: target,
+q: draft). At the first rejected guess the target supplies a *correction*; if all pass, it adds a *bonus*
+token. The output has exactly the target's distribution (at temperature 0: exactly its greedy text).
+In plain SD the two models take turns, so each waits while the other works: the red *bubbles* in the timeline.
+
+**PEARL.** The draft keeps drafting the next block *while* the target verifies the current one, so the
+bubbles shrink. But a rejection throws away everything drafted after it (struck-through red tokens).
+
+**SpecBranch.** Where a rejection is likely (the draft is unsure, or the H-RAD classifier reading the
+target's hidden state says so), the draft forks *k branches* from its top candidates and drafts them
+all at once. If the target's token matches any branch, that branch's tokens are already drafted and
+survive (purple *rescued* tokens); only the other branches are rolled back.
+
+**The charts.** *Tree*: one step's drafted path (green accepted, red rejected) and branches (the survivor
+green). *Timeline*: measured forward passes of each model; overlap means both computed at once.
+*Per-position acceptance*: how often the i-th draft token survives given the ones before it did.
+"""
+
+
+def examples() -> list[list]:
+    from engine.datasets import benchmark_prompts
+
+    out = [[p.text, p.chat] for p in benchmark_prompts("mt_bench", 3)]
+    out += [[p.text, p.chat] for p in benchmark_prompts("gsm8k", 2)]
+    out += [[p.text, p.chat] for p in benchmark_prompts("humaneval", 1)]
+    return out
+
+
+def make_config(method, max_new, temperature, top_p, gamma, branches, epsilon, hrad, seed) -> GenerationConfig:
+    """Build and validate settings from the controls; raises SpecBranchError with the reason."""
+    def number(value, name, cast):
+        try:
+            return cast(value)
+        except (TypeError, ValueError):
+            raise SpecBranchError(f"{name} must be a number, got {value!r}") from None
+    return GenerationConfig(method=method, max_new_tokens=number(max_new, "max new tokens", int),
+                            temperature=number(temperature, "temperature", float),
+                            top_p=number(top_p, "top-p", float), gamma=number(gamma, "γ", int),
+                            branches=number(branches, "branches k", int), epsilon=number(epsilon, "ε", float),
+                            hrad=bool(hrad), seed=number(seed, "seed", int)).validate()
+
+
+def message_text(message: dict) -> str:
+    """A chat message's text (Gradio may hand content back as a list of typed parts)."""
+    c = message.get("content")
+    return c if isinstance(c, str) else "".join(p.get("text", "") for p in c or [] if isinstance(p, dict))
+
+
+def notice_html(events: list[Event], error: str | None = None) -> str:
+    notes = [f'<div class="notice notice-{e.level}">{html.escape(e.message)}</div>'
+             for e in events if isinstance(e, Notice)]
+    if error:
+        notes.append(f'<div class="notice notice-error">{html.escape(error)}</div>')
+    return "".join(notes)
+
+
+def figures(events: list[Event], step: int | None = None):
+    metrics = compute_metrics(events)
+    return (tree_figure(events, step), timeline_figure([events]), acceptance_figure(metrics),
+            cumulative_figure(events))
 
 
 def build_app(get_engine) -> gr.Blocks:
-    """get_engine() returns a loaded Engine (loaded once, lazily)."""
+    """get_engine() returns the loaded Engine (loaded once, lazily)."""
 
-    async def generate(prompt, method, max_new_tokens, temperature, top_p, gamma, seed, chat):
+    def generate(prompt, history, method, max_new, temperature, top_p, gamma, branches, epsilon, hrad, seed, chat):
+        history = list(history or [])
         events: list[Event] = []
-        text = ""
         try:
+            cfg = make_config(method, max_new, temperature, top_p, gamma, branches, epsilon, hrad, seed)
+            if not prompt or not prompt.strip():
+                raise SpecBranchError("the prompt is empty")
             engine = get_engine()
-            cfg = GenerationConfig(method=method, max_new_tokens=int(max_new_tokens), temperature=float(temperature),
-                                   top_p=float(top_p), gamma=int(gamma), seed=int(seed)).validate()
-            ids = engine.encode(prompt, bool(chat))
-            async for event in engine.generate(ids, cfg, prompt):
+            turns = [{"role": m["role"], "content": message_text(m)} for m in history if message_text(m)]
+            ids = engine.encode(prompt, bool(chat), history=turns)
+            engine.check_prompt(ids)
+        except SpecBranchError as exc:
+            yield (history, gr.skip(), gr.skip(), notice_html([], str(exc)), *([gr.skip()] * 5), events)
+            return
+        except Exception as exc:  # a model that fails to load: say so, keep serving
+            yield (history, gr.skip(), gr.skip(), notice_html([], f"could not load the models: {exc}"),
+                   *([gr.skip()] * 5), events)
+            return
+        history += [{"role": "user", "content": prompt}, {"role": "assistant", "content": ""}]
+        text, last_plot, tokens_seen = "", 0.0, 0
+        try:
+            for event in stream_events(engine, ids, cfg, prompt):
                 events.append(event)
                 if isinstance(event, TokensEmitted):
                     text += event.text
-                    if len(events) % 8 == 0:
-                        yield text, token_view(events), gr.skip()
-                elif isinstance(event, Finished):
-                    yield text, token_view(events), metric_panel(events)
+                    tokens_seen += len(event.tokens)
+                    history[-1] = {"role": "assistant", "content": text}
+                    if time.perf_counter() - last_plot > 1.0:  # long outputs stay responsive: plots ~1/s
+                        last_plot = time.perf_counter()
+                        steps = step_numbers(events)
+                        yield (history, token_view(events), metric_panel(events), notice_html(events),
+                               *figures(events), gr.update(maximum=max(2, len(steps)), value=max(1, len(steps))), events)
+                    elif tokens_seen % 4 == 0:
+                        yield (history, token_view(events), gr.skip(), gr.skip(), *([gr.skip()] * 5), events)
+        except Exception as exc:
+            message = "out of memory: try fewer tokens or a smaller pair" if "out of memory" in str(exc) else str(exc)
+            yield (history, token_view(events), metric_panel(events), notice_html(events, message),
+                   *([gr.skip()] * 5), events)
+            return
+        steps = step_numbers(events)
+        yield (history, token_view(events), metric_panel(events), notice_html(events), *figures(events),
+               gr.update(maximum=max(2, len(steps)), value=max(1, len(steps))), events)
+
+    def show_step(index, events):
+        steps = step_numbers(events or [])
+        if not steps:
+            return gr.skip()
+        return tree_figure(events, steps[min(max(int(index), 1), len(steps)) - 1])
+
+    def compare(prompt, methods, max_new, temperature, top_p, gamma, branches, epsilon, hrad, seed, chat):
+        try:
+            if not methods:
+                raise SpecBranchError("pick at least one method")
+            if not prompt or not prompt.strip():
+                raise SpecBranchError("the prompt is empty")
+            cfgs = [make_config(m, max_new, temperature, top_p, gamma, branches, epsilon, hrad, seed) for m in methods]
+            engine = get_engine()
+            ids = engine.encode(prompt, bool(chat))
+            engine.check_prompt(ids)
         except SpecBranchError as exc:
-            yield text, f'<div class="error">{html.escape(str(exc))}</div>', gr.skip()
+            return notice_html([], str(exc)), gr.skip()
+        runs = [list(stream_events(engine, ids, cfg, prompt)) for cfg in cfgs]
+        return comparison_table(runs, float(temperature) == 0.0), timeline_figure(runs)
 
     with gr.Blocks(title="SpecBranch Studio") as demo:
-        gr.Markdown("# SpecBranch Studio\nSpeculative decoding, made visible. Each token is coloured by where it came from.")
-        with gr.Row():
-            with gr.Column(scale=2):
-                prompt = gr.Textbox(label="Prompt", lines=3, value="Explain speculative decoding in two sentences.")
-                with gr.Row():
-                    method = gr.Dropdown(list(METHODS), value="sd", label="Method")
+        gr.Markdown("# SpecBranch Studio\nSpeculative decoding, made visible: every token is coloured by where it "
+                    "came from, every forward pass is on the timeline.")
+        events_state = gr.State([])
+        with gr.Tab("Live"):
+            with gr.Row():
+                with gr.Column(scale=1, min_width=320):
+                    method = gr.Dropdown(LIVE_METHODS, value="specbranch", label="Method")
                     max_new = gr.Slider(1, 2048, value=128, step=1, label="Max new tokens (1–2048)")
-                    temperature = gr.Slider(0, 2, value=0, step=0.05, label="Temperature (0 = greedy)")
-                with gr.Row():
-                    top_p = gr.Slider(0.01, 1, value=1, step=0.01, label="Top-p (0, 1]")
-                    gamma = gr.Slider(1, 16, value=4, step=1, label="γ draft length (1–16)")
-                    seed = gr.Number(0, precision=0, label="Seed")
-                    chat = gr.Checkbox(True, label="Chat template")
-                run = gr.Button("Generate", variant="primary")
-            with gr.Column(scale=3):
-                output = gr.Textbox(label="Output", lines=6)
-                gr.HTML(LEGEND)
-                tokens = gr.HTML(elem_id="token-view")
-                metrics = gr.HTML(elem_id="metric-panel")
-        run.click(generate, [prompt, method, max_new, temperature, top_p, gamma, seed, chat], [output, tokens, metrics],
-                  concurrency_limit=1)
+                    temperature = gr.Slider(0, 2, value=0, step=0.05, label="Temperature (0 = greedy, ≥ 0)")
+                    top_p = gr.Slider(0.01, 1, value=1, step=0.01, label="Top-p, in (0, 1]")
+                    gamma = gr.Slider(1, 16, value=6, step=1, label="γ: draft steps per round (1–16)")
+                    branches = gr.Slider(1, 6, value=3, step=1, label="k: most branches at a branch point (1–6)")
+                    epsilon = gr.Slider(0, 1, value=0.5, step=0.05, label="ε: branch below this draft confidence [0, 1]")
+                    hrad = gr.Checkbox(True, label="H-RAD (classifier places branch points)")
+                    seed = gr.Number(0, precision=0, label="Seed (integer)")
+                    chat = gr.Checkbox(True, label="Chat template (off: raw text, e.g. code completion)")
+                with gr.Column(scale=2):
+                    chatbot = gr.Chatbot(label="Chat", height=320, sanitize_html=True)
+                    prompt = gr.Textbox(label="Prompt", lines=2, placeholder="Ask something…", elem_id="prompt")
+                    with gr.Row():
+                        send = gr.Button("Generate", variant="primary", elem_id="generate")
+                        stop = gr.Button("Stop", variant="stop", elem_id="stop")
+                    gr.Examples(examples(), [prompt, chat], label="Example prompts (benchmark split)")
+                    notices = gr.HTML(elem_id="notices")
+                    gr.HTML(LEGEND)
+                    tokens = gr.HTML(elem_id="token-view")
+                    metrics = gr.HTML(elem_id="metric-panel")
+            with gr.Row():
+                step = gr.Slider(1, 2, value=1, step=1, label="Step (branch tree of any step)", elem_id="step-slider")
+            tree = gr.Plot(label="Branch tree", elem_id="tree-plot")
+            timeline = gr.Plot(label="Bubble timeline", elem_id="timeline-plot")
+            with gr.Row():
+                acceptance = gr.Plot(label="Acceptance", elem_id="acceptance-plot")
+                cumulative = gr.Plot(label="Drafted / accepted / rolled back", elem_id="cumulative-plot")
+        with gr.Tab("Compare"):
+            gr.Markdown("Run several methods on one prompt and seed, one after the other, and compare them on one "
+                        "time axis. Speedups are against `ar` from the same comparison.")
+            c_prompt = gr.Textbox(label="Prompt", lines=2, value="Explain how a hash map works.")
+            c_methods = gr.CheckboxGroup(COMPARE_METHODS, value=COMPARE_METHODS, label="Methods")
+            c_run = gr.Button("Compare", variant="primary", elem_id="compare")
+            c_table = gr.HTML(elem_id="compare-table")
+            c_timeline = gr.Plot(label="Timelines, one axis", elem_id="compare-timeline")
+        with gr.Tab("How to read this"):
+            gr.Markdown(TEACHING)
+
+        controls = [max_new, temperature, top_p, gamma, branches, epsilon, hrad, seed, chat]
+        outputs = [chatbot, tokens, metrics, notices, tree, timeline, acceptance, cumulative, step, events_state]
+        run_event = send.click(generate, [prompt, chatbot, method, *controls], outputs, concurrency_limit=1,
+                               concurrency_id="engine")
+        submit_event = prompt.submit(generate, [prompt, chatbot, method, *controls], outputs, concurrency_limit=1,
+                                     concurrency_id="engine")
+        stop.click(None, cancels=[run_event, submit_event])
+        step.release(show_step, [step, events_state], tree)
+        c_run.click(compare, [c_prompt, c_methods, *controls], [c_table, c_timeline], concurrency_limit=1,
+                    concurrency_id="engine")
     return demo
+
+
+def comparison_table(runs: list[list[Event]], greedy: bool) -> str:
+    results = []
+    for events in runs:
+        finished = next((e for e in events if isinstance(e, Finished)), None)
+        m = finished.metrics if finished and finished.metrics else compute_metrics(events)
+        ids = [t for e in events if isinstance(e, TokensEmitted) for t in e.tokens]
+        results.append((events[0].method, m, ids))
+    base = next((m["tokens_per_s"] for name, m, _ in results if name == "ar"), None)
+    reference = results[0][2]
+    rows = []
+    for name, m, ids in results:
+        speed = f"{m['tokens_per_s'] / base:.2f}×" if base else "–"
+        same = ("identical" if ids == reference else "DIFFERENT") if greedy else "(sampled)"
+        rows.append("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in (
+            name, f"{m['tokens_per_s']:.1f}", speed, fmt(m["mean_accepted_length"]), fmt(m["acceptance_rate"]),
+            fmt(m["rollback_rate"]), fmt(m["overlap"]), same)) + "</tr>")
+    head = "".join(f"<th>{h}</th>" for h in ("method", "tokens/s", "speedup vs ar", "tokens per target forward",
+                                               "acceptance", "rollback rate", "overlap", "output vs first"))
+    note = "" if greedy else "<p>Sampled runs differ by design; compare their statistics, not their text.</p>"
+    return f'<table class="compare-table"><tr>{head}</tr>{"".join(rows)}</table>{note}'
 
 
 def css_paths() -> list[str]:

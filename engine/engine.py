@@ -3,6 +3,8 @@ of events for any method. Generations on one engine are serialised by a lock (th
 from __future__ import annotations
 
 import asyncio
+from contextlib import aclosing
+import threading
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -39,18 +41,19 @@ class Engine:
         self.pair = pair
         self.target_worker = Worker("target", threads)
         self.draft_worker = Worker("draft", threads)
-        self._locks: dict[asyncio.AbstractEventLoop, asyncio.Lock] = {}
+        self._busy = threading.Lock()  # one generation at a time per engine; others queue (any event loop)
         self.hrad, self.hrad_notice = find_hrad(pair)  # H-RAD classifier, when trained weights fit this pair
 
-    def encode(self, prompt: str, chat: bool) -> list[int]:
+    def encode(self, prompt: str, chat: bool, history: list[dict] | None = None) -> list[int]:
+        """Token ids of a prompt: raw text, or one user turn (after `history`) in the chat template."""
         if not prompt or not prompt.strip():
             raise SpecBranchError("the prompt is empty")
         tok = self.pair.tokenizer
         if chat:
             if not getattr(tok, "chat_template", None):
-                raise SpecBranchError("--chat needs a tokenizer with a chat template; this one has none")
-            ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                          tokenize=True, return_dict=False)
+                raise SpecBranchError("chat mode needs a tokenizer with a chat template, and this one has none: use raw text")
+            messages = list(history or []) + [{"role": "user", "content": prompt}]
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
             ids = ids["input_ids"] if isinstance(ids, dict) else ids
         else:
             ids = tok.encode(prompt)
@@ -64,34 +67,40 @@ class Engine:
             raise SpecBranchError(f"the prompt is {len(prompt_ids)} tokens; the model's context holds {limit}, "
                                   f"with room for at least one new token")
 
-    def _lock(self) -> asyncio.Lock:
-        loop = asyncio.get_running_loop()
-        return self._locks.setdefault(loop, asyncio.Lock())
-
     async def generate(self, prompt_ids: list[int], cfg: GenerationConfig, prompt_text: str = "",
                        collect_hrad: list | None = None) -> AsyncIterator[Event]:
         cfg.validate()
         self.check_prompt(prompt_ids)
         if cfg.method in NEEDS_DRAFT and self.pair.draft is None:
             raise SpecBranchError(f"method {cfg.method!r} needs a draft model")
-        async with self._lock():
-            state = RunState(self.pair, cfg, self.target_worker, self.draft_worker, list(prompt_ids),
-                             len(prompt_ids), self.pair.eos_ids)
-            events: list[Event] = [RunStarted(cfg.method, self.pair.target.name,
-                                              self.pair.draft.name if self.pair.draft else None, list(prompt_ids),
-                                              prompt_text, cfg.to_dict(), str(self.pair.target.device), time.time())]
-            yield events[0]
-            state.hrad_samples = collect_hrad
-            if cfg.method == "specbranch" and cfg.hrad and self.hrad is None:
-                notice = Notice("warning", f"H-RAD off ({self.hrad_notice}): branching by draft confidence only")
-                events.append(notice)
-                yield notice
-            if state.budget < cfg.max_new_tokens:
-                notice = Notice("warning", f"max-new-tokens cut to {state.budget} by the context length")
-                events.append(notice)
-                yield notice
-            checks = 0  # the draft-speed check looks at the first few dozen forwards only
-            async for event in self.decoder(state):
+        await asyncio.get_running_loop().run_in_executor(None, self._busy.acquire)
+        try:  # aclosing: a consumer that stops early closes every generator below, freeing both workers
+            async with aclosing(self._generate(prompt_ids, cfg, prompt_text, collect_hrad)) as stream:
+                async for event in stream:
+                    yield event
+        finally:
+            self._busy.release()
+
+    async def _generate(self, prompt_ids, cfg, prompt_text, collect_hrad):
+        """The generation itself (the caller holds the engine's lock)."""
+        state = RunState(self.pair, cfg, self.target_worker, self.draft_worker, list(prompt_ids),
+                         len(prompt_ids), self.pair.eos_ids)
+        events: list[Event] = [RunStarted(cfg.method, self.pair.target.name,
+                                          self.pair.draft.name if self.pair.draft else None, list(prompt_ids),
+                                          prompt_text, cfg.to_dict(), str(self.pair.target.device), time.time())]
+        yield events[0]
+        state.hrad_samples = collect_hrad
+        if cfg.method == "specbranch" and cfg.hrad and self.hrad is None:
+            notice = Notice("warning", f"H-RAD off ({self.hrad_notice}): branching by draft confidence only")
+            events.append(notice)
+            yield notice
+        if state.budget < cfg.max_new_tokens:
+            notice = Notice("warning", f"max-new-tokens cut to {state.budget} by the context length")
+            events.append(notice)
+            yield notice
+        checks = 0  # the draft-speed check looks at the first few dozen forwards only
+        async with aclosing(self.decoder(state)) as stream:
+            async for event in stream:
                 events.append(event)
                 yield event
                 if checks < 40 and isinstance(event, TimingSpan) and cfg.method != "ar":
@@ -101,12 +110,12 @@ class Engine:
                         checks = 40
                         events.append(notice)
                         yield notice
-            decode_s = state.now() - state.decode_start
-            done = Finished(state.finish_reason or "length", round(state.prefill_s, 6), round(decode_s, 6),
-                            state.emitted, {})
-            events.append(done)
-            metrics = compute_metrics(events)
-            yield Finished(done.reason, done.prefill_s, done.decode_s, done.new_tokens, metrics)
+        decode_s = state.now() - state.decode_start
+        done = Finished(state.finish_reason or "length", round(state.prefill_s, 6), round(decode_s, 6),
+                        state.emitted, {})
+        events.append(done)
+        metrics = compute_metrics(events)
+        yield Finished(done.reason, done.prefill_s, done.decode_s, done.new_tokens, metrics)
 
     def policy(self, cfg: GenerationConfig) -> Policy:
         """Branching policy for the parallel methods: pearl never branches; the ablations drop one part."""

@@ -147,11 +147,13 @@ def collapse_draft(state: RunState, ds: DraftState, row: int) -> None:
 
 
 def sync_draft(state: RunState, ds: DraftState, spec: Speculation) -> None:
-    """Crop the draft cache to what still hangs off the committed tokens and the speculation."""
-    want = state.tokens + spec.path
-    keep = common_prefix(ds.rows[0], want)
+    """Crop the draft cache to what still hangs off the committed tokens and the speculation.
+    A pending fork means nothing before it was rejected: every row still holds its branch."""
+    if spec.fork is not None:
+        return
+    keep = common_prefix(ds.rows[0], state.tokens + spec.path)
     kv.rollback(state.draft_cache, keep)
-    ds.rows[0] = ds.rows[0][:keep]
+    ds.rows = [row[:keep] for row in ds.rows]
 
 
 async def verify_round(state: RunState, spec: Speculation, n_path: int, logits: torch.Tensor, hidden,

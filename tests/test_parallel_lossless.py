@@ -72,3 +72,18 @@ def test_greedy_equals_generate(embedded_target, greedy_references, method, extr
         assert r.metrics["overlap"] > 0.2  # the two workers really ran at once
     if method == "specbranch":
         assert "rescued" in kinds or "accepted" in kinds
+
+
+@pytest.mark.parametrize("method", ["pearl", "specbranch", "specbranch-no-hrad"])
+@pytest.mark.parametrize("gamma", [2, 3, 6])
+def test_long_runs_to_the_context_end_match_ar(tiny_engine, method, gamma):
+    """Many rounds, forks placed mid-path and kept across rounds, the context's end: greedy output
+    equals AR's, and sampled runs complete with every token accounted for."""
+    for prompt in ([2, 3, 4, 5], [8] * 10):
+        want = tiny_engine.run(prompt, GenerationConfig(method="ar", max_new_tokens=100)).token_ids
+        assert len(want) == 64 - len(prompt)
+        for epsilon in (0.5, 0.7, 1.0):
+            cfg = dict(method=method, max_new_tokens=100, gamma=gamma, branches=3, epsilon=epsilon)
+            assert tiny_engine.run(prompt, GenerationConfig(**cfg)).token_ids == want
+            s = tiny_engine.run(prompt, GenerationConfig(**cfg, temperature=1.0, seed=int(epsilon * 10)))
+            assert len(s.token_ids) == 64 - len(prompt) and s.finish_reason == "length"

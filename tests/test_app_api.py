@@ -1,0 +1,101 @@
+"""The app through its HTTP API (gradio_client) on a launched server with tiny models: a streamed
+generation returns tokens and the figures' data; bad input gets a message; token text is escaped."""
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from app.ui import build_app
+from app.views import token_view
+from engine.events import Rollback, TokensEmitted
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def client(tiny_engine):
+    from gradio_client import Client
+
+    demo = build_app(lambda: tiny_engine)
+    port = free_port()
+    demo.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    yield Client(f"http://127.0.0.1:{port}/", verbose=False)
+    demo.close()
+
+
+ARGS = dict(history=[], method="specbranch", max_new=24, temperature=0, top_p=1, gamma=3, branches=3, epsilon=1.0,
+            hrad=True, seed=0, chat=False)
+
+
+def call(client, prompt, **overrides):
+    a = {**ARGS, **overrides}
+    job = client.submit(prompt, a["history"], a["method"], a["max_new"], a["temperature"], a["top_p"], a["gamma"],
+                        a["branches"], a["epsilon"], a["hrad"], a["seed"], a["chat"], api_name="/generate")
+    updates = list(job)
+    return updates, job.outputs()[-1]
+
+
+def content(message) -> str:
+    c = message["content"]
+    return c if isinstance(c, str) else "".join(part.get("text", "") for part in c)
+
+
+def test_streamed_generation_returns_tokens_and_figures(client, tiny_engine):
+    updates, final = call(client, "a b c")
+    assert len(updates) >= 2  # streamed: intermediate updates before the final one
+    history, tokens_html, metrics_html, notices, tree, timeline, acceptance, cumulative = final[:8]
+    assert history[-1]["role"] == "assistant" and content(history[-1])
+    assert 'class="tok tok-' in tokens_html
+    assert "tokens per s" in metrics_html and "acceptance rate" in metrics_html
+    for fig in (tree, timeline, acceptance, cumulative):
+        assert fig and fig.get("plot")  # plotly JSON for each figure
+    assert "verify" in timeline["plot"] and "draft" in timeline["plot"]
+    # same tokens as the engine gives directly
+    from engine.config import GenerationConfig
+    want = tiny_engine.run(tiny_engine.encode("a b c", False), GenerationConfig(
+        method="specbranch", max_new_tokens=24, gamma=3, epsilon=1.0)).text
+    assert content(history[-1]) == want
+
+
+@pytest.mark.parametrize("overrides", [dict(temperature=-1), dict(top_p=0), dict(max_new=0), dict(gamma=99)])
+def test_out_of_range_controls_are_refused_and_the_app_keeps_serving(client, overrides):
+    with pytest.raises(Exception):
+        call(client, "a b", **overrides)
+    _, final = call(client, "a b")
+    assert content(final[0][-1])
+
+
+@pytest.mark.parametrize("args, message", [
+    (dict(temperature="-1"), "temperature must be >= 0"),
+    (dict(top_p="1.5"), "top-p must be in (0, 1]"),
+    (dict(max_new="zero"), "max new tokens must be a number"),
+    (dict(epsilon="2"), "epsilon must be in [0, 1]"),
+    (dict(branches="0"), "branches must be an integer >= 1"),
+])
+def test_settings_validation_messages(args, message):
+    from app.ui import make_config
+    from engine.config import SpecBranchError
+
+    base = dict(method="specbranch", max_new=8, temperature=0, top_p=1, gamma=3, branches=3, epsilon=0.5, hrad=True,
+                seed=0)
+    with pytest.raises(SpecBranchError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        make_config(**{**base, **args})
+
+
+def test_empty_prompt_gets_a_message(client):
+    _, final = call(client, "   ")
+    assert "prompt is empty" in final[3]
+
+
+def test_token_text_is_escaped():
+    hostile = ["<script>alert(1)</script>", '<img src=x onerror="alert(2)">']
+    events = [TokensEmitted(1, [5, 6], hostile, ["accepted", "correction"], "".join(hostile)),
+              Rollback(1, "draft", [7], ["<b onmouseover=alert(3)>"], "rejected")]
+    out = token_view(events)
+    assert "<script>" not in out and "<img" not in out and "<b " not in out
+    assert "&lt;script&gt;" in out and "&lt;img" in out
