@@ -39,6 +39,9 @@ def aggregate(runs: list[dict]) -> dict:
         "overlap": weighted("overlap"),
         "target_forward_ms": weighted("target_forward_ms"),
         "draft_forward_ms": weighted("draft_forward_ms"),
+        "host_overhead_ms_per_step": weighted("host_overhead_ms_per_step"),
+        "branch_points": sum(r.get("branch_points", 0) for r in runs),
+        "branch_rescues": sum(r.get("branch_rescues", 0) for r in runs),
     }
 
 
@@ -91,9 +94,10 @@ def run_bench(engine, args, methods: list[str]) -> dict:
 
 def format_table(report: dict) -> str:
     cols = ["tokens_per_s", "speedup_vs_ar", "acceptance_rate", "mean_accepted_length", "rollback_rate",
-            "target_idle_fraction", "draft_idle_fraction", "overlap", "target_forward_ms", "draft_forward_ms"]
-    head = ["method", "dataset", "tok/s", "speedup", "α", "τ", "rollback", "idle T", "idle D", "overlap",
-            "T ms", "D ms"]
+            "rolled_back_tokens", "target_idle_fraction", "draft_idle_fraction", "overlap", "target_forward_ms",
+            "draft_forward_ms", "host_overhead_ms_per_step", "branch_rescues"]
+    head = ["method", "dataset", "tok/s", "speedup", "α", "τ", "rollback", "rolled back", "idle T", "idle D",
+            "overlap", "T ms", "D ms", "host ms/step", "rescues"]
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for m, per_ds in report["results"].items():
         for d, agg in per_ds.items():

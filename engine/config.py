@@ -9,7 +9,8 @@ class SpecBranchError(ValueError):
     """A user-facing error: the message says what is wrong and what is allowed."""
 
 
-METHODS = ("ar", "sd", "pearl", "specbranch", "specbranch-no-branch", "specbranch-no-hrad", "hf-assisted")
+METHODS = ("ar", "sd", "pearl", "specbranch", "specbranch-no-branch", "specbranch-no-hrad", "specbranch-fixed",
+           "hf-assisted")
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from .config import SpecBranchError
-from .drafts import draft_from_target, own_state_dict, save_draft
+from .drafts import draft_from_target, save_draft
 
 
 # ---------------------------------------------------------------- data
@@ -170,15 +170,17 @@ def train_draft(target, rows: list[dict], labels: list[dict], val_rows, val_labe
     steps_per_epoch = math.ceil(len(rows) / batch_size)
     total_steps = max(1, int(epochs * steps_per_epoch))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps)))
-    log = open(log_path, "a")
+    log = open(log_path, "w")  # one log per training run (generation and labels are what resume)
     start, step = time.time(), 0
     first = evaluate(draft, val_rows, val_labels, head, remap, batch_size)
     print(json.dumps({"step": 0, "val_agreement": round(first, 4)}), file=log, flush=True)
     bar = tqdm(total=total_steps, desc="train", unit="step")
     stopped = False
     for epoch in range(math.ceil(epochs)):
+        epoch_losses = []
         for chunk, ids, mask in batches(rows, batch_size, shuffle=True, seed=seed + epoch):
             loss, agree, total = kl_loss(draft_logits(draft, ids, mask, head), rows, chunk, labels, remap)
+            epoch_losses.append(loss.item())
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -196,8 +198,8 @@ def train_draft(target, rows: list[dict], labels: list[dict], val_rows, val_labe
                 stopped = True
                 break
         val = evaluate(draft, val_rows, val_labels, head, remap, batch_size)
-        print(json.dumps({"step": step, "epoch": round(step / steps_per_epoch, 3), "val_agreement": round(val, 4)}),
-              file=log, flush=True)
+        print(json.dumps({"step": step, "epoch": round(step / steps_per_epoch, 3), "val_agreement": round(val, 4),
+                          "epoch_loss": round(sum(epoch_losses) / len(epoch_losses), 4)}), file=log, flush=True)
         tqdm.write(f"epoch {epoch + 1}: held-out greedy agreement {val:.4f}")
         if stopped:
             break

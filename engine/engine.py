@@ -23,7 +23,8 @@ from .runtime import Worker, new_event_loop
 from .parallel import Policy, parallel_decode
 from .sd import speculative_decode
 
-NEEDS_DRAFT = {"sd", "pearl", "specbranch", "specbranch-no-branch", "specbranch-no-hrad", "hf-assisted"}
+NEEDS_DRAFT = {"sd", "pearl", "specbranch", "specbranch-no-branch", "specbranch-no-hrad", "specbranch-fixed",
+               "hf-assisted"}
 
 
 @dataclass
@@ -121,6 +122,8 @@ class Engine:
         """Branching policy for the parallel methods: pearl never branches; the ablations drop one part."""
         if cfg.method == "pearl" or cfg.method == "specbranch-no-branch":
             return Policy(max_branches=1)
+        if cfg.method == "specbranch-fixed":
+            return Policy(max_branches=cfg.branches, fixed_at=max(0, cfg.gamma // 2 - 1))
         use_hrad = cfg.hrad and cfg.method == "specbranch"
         return Policy(max_branches=cfg.branches, epsilon=cfg.epsilon, hrad=self.hrad if use_hrad else None)
 

@@ -7,6 +7,7 @@ Definitions (SPECBRANCH.md §5):
   per-position acc.   P(accept at draft position i | positions < i accepted)
   idle fraction       per model: 1 - busy time / decode wall time
   overlap             time both models compute at once / decode wall time
+  host overhead       decode time with no forward running on either worker, per step
 """
 from __future__ import annotations
 
@@ -84,6 +85,8 @@ def compute_metrics(events: list[Event]) -> dict:
     window_start, window_end = prefill_end, prefill_end + decode_s
     busy = {w: busy_intervals(spans, w, window_start, window_end) for w in ("target", "draft")}
     wall = max(decode_s, 1e-9)
+    either = _union(busy["target"] + busy["draft"])
+    steps = sum(1 for e in events if e.type == "step_started")
 
     def mean_ms(worker, kinds):
         d = [s.end - s.start for s in spans if s.worker == worker and s.kind in kinds]
@@ -108,6 +111,8 @@ def compute_metrics(events: list[Event]) -> dict:
         "target_idle_fraction": round(1 - _length(busy["target"]) / wall, 6),
         "draft_idle_fraction": round(1 - _length(busy["draft"]) / wall, 6) if draft_forwards else None,
         "overlap": round(_intersection(busy["target"], busy["draft"]) / wall, 6),
+        # engine overhead: decode time in which neither model runs a forward (Python, sampling, verification)
+        "host_overhead_ms_per_step": round(1000 * (decode_s - _length(either)) / steps, 3) if steps else None,
         "branch_points": len(forks),
         "branch_rescues": sum(f.rescued for f in forks),
         "rescue_rate": round(sum(f.rescued for f in forks) / len(forks), 6) if forks else None,

@@ -59,12 +59,15 @@ class Policy:
     max_branches: int = 1
     epsilon: float = 0.5  # branch at the first token whose draft confidence is below this
     hrad: object | None = None  # engine.hrad.HRAD, or None for confidence only
+    fixed_at: int | None = None  # ablation: always branch after this many linear draft steps of a round
 
-    def branch_width(self, confidence: float, fresh: bool, hrad_class: int | None) -> int:
+    def branch_width(self, confidence: float, fresh: bool, hrad_class: int | None, linear_steps: int = 0) -> int:
         """How many candidates to fork at this draft position (1 = no fork).
         `fresh`: the first draft step after a verdict, where H-RAD's prediction applies."""
         if self.max_branches <= 1:
             return 1
+        if self.fixed_at is not None:
+            return self.max_branches if linear_steps == self.fixed_at else 1
         if hrad_class == ALL_ACCEPTED:
             return 1
         if hrad_class == REJECT_AT_ONCE and fresh:
@@ -80,6 +83,7 @@ class DraftState:
     rows: list[list[int]]  # the tokens each row of the draft cache holds (k rows while forked)
     fresh: bool = True  # no draft step yet since the last verdict
     hrad_class: int | None = None
+    linear_steps: int = 0  # linear draft steps since the last verdict
 
 
 async def draft_step(state: RunState, spec: Speculation, ds: DraftState, policy: Policy, events: list[Event]) -> None:
@@ -92,8 +96,9 @@ async def draft_step(state: RunState, spec: Speculation, ds: DraftState, policy:
         ds.rows[0] = seq
         raw = logits[-1].float().softmax(-1)  # confidence is read from the untempered distribution
         q = state.probs(logits[-1])
-        k = policy.branch_width(float(raw.max()), ds.fresh, ds.hrad_class)
+        k = policy.branch_width(float(raw.max()), ds.fresh, ds.hrad_class, ds.linear_steps)
         ds.fresh = False
+        ds.linear_steps += 1
         if k > 1:
             # greedy: the draft's top-k (point masses; the rule needs only p, so the untempered row serves);
             # sampled: k draws from q without replacement, verified in the order drawn
@@ -218,7 +223,7 @@ async def verify_round(state: RunState, spec: Speculation, n_path: int, logits: 
     if state.finish_reason:
         return Speculation()
     sync_draft(state, ds, new)
-    ds.fresh = True
+    ds.fresh, ds.linear_steps = True, 0
     return new
 
 

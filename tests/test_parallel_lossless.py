@@ -74,7 +74,7 @@ def test_greedy_equals_generate(embedded_target, greedy_references, method, extr
         assert "rescued" in kinds or "accepted" in kinds
 
 
-@pytest.mark.parametrize("method", ["pearl", "specbranch", "specbranch-no-hrad"])
+@pytest.mark.parametrize("method", ["pearl", "specbranch", "specbranch-no-hrad", "specbranch-fixed"])
 @pytest.mark.parametrize("gamma", [2, 3, 6])
 def test_long_runs_to_the_context_end_match_ar(tiny_engine, method, gamma):
     """Many rounds, forks placed mid-path and kept across rounds, the context's end: greedy output
