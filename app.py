@@ -15,6 +15,8 @@ def main() -> None:
     parser.add_argument("--target", default=os.environ.get("SPECBRANCH_TARGET", "embedded"))
     parser.add_argument("--draft", default=os.environ.get("SPECBRANCH_DRAFT", "embedded"))
     parser.add_argument("--device", default=os.environ.get("SPECBRANCH_DEVICE"))
+    parser.add_argument("--db", default=None, help="session store (default: $SPECBRANCH_DB or the data dir)")
+    parser.add_argument("--no-record", action="store_true", help="do not record sessions")
     args = parser.parse_args()
 
     lock, loaded = threading.Lock(), {}
@@ -28,7 +30,27 @@ def main() -> None:
                 loaded["engine"] = Engine(load_pair(args.target, args.draft, device=args.device))
             return loaded["engine"]
 
-    build_app(get_engine).queue().launch(server_name=args.host, server_port=args.port, css_paths=css_paths())
+    def get_store():
+        """(Store, "") or (None, why not): a broken store never stops the app from generating."""
+        with lock:
+            if "store" not in loaded:
+                from sessions import SessionStoreError, Store, default_db_path
+
+                if args.no_record:
+                    loaded["store"] = (None, "recording is off (--no-record)")
+                else:
+                    try:
+                        loaded["store"] = (Store(args.db or default_db_path()), "")
+                        print(f"recording sessions to {loaded['store'][0].path}")
+                    except SessionStoreError as exc:
+                        loaded["store"] = (None, str(exc))
+                        print(f"not recording: {exc}")
+            return loaded["store"]
+
+    get_store()
+    demo = build_app(get_engine, get_store)
+    demo.queue(default_concurrency_limit=1).launch(server_name=args.host, server_port=args.port,
+                                                   css_paths=css_paths())
 
 
 if __name__ == "__main__":

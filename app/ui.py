@@ -14,6 +14,7 @@ from engine.events import Event, Finished, Notice, TokensEmitted
 from engine.metrics import compute_metrics
 
 from .figures import acceptance_figure, cumulative_figure, step_numbers, timeline_figure, tree_figure
+from .replay_tab import build_replay_tab
 from .stream import stream_events
 from .views import fmt, metric_panel, token_view
 
@@ -75,9 +76,11 @@ def message_text(message: dict) -> str:
     return c if isinstance(c, str) else "".join(p.get("text", "") for p in c or [] if isinstance(p, dict))
 
 
-def notice_html(events: list[Event], error: str | None = None) -> str:
+def notice_html(events: list[Event], error: str | None = None, warning: str | None = None) -> str:
     notes = [f'<div class="notice notice-{e.level}">{html.escape(e.message)}</div>'
              for e in events if isinstance(e, Notice)]
+    if warning:
+        notes.append(f'<div class="notice notice-warning">{html.escape(warning)}</div>')
     if error:
         notes.append(f'<div class="notice notice-error">{html.escape(error)}</div>')
     return "".join(notes)
@@ -89,10 +92,38 @@ def figures(events: list[Event], step: int | None = None):
             cumulative_figure(events))
 
 
-def build_app(get_engine) -> gr.Blocks:
-    """get_engine() returns the loaded Engine (loaded once, lazily)."""
+def views_at(events: list[Event], step: int | None = None, warning: str | None = None):
+    """Every view of a (possibly partial) event stream: live and replay render through this."""
+    return (token_view(events), metric_panel(events), notice_html(events, warning=warning), *figures(events, step))
 
-    def generate(prompt, history, method, max_new, temperature, top_p, gamma, branches, epsilon, hrad, seed, chat):
+
+def no_store(reason: str):
+    return lambda: (None, reason)
+
+
+def build_app(get_engine, get_store=None) -> gr.Blocks:
+    """get_engine() returns the loaded Engine (loaded once, lazily); get_store() returns
+    (sessions.Store | None, reason) for recording and replay (None: nothing is recorded)."""
+    get_store = get_store or no_store("recording is off")
+
+    def start_recording(owner, prompt, engine, cfg):
+        """(recorder or None, message). Never raises: a broken store only means 'not recording'."""
+        from sessions import Recorder, SessionStoreError
+
+        store, reason = get_store()
+        if store is None:
+            return Recorder.disabled(reason), None
+        pair = engine.pair
+        try:
+            sid = store.start_session(owner, prompt, pair.target.name, pair.draft.name if pair.draft else None, cfg)
+        except SessionStoreError as exc:
+            return Recorder.disabled(str(exc)), None
+        return store.recorder(sid), sid
+
+    def generate(prompt, history, method, max_new, temperature, top_p, gamma, branches, epsilon, hrad, seed, chat,
+                 request: gr.Request = None):
+        from .replay_tab import owner_of
+
         history = list(history or [])
         events: list[Event] = []
         try:
@@ -112,9 +143,11 @@ def build_app(get_engine) -> gr.Blocks:
             return
         history += [{"role": "user", "content": prompt}, {"role": "assistant", "content": ""}]
         text, last_plot, tokens_seen = "", 0.0, 0
+        recorder, _ = start_recording(owner_of(request), prompt, engine, cfg)
         try:
             for event in stream_events(engine, ids, cfg, prompt):
                 events.append(event)
+                recorder.add(event)
                 if isinstance(event, TokensEmitted):
                     text += event.text
                     tokens_seen += len(event.tokens)
@@ -122,8 +155,8 @@ def build_app(get_engine) -> gr.Blocks:
                     if time.perf_counter() - last_plot > 1.0:  # long outputs stay responsive: plots ~1/s
                         last_plot = time.perf_counter()
                         steps = step_numbers(events)
-                        yield (history, token_view(events), metric_panel(events), notice_html(events),
-                               *figures(events), gr.update(maximum=max(2, len(steps)), value=max(1, len(steps))), events)
+                        yield (history, *views_at(events), gr.update(maximum=max(2, len(steps)), value=max(1, len(steps))),
+                               events)
                     elif tokens_seen % 4 == 0:
                         yield (history, token_view(events), gr.skip(), gr.skip(), *([gr.skip()] * 5), events)
         except Exception as exc:
@@ -131,8 +164,11 @@ def build_app(get_engine) -> gr.Blocks:
             yield (history, token_view(events), metric_panel(events), notice_html(events, message),
                    *([gr.skip()] * 5), events)
             return
+        finally:  # also on Stop: the run is kept, marked partial when it has no Finished event
+            recorder.close()
         steps = step_numbers(events)
-        yield (history, token_view(events), metric_panel(events), notice_html(events), *figures(events),
+        status = f"not recording: {recorder.error}" if recorder.error else None
+        yield (history, *views_at(events, None, status),
                gr.update(maximum=max(2, len(steps)), value=max(1, len(steps))), events)
 
     def show_step(index, events):
@@ -141,7 +177,10 @@ def build_app(get_engine) -> gr.Blocks:
             return gr.skip()
         return tree_figure(events, steps[min(max(int(index), 1), len(steps)) - 1])
 
-    def compare(prompt, methods, max_new, temperature, top_p, gamma, branches, epsilon, hrad, seed, chat):
+    def compare(prompt, methods, max_new, temperature, top_p, gamma, branches, epsilon, hrad, seed, chat,
+                request: gr.Request = None):
+        from .replay_tab import owner_of
+
         try:
             if not methods:
                 raise SpecBranchError("pick at least one method")
@@ -153,8 +192,21 @@ def build_app(get_engine) -> gr.Blocks:
             engine.check_prompt(ids)
         except SpecBranchError as exc:
             return notice_html([], str(exc)), gr.skip()
-        runs = [list(stream_events(engine, ids, cfg, prompt)) for cfg in cfgs]
-        return comparison_table(runs, float(temperature) == 0.0), timeline_figure(runs)
+        recorder, sid = start_recording(owner_of(request), prompt, engine, cfgs[0])
+        runs = []
+        for cfg in cfgs:  # one stored session, one run per method
+            if sid is not None and runs:
+                recorder = get_store()[0].recorder(sid)
+            try:
+                runs.append([])
+                for event in stream_events(engine, ids, cfg, prompt):
+                    runs[-1].append(event)
+                    recorder.add(event)
+            finally:
+                recorder.close()
+        note = f'<div class="notice notice-warning">not recording: {html.escape(recorder.error)}</div>' \
+            if recorder.error else ""
+        return comparison_table(runs, float(temperature) == 0.0) + note, timeline_figure(runs)
 
     with gr.Blocks(title="SpecBranch Studio") as demo:
         gr.Markdown("# SpecBranch Studio\nSpeculative decoding, made visible: every token is coloured by where it "
@@ -199,6 +251,7 @@ def build_app(get_engine) -> gr.Blocks:
             c_run = gr.Button("Compare", variant="primary", elem_id="compare")
             c_table = gr.HTML(elem_id="compare-table")
             c_timeline = gr.Plot(label="Timelines, one axis", elem_id="compare-timeline")
+        build_replay_tab(get_store, views_at)
         with gr.Tab("How to read this"):
             gr.Markdown(TEACHING)
 

@@ -31,6 +31,47 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-hrad", dest="hrad", action="store_false", help="specbranch: confidence only, no H-RAD")
 
 
+def add_record_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--record", action="store_true", help="record every run to the session store (SQLite)")
+    p.add_argument("--db", default=None, help="session store file (default: $SPECBRANCH_DB or the data dir)")
+    p.add_argument("--share", action="store_true", help="with --record: mark sessions shared (visible to all)")
+
+
+class SessionLog:
+    """Records CLI runs: one session per prompt, one run per method. Never stops a generation:
+    if the store cannot be used, it says so once and the runs go on unrecorded."""
+
+    def __init__(self, args, engine):
+        self.enabled, self.args, self.engine, self.store = bool(args.record), args, engine, None
+        if self.enabled:
+            from sessions import SessionStoreError, Store
+            try:
+                self.store = Store(args.db)
+            except SessionStoreError as exc:
+                print(f"warning: not recording: {exc}", file=sys.stderr)
+
+    def start(self, prompt: str, cfg: GenerationConfig):
+        if self.store is None:
+            return None
+        from sessions import SessionStoreError
+        pair = self.engine.pair
+        try:
+            sid = self.store.start_session("cli", prompt, pair.target.name, pair.draft.name if pair.draft else None,
+                                           cfg, shared=self.args.share)
+        except SessionStoreError as exc:
+            print(f"warning: not recording: {exc}", file=sys.stderr)
+            return None
+        return sid
+
+    def recorder(self, sid):
+        return None if sid is None else self.store.recorder(sid)
+
+    @staticmethod
+    def finish(recorder) -> None:
+        if recorder is not None and recorder.close():
+            print(f"warning: not recording: {recorder.error}", file=sys.stderr)
+
+
 def config_from(args, method: str) -> GenerationConfig:
     return GenerationConfig(method=method, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed, gamma=args.gamma,
@@ -58,9 +99,14 @@ def cmd_generate(args) -> None:
         raise SpecBranchError("give --prompt TEXT or --prompt-file F.jsonl")
     prompts = [args.prompt] if args.prompt is not None else [r.get("prompt", "") for r in read_jsonl(Path(args.prompt_file))]
     engine = build_engine(args, need_draft=args.method != "ar")
+    log = SessionLog(args, engine)
     for prompt in prompts:
         ids = engine.encode(prompt, args.chat)
-        result = engine.run(ids, cfg, prompt)
+        recorder = log.recorder(log.start(prompt, cfg))
+        try:
+            result = engine.run(ids, cfg, prompt, on_event=recorder.add if recorder else None)
+        finally:
+            log.finish(recorder)
         for e in result.events:
             if e.type == "notice":
                 print(f"{e.level}: {e.message}", file=sys.stderr)
@@ -85,7 +131,7 @@ def cmd_bench(args) -> None:
         raise SpecBranchError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
     config_from(args, methods[0])  # validate the shared settings before loading models
     engine = build_engine(args, need_draft=any(m != "ar" for m in methods))
-    run_bench(engine, args, methods)
+    run_bench(engine, args, methods, SessionLog(args, engine))
 
 
 def cmd_train_hrad(args) -> None:
@@ -114,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--prompt-file", help="JSONL, one prompt per line in field 'prompt'")
     g.add_argument("--chat", action="store_true", help="wrap the prompt with the tokenizer's chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    add_record_arguments(g)
     g.set_defaults(func=cmd_generate)
 
     b = sub.add_parser("bench", help="compare methods on a dataset")
@@ -125,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--limit", type=int, default=10, help="prompts per dataset")
     b.add_argument("--json", dest="json_out", help="write the results to this JSON file")
     b.add_argument("--warmup", type=int, default=1, help="untimed warm-up generations per method")
+    add_record_arguments(b)
     b.set_defaults(func=cmd_bench)
 
     d = sub.add_parser("distill", help="train a draft for a target by self-distillation")

@@ -45,7 +45,7 @@ def aggregate(runs: list[dict]) -> dict:
     }
 
 
-def run_bench(engine, args, methods: list[str]) -> dict:
+def run_bench(engine, args, methods: list[str], log=None) -> dict:
     from .__main__ import config_from
 
     datasets = ["mt_bench", "gsm8k", "humaneval"] if args.dataset == "all" else [args.dataset]
@@ -58,8 +58,14 @@ def run_bench(engine, args, methods: list[str]) -> dict:
     outputs_match = {m: 0 for m in methods if m != "ar"}
     for p, ids in tqdm(encoded, desc="bench", unit="prompt", file=sys.stderr):
         reference = None
+        sid = log.start(p.text, config_from(args, methods[0])) if log is not None else None
         for m in methods:
-            r = engine.run(ids, config_from(args, m), p.text)
+            recorder = log.recorder(sid) if log is not None else None
+            try:
+                r = engine.run(ids, config_from(args, m), p.text, on_event=recorder.add if recorder else None)
+            finally:
+                if log is not None:
+                    log.finish(recorder)
             per_run[m].setdefault(p.dataset, []).append(r.metrics)
             if m == "ar":
                 reference = r.token_ids

@@ -138,10 +138,16 @@ class Engine:
         return parallel_decode(state, self.policy(state.cfg))
 
     def run(self, prompt_ids: list[int], cfg: GenerationConfig, prompt_text: str = "",
-            collect_hrad: list | None = None) -> Result:
-        """Synchronous helper: run one generation to the end and collect its events."""
+            collect_hrad: list | None = None, on_event=None) -> Result:
+        """Synchronous helper: run one generation to the end and collect its events
+        (each also handed to on_event as it happens, e.g. a session recorder)."""
         async def collect():
-            return [e async for e in self.generate(prompt_ids, cfg, prompt_text, collect_hrad)]
+            events = []
+            async for e in self.generate(prompt_ids, cfg, prompt_text, collect_hrad):
+                events.append(e)
+                if on_event is not None:
+                    on_event(e)
+            return events
 
         loop = new_event_loop()
         try:

@@ -18,10 +18,18 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def client(tiny_engine):
+def store(tmp_path_factory):
+    from sessions import Store
+
+    with Store(tmp_path_factory.mktemp("db") / "sessions.db") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(tiny_engine, store):
     from gradio_client import Client
 
-    demo = build_app(lambda: tiny_engine)
+    demo = build_app(lambda: tiny_engine, lambda: (store, ""))
     port = free_port()
     demo.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
     yield Client(f"http://127.0.0.1:{port}/", verbose=False)
@@ -99,3 +107,26 @@ def test_token_text_is_escaped():
     out = token_view(events)
     assert "<script>" not in out and "<img" not in out and "<b " not in out
     assert "&lt;script&gt;" in out and "&lt;img" in out
+
+
+def test_live_runs_are_recorded_and_replayed_without_a_model(client, store):
+    _, final = call(client, "a b c d e")
+    history, tokens_html = final[0], final[1]
+    sessions = store.list_sessions(search="a b c d e")
+    assert sessions and sessions[0]["status"] == "complete"
+    # replay through the app: search, open, and the replayed views equal the live ones
+    client.predict("a b c d e", "", api_name="/search")
+    client.predict(sessions[0]["id"], api_name="/open_session")
+    replayed = client.predict(store.get_session(sessions[0]["id"])["runs"][0]["id"], api_name="/show_run")
+    assert content(replayed[0][-1]) == content(history[-1])
+    assert replayed[1] == tokens_html
+
+
+def test_other_browser_sessions_do_not_see_private_runs(client, store):
+    """The API client above is one browser session; a run stored by another owner stays invisible."""
+    sid = store.start_session("someone-else", "private prompt zzz", "t", "d", {"method": "ar"})
+    table, _, status = client.predict("private prompt zzz", "", api_name="/search")
+    assert "no stored sessions" in status
+    store.mark_shared(sid, "someone-else", True)
+    table, _, status = client.predict("private prompt zzz", "", api_name="/search")
+    assert "1 session" in status
