@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import AsyncIterator
 
 import torch
 
 from . import cache as kv
 from .config import GenerationConfig
 from .events import (BONUS, CORRECTION, DECODE, DRAFT, PREFILL, TARGET, VERIFY, DraftProposed, Event, Rollback,
-                     TimingSpan, TokensEmitted, Verified)
+                     StepStarted, TimingSpan, TokensEmitted, Verified)
 from .models import LM, ModelPair
 from .runtime import Worker
 from .sampling import logits_to_probs, sample, top_alternatives, verify_block
@@ -167,6 +168,21 @@ def emit(state: RunState, tokens: list[int], kinds: list[str]) -> TokensEmitted:
 
 def spans(events: list[Event]) -> list[TimingSpan]:
     return [e for e in events if isinstance(e, TimingSpan)]
+
+
+async def step_loop(state: RunState, step) -> AsyncIterator[Event]:
+    """The loop every decoder shares: prefill, then `await step(events)` until the run is finished.
+    Events are buffered during a step and yielded when it completes."""
+    events: list[Event] = []
+    await prefill(state, events)
+    while True:
+        for e in drain(events):
+            yield e
+        if state.finish_reason:
+            return
+        state.step += 1
+        events.append(StepStarted(state.step, len(state.tokens), round(state.now(), 6)))
+        await step(events)
 
 
 def drain(events: list[Event]) -> list[Event]:

@@ -23,9 +23,9 @@ import torch
 
 from . import cache as kv
 from . import hrad
-from .decoding import RunState, drain, emit, forward, prefill
+from .decoding import RunState, emit, forward, step_loop
 from .events import (ACCEPTED, BONUS, BRANCH_DRAFT, CORRECTION, DRAFT, RESCUED, VERIFY, BranchResolved, DraftProposed,
-                     Event, Rollback, StepStarted, Verified)
+                     Event, Rollback, Verified)
 from .sampling import NO_REPLACEMENT, TOPK, draw_candidates, sample, top_alternatives, verify_block, verify_candidates
 
 REJECT_AT_ONCE, PARTLY, ALL_ACCEPTED = 0, 1, 2  # H-RAD classes
@@ -240,27 +240,21 @@ def hrad_features(state: RunState, hidden, position: int, ds: DraftState, policy
         state.hrad_samples.append((state.emitted - 1, feats))
 
 
-async def parallel_decode(state: RunState, policy: Policy):
-    """PEARL (policy.max_branches == 1) or SpecBranch; yields events."""
-    events: list[Event] = []
-    await prefill(state, events)
-    state.target_seq = list(state.tokens[:-1])  # what the target cache holds (the prefill-sampled token is unfed)
-    ds = DraftState(rows=[list(state.tokens[:-1])])
+def parallel_decode(state: RunState, policy: Policy):
+    """PEARL (policy.max_branches == 1) or SpecBranch: an async generator of events."""
+    state.target_seq = list(state.tokens)  # after prefill both caches hold the prompt; the first token is unfed
+    ds = DraftState(rows=[list(state.tokens)])
     spec = Speculation()
-    while True:
-        for e in drain(events):
-            yield e
-        if state.finish_reason:
-            return
-        state.step += 1
-        events.append(StepStarted(state.step, len(state.tokens), round(state.now(), 6)))
+
+    async def step(events):
+        nonlocal spec
         n_path = min(len(spec.path), max(state.remaining - 1, 0))  # never verify past the token budget
         feed = state.tokens[len(state.target_seq):] + spec.path[:n_path]
         need_hidden = policy.hrad is not None or state.hrad_samples is not None
         target_job = asyncio.ensure_future(forward(state, state.pair.target, state.target_worker, state.target_cache,
                                                    feed, VERIFY, events, hidden_states=need_hidden))
         state.target_seq = state.target_seq + feed
-        try:
+        try:  # the draft drafts ahead while the target verifies
             for _ in range(state.cfg.gamma):
                 await draft_step(state, spec, ds, policy, events)
             out = await target_job
@@ -269,3 +263,5 @@ async def parallel_decode(state: RunState, policy: Policy):
             raise
         logits, hidden = out if need_hidden else (out, None)
         spec = await verify_round(state, spec, n_path, logits, hidden, ds, policy, events)
+
+    return step_loop(state, step)

@@ -3,25 +3,16 @@ target forward, keep the accepted prefix plus a correction or bonus token. Seria
 computes the other waits (the "bubbles" the parallel methods remove)."""
 from __future__ import annotations
 
-from typing import AsyncIterator
-
-from .decoding import RunState, decode_one_token, draft_block, drain, prefill, verify_and_commit
-from .events import Event, StepStarted
+from .decoding import RunState, decode_one_token, draft_block, step_loop, verify_and_commit
 
 
-async def speculative_decode(state: RunState) -> AsyncIterator[Event]:
-    events: list[Event] = []
-    await prefill(state, events)
-    while True:
-        for e in drain(events):
-            yield e
-        if state.finish_reason:
-            return
-        state.step += 1
-        events.append(StepStarted(state.step, len(state.tokens), round(state.now(), 6)))
+def speculative_decode(state: RunState):
+    async def step(events):
         gamma = min(state.cfg.gamma, state.remaining - 1)  # the last token needs no draft
         if gamma < 1:
             await decode_one_token(state, events)
-            continue
+            return
         tokens, q_rows = await draft_block(state, gamma, events)
         await verify_and_commit(state, tokens, q_rows, events)
+
+    return step_loop(state, step)

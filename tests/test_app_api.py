@@ -2,19 +2,13 @@
 generation returns tokens and the figures' data; bad input gets a message; token text is escaped."""
 from __future__ import annotations
 
-import socket
 
 import pytest
 
+from .conftest import free_port
 from app.ui import build_app
 from app.views import token_view
 from engine.events import Rollback, TokensEmitted
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
