@@ -5,7 +5,7 @@ PIP := $(PY) -m pip
 HOST ?= 127.0.0.1
 PORT ?= 7860
 
-.PHONY: run test install bench clean-cache
+.PHONY: run test install browser bench
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -16,11 +16,19 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt
 
 install: $(VENV)/.installed
 
+# The browser test drives Debian's chromium; install it when we can (root), else say how.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = "0" ]; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	  else echo "note: chromium is missing; as root, 'make test' installs it (apt-get install chromium)"; fi; }
+
 run: install
 	$(PY) app.py --host $(HOST) --port $(PORT)
 
-test: install
+test: install browser
 	$(PY) -m pytest -q
 
 bench: install
-	$(PY) -m engine bench --methods ar,sd --dataset all --limit 5 --max-new-tokens 128 --json docs/bench.json
+	$(PY) -m engine bench --methods ar,sd,hf-assisted,pearl,specbranch --dataset all --limit 4 \
+	    --max-new-tokens 128 --json docs/bench-cpu-t0.json

@@ -63,53 +63,67 @@ def step_numbers(events: list[Event]) -> list[int]:
 
 
 def tree_figure(events: list[Event], step: int | None = None) -> go.Figure:
-    """The draft tree of one step: the committed prefix end, the linear path, each branch with its
-    tokens and probabilities, which branch survived and where the rejection fell."""
+    """One step, as the target saw it: the verified draft tokens (green accepted, red rejected, grey
+    thrown away after the rejection), the branch point with each candidate and its branch (survivor
+    green), the target's own token (orange), and, on the lowest row, what the draft drafted meanwhile."""
     steps = step_numbers(events)
     fig = go.Figure()
     if not steps:
         fig.update_layout(title="no steps yet", height=260)
         return fig
     step = steps[-1] if step is None or step not in steps else step
-    drafted = [e for e in events if isinstance(e, DraftProposed) and e.step == step]
     verdict = next((e for e in events if isinstance(e, Verified) and e.step == step), None)
     fork = next((e for e in events if isinstance(e, BranchResolved) and e.step == step), None)
     emitted = next((e for e in events if isinstance(e, TokensEmitted) and e.step == step), None)
+    meanwhile = [e for e in events if isinstance(e, DraftProposed) and e.step == step]
+    if fork is not None and any(d.kind == "candidates" and d.tokens == fork.candidates for d in meanwhile):
+        meanwhile = [d for d in meanwhile if d.kind == "path"]  # the fork was drafted and resolved in this step
     xs, ys, texts, colours, hovers = [], [], [], [], []
 
     def node(x, y, text, colour, hover):
         xs.append(x), ys.append(y), texts.append(text), colours.append(colour), hovers.append(hover)
 
     node(0, 0, "▶", "#616161", "committed prefix")
-    path = [d for d in drafted if d.kind == "path"]
-    checked = verdict.drafted if verdict else 0
+    path = verdict.pieces if verdict else []
     accepted = verdict.accepted if verdict else 0
-    for i, d in enumerate(path):
-        status = "accepted" if i < accepted else ("rejected" if i == accepted and i < checked else "pending")
-        colour = {"accepted": "#43a047", "rejected": "#e53935", "pending": "#9e9e9e"}[status]
-        node(i + 1, 0, d.pieces[0], colour, f"{status}: q={d.q[0]:.3f}"
-             + (f", p={verdict.p[i]:.3f}" if verdict and i < len(verdict.p) else ""))
+    for i, piece in enumerate(path):
+        status = "accepted" if i < accepted else ("rejected" if i == accepted else "thrown away")
+        colour = {"accepted": "#43a047", "rejected": "#e53935", "thrown away": "#bdbdbd"}[status]
+        ratio = verdict.p[i] / verdict.q[i] if verdict.q[i] else 0.0
+        u = "" if verdict.u[i] < 0 else f", u={verdict.u[i]:.3f}"
+        node(i + 1, 0, piece, colour, f"{status}: p={verdict.p[i]:.3f}, q={verdict.q[i]:.3f}, p/q={ratio:.3f}{u}"
+             if i < len(verdict.p) else status)
     base = len(path)
     if fork is not None:
-        for b, (cand, piece) in enumerate(zip(fork.candidates, fork.pieces)):
-            y = b - (len(fork.candidates) - 1) / 2
+        k = len(fork.candidates)
+        for b, piece in enumerate(fork.pieces):
+            y = (k - 1) / 2 - b
             won = b == fork.survivor
-            colour = "#43a047" if won else "#e53935"
-            node(base + 1, y, piece, colour, f"candidate {b + 1}: q={fork.q[b]:.3f} p={fork.p[b]:.3f}"
-                 + (" (survived" + (", rescued)" if fork.rescued else ")") if won else " (dropped)"))
+            node(base + 1, y, piece, "#43a047" if won else "#e53935",
+                 f"candidate {b + 1} ({fork.scheme}): q={fork.q[b]:.3f}, p={fork.p[b]:.3f}"
+                 + ((" · survived" + (" (rescued a rejection)" if fork.rescued else "")) if won else " · dropped"))
             for j, piece2 in enumerate(fork.branch_pieces[b]):
                 node(base + 2 + j, y, piece2, "#a5d6a7" if won else "#ef9a9a",
-                     "branch continues (pending verification)" if won else "rolled back with its branch")
-    if verdict is not None and verdict.next_token >= 0 and emitted is not None:
-        node(base + 1 if verdict.accepted < checked else checked + 1, -1.2 if fork is None else -len(fork.candidates),
-             emitted.pieces[-1] if emitted.pieces else "?", "#fb8c00",
-             f"{verdict.next_kind} from the target (p={verdict.next_p:.3f})")
+                     "branch: next path, verified next step" if won else "rolled back with its branch")
+    if verdict is not None and verdict.next_token >= 0 and emitted is not None and emitted.pieces:
+        x = accepted + 1
+        node(x, -1.5 if fork is None else -(len(fork.candidates) + 1) / 2, emitted.pieces[-1], "#fb8c00",
+             f"{verdict.next_kind} from the target (drawn with p={verdict.next_p:.3f})")
+    if fork is not None and fork.survivor < 0 and emitted is not None and emitted.pieces:
+        node(base + 1, -(len(fork.candidates) + 1) / 2, emitted.pieces[-1], "#fb8c00",
+             "no branch matched: the target's own token")
+    low = min(ys) - 1.5
+    for i, d in enumerate(meanwhile):
+        label = "/".join(d.pieces) if d.kind == "candidates" else d.pieces[0] if d.pieces else "?"
+        node(i + 1, low, label, "#90caf9", f"drafted meanwhile ({d.kind}{'' if d.kind != 'branch' else f' {d.branch}'})"
+             f": q={', '.join(f'{q:.2f}' for q in d.q)}")
     fig.add_trace(go.Scatter(x=xs, y=ys, mode="markers+text", text=texts, textposition="top center",
-                             marker=dict(size=18, color=colours, line=dict(width=1, color="#333")),
+                             marker=dict(size=16, color=colours, line=dict(width=1, color="#333")),
                              hovertext=hovers, hoverinfo="text"))
-    fig.update_layout(title=f"Step {step}: draft tree (green accepted/survived, red rejected/dropped, orange target token)",
-                      height=300, showlegend=False, margin=dict(l=10, r=10, t=40, b=20),
-                      xaxis=dict(title="draft position", dtick=1), yaxis=dict(visible=False))
+    fig.update_layout(title=f"Step {step}: what the target verified (green kept, red rejected/dropped, orange its "
+                            f"own token); blue: drafted meanwhile", height=320, showlegend=False,
+                      margin=dict(l=10, r=10, t=40, b=20), xaxis=dict(title="position after the prefix", dtick=1),
+                      yaxis=dict(visible=False))
     return fig
 
 

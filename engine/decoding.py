@@ -135,7 +135,8 @@ async def verify_and_commit(state: RunState, tokens: list[int], q_rows: torch.Te
     verdict = verify_block(tokens, q_rows, p_rows, state.generator, state.cfg.greedy)
     n = verdict.accepted
     events.append(Verified(state.step, len(tokens), n, verdict.p, verdict.q, verdict.u, verdict.next_token,
-                           BONUS if verdict.bonus else CORRECTION, verdict.next_p))
+                           BONUS if verdict.bonus else CORRECTION, verdict.next_p, tokens=list(tokens),
+                           pieces=state.pieces(tokens)))
     keep = len(state.tokens) + n
     kv.rollback(state.target_cache, keep)
     kv.rollback(state.draft_cache, min(kv.cache_length(state.draft_cache), keep))

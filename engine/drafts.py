@@ -2,7 +2,7 @@
 
 On disk a draft is a directory with
   config.json         the draft's transformers config, plus a "specbranch_draft" entry
-  model.safetensors   only the draft's own weights (layers, final norm), in float16
+  model-NN.safetensors  only the draft's own weights (layers, final norm), in float16, in files < 24 MiB
   vocab_subset.safetensors   (optional) ids of the reduced LM head, FR-Spec style
 The shared tensors (embeddings, head) are taken from the target at load time, so a shipped draft
 stays a few tens of MB. With a reduced head the draft's logits are -inf outside the subset, so q is
@@ -53,6 +53,22 @@ def share_with_target(draft, target) -> None:
     draft.lm_head = target.lm_head
 
 
+MAX_SHARD_BYTES = 24 * 2**20
+
+
+def shards(weights: dict[str, torch.Tensor], limit: int) -> list[dict[str, torch.Tensor]]:
+    """Split a state dict, in key order, into groups of at most `limit` bytes (one tensor may exceed it)."""
+    out, size = [{}], 0
+    for name in sorted(weights):
+        nbytes = weights[name].numel() * weights[name].element_size()
+        if out[-1] and size + nbytes > limit:
+            out.append({})
+            size = 0
+        out[-1][name] = weights[name]
+        size += nbytes
+    return out
+
+
 def own_state_dict(draft) -> dict[str, torch.Tensor]:
     return {k: v for k, v in draft.state_dict().items() if not k.startswith(SHARED_PREFIXES)}
 
@@ -64,7 +80,10 @@ def save_draft(draft, out: Path, vocab_subset: torch.Tensor | None, meta: dict) 
                                   "vocab_subset": vocab_subset is not None, **meta}
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     weights = {k: v.detach().to("cpu", torch.float16).contiguous() for k, v in own_state_dict(draft).items()}
-    save_file(weights, str(out / "model.safetensors"))
+    for old in out.glob("model*.safetensors"):
+        old.unlink()
+    for i, shard in enumerate(shards(weights, MAX_SHARD_BYTES)):  # small files travel and diff well in git
+        save_file(shard, str(out / f"model-{i:02d}.safetensors"))
     if vocab_subset is not None:
         save_file({"ids": vocab_subset.to(torch.int64).cpu().contiguous()}, str(out / "vocab_subset.safetensors"))
 
@@ -81,7 +100,9 @@ def load_draft_dir(path: Path, target, dtype: torch.dtype, device: torch.device)
                               f"(hidden {config.hidden_size}, vocab {config.vocab_size}; the target has "
                               f"{target.config.hidden_size}, {target.config.vocab_size})")
     draft = type(target)(config)
-    weights = load_file(str(path / "model.safetensors"))
+    weights = {}
+    for file in sorted(path.glob("model*.safetensors")):
+        weights.update(load_file(str(file)))
     missing, unexpected = draft.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, strict=False)
     missing = [k for k in missing if not k.startswith(SHARED_PREFIXES)]
     if missing or unexpected:

@@ -73,6 +73,8 @@ class Verified(Event):
     next_kind: str  # CORRECTION, BONUS, or "" when next_token is -1
     next_p: float  # probability of next_token under the distribution it was drawn from
     branch: int = 0
+    tokens: list[int] = field(default_factory=list)  # the verified draft tokens (so a step draws on its own)
+    pieces: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -174,7 +174,7 @@ async def verify_round(state: RunState, spec: Speculation, n_path: int, logits: 
     events.append(Verified(state.step, len(checked), n, verdict.p, verdict.q, verdict.u,
                            -1 if verdict.next_token is None else verdict.next_token,
                            "" if verdict.next_token is None else (BONUS if verdict.bonus else CORRECTION),
-                           verdict.next_p))
+                           verdict.next_p, tokens=list(checked), pieces=state.pieces(checked)))
     kinds = [ACCEPTED] * n
     if verdict.next_token is not None:  # a rejection, or a bonus with nothing drafted beyond the path
         dropped = spec.tokens()[n:]

@@ -2,13 +2,13 @@
 generation returns tokens and the figures' data; bad input gets a message; token text is escaped."""
 from __future__ import annotations
 
-
 import pytest
 
-from .conftest import free_port
 from app.ui import build_app
 from app.views import token_view
 from engine.events import Rollback, TokensEmitted
+
+from .conftest import free_port
 
 
 @pytest.fixture(scope="module")
@@ -124,3 +124,21 @@ def test_other_browser_sessions_do_not_see_private_runs(client, store):
     store.mark_shared(sid, "someone-else", True)
     table, _, status = client.predict("private prompt zzz", "", api_name="/search")
     assert "1 session" in status
+
+
+def test_two_browser_sessions_each_see_their_own_stream(client, tiny_engine):
+    from gradio_client import Client
+
+    other = Client(client.src, verbose=False)
+    a = ARGS | {"max_new": 16}
+    jobs = [c.submit(p, [], a["method"], a["max_new"], a["temperature"], a["top_p"], a["gamma"], a["branches"],
+                     a["epsilon"], a["hrad"], a["seed"], False, api_name="/generate")
+            for c, p in ((client, "a b a b"), (other, "h g f e"))]
+    finals = [job.result() for job in jobs]
+    assert [m["role"] for m in finals[0][0]] == ["user", "assistant"]  # only its own turn
+    assert content(finals[0][0][0]) == "a b a b" and content(finals[1][0][0]) == "h g f e"
+    from engine.config import GenerationConfig
+    for (prompt, final) in zip(("a b a b", "h g f e"), finals):
+        want = tiny_engine.run(tiny_engine.encode(prompt, False), GenerationConfig(
+            method="specbranch", max_new_tokens=16, gamma=3, epsilon=1.0)).text
+        assert content(final[0][-1]) == want

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import free_port
 from app.ui import build_app, css_paths
+
+from .conftest import free_port
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -1,0 +1,61 @@
+"""The shipped drafts for the embedded target load offline and keep their measured acceptance on
+fixed held-out (benchmark-split) prompts, so that a regression shows; the H-RAD weights load and
+SpecBranch with them stays lossless."""
+from __future__ import annotations
+
+import pytest
+
+from engine.config import GenerationConfig
+from engine.datasets import benchmark_prompts
+from engine.events import Notice
+
+from .conftest import engine_with_draft
+
+# floors set just under the figures measured with these prompts (see engine/drafts/*/README.md)
+MAIN_FLOOR = 0.40
+WEAK_RANGE = (0.15, 0.50)
+
+
+def held_out(engine):
+    prompts = [benchmark_prompts(d, 2)[1] for d in ("mt_bench", "gsm8k", "humaneval")]
+    return [engine.encode(p.text, p.chat) for p in prompts]
+
+
+def acceptance(engine, prompts) -> float:
+    accepted = verified = 0
+    for ids in prompts:
+        m = engine.run(ids, GenerationConfig(method="sd", max_new_tokens=48, gamma=4)).metrics
+        accepted, verified = accepted + m["accepted_tokens"], verified + m["verified_tokens"]
+    return accepted / verified
+
+
+def test_main_draft_acceptance(embedded_target):
+    engine = engine_with_draft(embedded_target, "embedded")
+    assert engine.pair.draft.head_ids is not None  # reduced (FR-Spec) head
+    assert acceptance(engine, held_out(engine)) >= MAIN_FLOOR
+
+
+def test_weak_draft_acceptance(embedded_target):
+    engine = engine_with_draft(embedded_target, "embedded-weak")
+    a = acceptance(engine, held_out(engine))
+    assert WEAK_RANGE[0] <= a <= WEAK_RANGE[1]
+
+
+def test_hrad_weights_load_and_specbranch_matches_ar(embedded_target):
+    engine = engine_with_draft(embedded_target, "embedded")
+    assert engine.hrad is not None, engine.hrad_notice
+    ids = held_out(engine)[0]
+    want = engine.run(ids, GenerationConfig(method="ar", max_new_tokens=64)).token_ids
+    r = engine.run(ids, GenerationConfig(method="specbranch", max_new_tokens=64, gamma=6))
+    assert r.token_ids == want
+    assert not any(isinstance(e, Notice) and "H-RAD off" in e.message for e in r.events)
+
+
+def test_incompatible_hrad_weights_fall_back(tmp_path, tiny_engine):
+    """Weights for another hidden size are refused with a reason, not loaded."""
+    from engine.config import SpecBranchError
+    from engine.hrad import HRAD, load_hrad, save_hrad
+
+    save_hrad(HRAD(5 * 64), tmp_path / "hrad.safetensors", {"note": "wrong size"})
+    with pytest.raises(SpecBranchError, match="hidden size 64"):
+        load_hrad(tmp_path / "hrad.safetensors", target_hidden=32)
