@@ -9,7 +9,7 @@ TOK=${TOK:-128}
 # 1. draft quality: acceptance of each shipped draft at temperature 0 and 1 (SD, gamma 4)
 for d in embedded embedded-weak; do
   for t in 0 1; do
-    $PY -m engine bench --methods ar,sd --draft $d --dataset all --limit $N --max-new-tokens $TOK \
+    $PY -m engine bench --methods sd --draft $d --dataset all --limit 3 --max-new-tokens $TOK \
         --temperature $t --gamma 4 --json docs/draft-$d-t$t.json
   done
 done

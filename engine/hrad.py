@@ -25,14 +25,15 @@ N_LAYERS = 4
 
 
 class HRAD(torch.nn.Module):
-    def __init__(self, in_dim: int, hidden: int = 256):
+    def __init__(self, in_dim: int, hidden: int = 256, dropout: float = 0.0):
         super().__init__()
-        self.in_dim = in_dim
+        self.in_dim, self.dropout = in_dim, dropout
         self.net = torch.nn.Sequential(torch.nn.LayerNorm(in_dim), torch.nn.Linear(in_dim, hidden), torch.nn.GELU(),
                                        torch.nn.Linear(hidden, 3))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
+        h = self.net[:3](x)  # dropout only while training: a few thousand samples of 2880 features overfit fast
+        return self.net[3](torch.nn.functional.dropout(h, self.dropout, self.training))
 
     @torch.inference_mode()
     def predict(self, features: torch.Tensor) -> int:
@@ -88,18 +89,20 @@ def load_hrad(path: Path, target_hidden: int) -> HRAD:
 
 
 def train_classifier(train: list, val: list, epochs: int = 20, batch_size: int = 32, lr: float = 1e-3,
-                     seed: int = 0) -> tuple[HRAD, dict]:
+                     seed: int = 0, hidden: int = 256, dropout: float = 0.0,
+                     weight_decay: float = 0.01) -> tuple[HRAD, dict]:
     """Train the 3-way MLP (class-balanced loss); report accuracy against the majority class."""
     torch.manual_seed(seed)
     x = torch.stack([f for f, _ in train])
     y = torch.tensor([c for _, c in train])
     counts = torch.bincount(y, minlength=3).float()
     weights = counts.sum() / (3 * counts.clamp_min(1))
-    model = HRAD(x.shape[1])
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    model = HRAD(x.shape[1], hidden, dropout)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     order = list(range(len(train)))
-    for _ in range(epochs):
-        random.Random(seed).shuffle(order)
+    model.train()
+    for epoch in range(epochs):
+        random.Random(seed + epoch).shuffle(order)
         for i in range(0, len(order), batch_size):
             idx = order[i:i + batch_size]
             loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx], weight=weights)
@@ -161,29 +164,48 @@ def collect(engine, prompts: list[list[int]], cfg, horizon: int, desc: str) -> l
     return samples
 
 
+def training_prompts(corpus: Path, limit: int, seed: int) -> list[list[int]]:
+    """Distinct training-split prompts, the same number from each source (GSM8K, HumanEval, MT-Bench
+    second turns), so the classifier does not learn only GSM8K's rhythm."""
+    from .distill import read_jsonl
+
+    by_source: dict[str, list[list[int]]] = {}
+    seen = set()
+    for r in read_jsonl(corpus):
+        key = tuple(r["prompt_ids"])
+        if key not in seen:
+            seen.add(key)
+            by_source.setdefault(r.get("source", ""), []).append(list(key))
+    rng = random.Random(seed)
+    picked = []
+    for source in sorted(by_source):
+        rng.shuffle(by_source[source])
+        picked += by_source[source][: max(1, limit // len(by_source))]
+    return picked
+
+
 def run_train_hrad(args) -> dict:
     from .config import GenerationConfig
     from .datasets import benchmark_prompts
-    from .distill import read_jsonl
 
     engine = args.build_engine(args)
     cfg = GenerationConfig(method="specbranch-no-hrad", max_new_tokens=args.max_new_tokens, gamma=args.gamma,
                            branches=args.branches, epsilon=args.epsilon, temperature=0.0).validate()
-    corpus = read_jsonl(Path(args.corpus))
-    seen, train_prompts = set(), []
-    for r in corpus:  # distinct training-split prompts, in a fixed shuffled order
-        key = tuple(r["prompt_ids"])
-        if key not in seen:
-            seen.add(key)
-            train_prompts.append(list(key))
-    random.Random(args.seed).shuffle(train_prompts)
-    train_prompts = train_prompts[: args.limit]
-    held_out = [engine.encode(p.text, p.chat) for p in benchmark_prompts("all", args.held_out_limit)]
-    train = collect(engine, train_prompts, cfg, args.horizon, "collect (training prompts)")
-    val = collect(engine, held_out, cfg, args.horizon, "collect (held-out benchmark prompts)")
-    model, report = train_classifier(train, val, epochs=args.epochs, seed=args.seed)
+    samples_path = Path(args.samples)
+    if samples_path.exists():  # collecting is the slow part: reuse it to try other classifier settings
+        train, val, train_prompts = torch.load(samples_path)
+    else:
+        train_prompts = training_prompts(Path(args.corpus), args.limit, args.seed)
+        held_out = [engine.encode(p.text, p.chat) for p in benchmark_prompts("all", args.held_out_limit)]
+        train = collect(engine, train_prompts, cfg, args.horizon, "collect (training prompts)")
+        val = collect(engine, held_out, cfg, args.horizon, "collect (held-out benchmark prompts)")
+        samples_path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save((train, val, train_prompts), samples_path)
+    model, report = train_classifier(train, val, epochs=args.epochs, seed=args.seed, hidden=args.hidden,
+                                     dropout=args.dropout, weight_decay=args.weight_decay)
     meta = {"target": args.target, "draft": args.draft, "horizon": args.horizon, "gamma": args.gamma,
-            "epsilon": args.epsilon, "train_prompts": len(train_prompts),
+            "epsilon": args.epsilon, "train_prompts": len(train_prompts), "hidden": args.hidden,
+            "dropout": args.dropout, "weight_decay": args.weight_decay, "epochs": args.epochs,
             "train_source": f"{args.corpus} (training split)",
             "held_out_source": f"benchmark split, {args.held_out_limit} per dataset", **report}
     save_hrad(model, Path(args.out), meta)
@@ -197,4 +219,8 @@ def add_arguments(p) -> None:
     p.add_argument("--held-out-limit", type=int, default=6, help="benchmark prompts per dataset for accuracy")
     p.add_argument("--horizon", type=int, default=4, help="accepted run at which a block counts as all accepted")
     p.add_argument("--epochs", type=int, default=20)
+    p.add_argument("--hidden", type=int, default=64, help="MLP width")
+    p.add_argument("--dropout", type=float, default=0.3)
+    p.add_argument("--weight-decay", type=float, default=0.05)
+    p.add_argument("--samples", default="runs/hrad-samples.pt", help="collected samples, reused when present")
     p.add_argument("--out", required=True, help="path of the .safetensors to write (a .json goes beside it)")

@@ -68,8 +68,9 @@ def compute_metrics(events: list[Event]) -> dict:
     drafted = sum(len(e.tokens) for e in events if isinstance(e, DraftProposed))
     discarded = sum(len(e.tokens) for e in events if isinstance(e, Rollback) and e.model == "draft")
     forks = [e for e in events if isinstance(e, BranchResolved)]
-    # a branch point counts as one verified draft position, accepted when some branch survived
-    n_verified = sum(v.drafted for v in verified) + len(forks)
+    # verification of a block stops at its first rejection: the tokens after it are never verified.
+    # A branch point counts as one verified draft position, accepted when some branch survived.
+    n_verified = sum(v.accepted + (v.accepted < v.drafted) for v in verified) + len(forks)
     n_accepted = sum(v.accepted for v in verified) + sum(f.survivor >= 0 for f in forks)
     target_forwards = sum(1 for s in spans if s.worker == "target")
     draft_forwards = sum(1 for s in spans if s.worker == "draft" and s.kind != "prefill")

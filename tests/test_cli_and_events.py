@@ -87,3 +87,13 @@ def test_bad_event_dicts_are_refused():
         from_dict({"type": "nope"})
     with pytest.raises(ValueError):
         from_dict({"type": "step_started", "step": 1, "position": 2, "t": 0.0, "extra": 1})
+
+
+def test_acceptance_counts_only_verified_tokens():
+    """Verification stops at the first rejection: tokens after it were never verified."""
+    blocks = [Verified(1, 4, 1, [0.9, 0.1], [1.0, 1.0], [-1, -1], 7, "correction", 1.0),  # 1 accepted, 1 rejected
+              Verified(2, 4, 4, [1.0] * 4, [1.0] * 4, [-1] * 4, 8, "bonus", 1.0)]  # 4 accepted
+    m = compute_metrics(blocks + [Finished("length", 0.0, 1.0, 7, {})])
+    assert m["verified_tokens"] == 6 and m["accepted_tokens"] == 5
+    assert m["acceptance_rate"] == round(5 / 6, 6)
+    assert m["per_position_acceptance"] == [1.0, 0.5, 1.0, 1.0]  # position 2 is reached only by block 2
