@@ -73,6 +73,7 @@ def compute_metrics(events: list[Event]) -> dict:
     n_verified = sum(v.accepted + (v.accepted < v.drafted) for v in verified) + len(forks)
     n_accepted = sum(v.accepted for v in verified) + sum(f.survivor >= 0 for f in forks)
     target_forwards = sum(1 for s in spans if s.worker == "target")
+    opaque = any(s.kind == "assisted_generate" for s in spans)  # hf-assisted: its forwards are not visible
     draft_forwards = sum(1 for s in spans if s.worker == "draft" and s.kind != "prefill")
 
     longest = max((v.drafted for v in verified), default=0)
@@ -99,7 +100,7 @@ def compute_metrics(events: list[Event]) -> dict:
         "prefill_s": round(finished.prefill_s if finished else prefill_end, 6),
         "decode_s": round(decode_s, 6),
         "acceptance_rate": round(n_accepted / n_verified, 6) if n_verified else None,
-        "mean_accepted_length": round(new_tokens / target_forwards, 6) if target_forwards else None,
+        "mean_accepted_length": round(new_tokens / target_forwards, 6) if target_forwards and not opaque else None,
         "rollback_rate": round(discarded / drafted, 6) if drafted else None,
         "drafted_tokens": drafted,
         "verified_tokens": n_verified,
