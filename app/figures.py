@@ -89,10 +89,12 @@ def tree_figure(events: list[Event], step: int | None = None) -> go.Figure:
     for i, piece in enumerate(path):
         status = "accepted" if i < accepted else ("rejected" if i == accepted else "thrown away")
         colour = {"accepted": "#43a047", "rejected": "#e53935", "thrown away": "#bdbdbd"}[status]
-        ratio = verdict.p[i] / verdict.q[i] if verdict.q[i] else 0.0
-        u = "" if verdict.u[i] < 0 else f", u={verdict.u[i]:.3f}"
-        node(i + 1, 0, piece, colour, f"{status}: p={verdict.p[i]:.3f}, q={verdict.q[i]:.3f}, p/q={ratio:.3f}{u}"
-             if i < len(verdict.p) else status)
+        hover = status  # p, q and u exist up to the first rejection, where verification stopped
+        if i < len(verdict.p):
+            ratio = verdict.p[i] / verdict.q[i] if verdict.q[i] else 0.0
+            u = "" if verdict.u[i] < 0 else f", u={verdict.u[i]:.3f}"
+            hover = f"{status}: p={verdict.p[i]:.3f}, q={verdict.q[i]:.3f}, p/q={ratio:.3f}{u}"
+        node(i + 1, 0, piece, colour, hover)
     base = len(path)
     if fork is not None:
         k = len(fork.candidates)
