@@ -3,6 +3,7 @@ step from its stored events (no model needed), compare stored runs, export, impo
 from __future__ import annotations
 
 import html
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -142,7 +143,6 @@ def build_replay_tab(get_store, views_at) -> None:
         session_file = EXPORT_DIR / f"session-{session_id}.json"
         trace_file = EXPORT_DIR / f"session-{session_id}.trace.json"
         session_file.write_text(text)
-        import json
         trace_file.write_text(json.dumps(chrome_trace_runs(runs)))
         return str(session_file), str(trace_file), "exported: the .trace.json opens in ui.perfetto.dev"
 

@@ -13,7 +13,7 @@ import torch
 from . import cache as kv
 from .config import GenerationConfig
 from .events import (BONUS, CORRECTION, DECODE, DRAFT, PREFILL, TARGET, VERIFY, DraftProposed, Event, Rollback,
-                     StepStarted, TimingSpan, TokensEmitted, Verified)
+                     StepStarted, TokensEmitted, Verified)
 from .models import LM, ModelPair
 from .runtime import Worker
 from .sampling import logits_to_probs, sample, top_alternatives, verify_block
@@ -165,10 +165,6 @@ def emit(state: RunState, tokens: list[int], kinds: list[str]) -> TokensEmitted:
     delta = text[len(state.sent_text):]
     state.sent_text = max(text, state.sent_text, key=len)
     return TokensEmitted(state.step, tokens, state.pieces(tokens), kinds, delta)
-
-
-def spans(events: list[Event]) -> list[TimingSpan]:
-    return [e for e in events if isinstance(e, TimingSpan)]
 
 
 async def step_loop(state: RunState, step) -> AsyncIterator[Event]:

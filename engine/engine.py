@@ -9,7 +9,6 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-import torch
 
 from .ar import autoregressive_decode
 from .assisted import assisted_decode

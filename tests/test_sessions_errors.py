@@ -3,7 +3,6 @@ give a clear SessionStoreError; a recorder that cannot write says why and the ge
 from __future__ import annotations
 
 import copy
-import json
 import sqlite3
 
 import pytest
