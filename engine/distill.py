@@ -1,6 +1,7 @@
 """`python -m engine distill`: train a small draft for any causal-LM target by self-distillation.
 
 Three resumable stages, each writing into --work-dir:
+  0. prompts   (optional, --self-prompts N) the target writes its own user questions (Magpie)
   1. generate  the target's own responses to training prompts (batched; skipped rows already done)
   2. label     the target's top-k next-token distribution at every response position (soft targets)
   3. train     a draft made of the target's first N layers, sharing its frozen embeddings and head,
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 import time
 from pathlib import Path
 
@@ -47,12 +49,21 @@ def encode_prompt(tokenizer, row: dict) -> list[int]:
     return tokenizer.encode(row["prompt"])
 
 
+def stop_ids(target, tokenizer) -> set[int]:
+    """Tokens that end a response: the tokenizer's eos and the model's generation eos (int or list)."""
+    ids = {tokenizer.eos_token_id}
+    eos = getattr(target.generation_config, "eos_token_id", None)
+    ids |= set(eos) if isinstance(eos, (list, tuple)) else {eos}
+    return {i for i in ids if i is not None}
+
+
 @torch.inference_mode()
 def generate_responses(target, tokenizer, prompts: list[dict], out: Path, max_new_tokens: int, batch_size: int,
                        temperature: float, seed: int) -> None:
     """Append {prompt_ids, response_ids} rows to `out`; rows already there (by position) are skipped."""
     done = len(read_jsonl(out)) if out.exists() else 0
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    stops = stop_ids(target, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stops, default=0)
     torch.manual_seed(seed + done)
     with open(out, "a") as f, tqdm(total=len(prompts), initial=done, desc="generate", unit="prompt") as bar:
         for start in range(done, len(prompts), batch_size):
@@ -64,11 +75,63 @@ def generate_responses(target, tokenizer, prompts: list[dict], out: Path, max_ne
             gen = target.generate(input_ids=ids.to(target.device), attention_mask=mask.to(target.device),
                                   max_new_tokens=max_new_tokens, pad_token_id=pad, **kwargs)[:, width:].tolist()
             for b, resp in zip(batch, gen):
-                if tokenizer.eos_token_id in resp:
-                    resp = resp[: resp.index(tokenizer.eos_token_id) + 1]
+                end = next((i for i, t in enumerate(resp) if t in stops), None)
+                resp = resp if end is None else resp[: end + 1]  # keep the stop token: the draft learns to end
                 f.write(json.dumps({"prompt_ids": b, "response_ids": resp}) + "\n")
             f.flush()
             bar.update(len(batch))
+
+
+PLACEHOLDER = "\u2063QUESTION\u2063"
+
+
+def pre_query_ids(tokenizer) -> tuple[list[int], int]:
+    """The chat template up to where a user's words begin, and the token that ends a user turn."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise SpecBranchError("--self-prompts needs a target whose tokenizer has a chat template")
+    text = tokenizer.apply_chat_template([{"role": "user", "content": PLACEHOLDER}], tokenize=False)
+    if PLACEHOLDER not in text:
+        raise SpecBranchError("--self-prompts: the chat template does not place the user's words verbatim")
+    before, after = text.split(PLACEHOLDER, 1)
+    end_ids = tokenizer.encode(after.strip(), add_special_tokens=False)
+    if not end_ids:
+        raise SpecBranchError("--self-prompts: the chat template has no end-of-turn marker")
+    return tokenizer.encode(before, add_special_tokens=False), end_ids[0]
+
+
+def shingles(text: str, n: int = 8) -> set[tuple[str, ...]]:
+    words = re.findall(r"\w+", text.lower())
+    return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
+
+
+@torch.inference_mode()
+def generate_self_prompts(target, tokenizer, n: int, out: Path, batch_size: int, seed: int,
+                          exclude: set[tuple[str, ...]], max_new_tokens: int = 48) -> None:
+    """Magpie (Xu et al. 2024, arXiv 2406.08464): given only the template up to the user turn, an
+    instruction-tuned target writes a user question. Sampled at T=1, top-p 0.95; kept when the turn
+    ends within max_new_tokens, is new, and shares no 8-word run with a benchmark prompt (`exclude`,
+    from `shingles`). Appends to `out`."""
+    prefix, end_id = pre_query_ids(tokenizer)
+    seen = {r["prompt"] for r in read_jsonl(out)} if out.exists() else set()
+    ids = torch.tensor([prefix] * batch_size, device=target.device)
+    rounds = 0
+    with open(out, "a") as f, tqdm(total=n, initial=len(seen), desc="self-prompts", unit="prompt") as bar:
+        while len(seen) < n:
+            torch.manual_seed(seed * 100_003 + len(seen) * 7 + rounds)  # resumable, yet new samples each round
+            rounds += 1
+            gen = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
+                                  top_p=0.95, max_new_tokens=max_new_tokens, eos_token_id=end_id,
+                                  pad_token_id=end_id)[:, len(prefix):].tolist()
+            for resp in gen:
+                if end_id not in resp:
+                    continue  # unfinished question
+                text = tokenizer.decode(resp[: resp.index(end_id)], skip_special_tokens=True).strip()
+                if len(text) < 12 or text in seen or shingles(text) & exclude or len(seen) >= n:
+                    continue
+                seen.add(text)
+                f.write(json.dumps({"prompt": text, "chat": True, "source": "self"}) + "\n")
+                bar.update(1)
+            f.flush()
 
 
 def batches(rows: list[dict], batch_size: int, shuffle: bool, seed: int = 0):
@@ -235,24 +298,37 @@ def run_distill(args) -> dict:
         generate_responses(target, tok, prompts, generated, args.max_new_tokens, args.gen_batch_size,
                            args.gen_temperature, args.seed)
         rows += read_jsonl(generated)
+    if args.self_prompts:
+        from .datasets import DATASETS, benchmark_prompts
+        exclude = set().union(*(shingles(p.text) for d in DATASETS for p in benchmark_prompts(d)))
+        prompt_file, generated = work / "self_prompts.jsonl", work / "self_generated.jsonl"
+        generate_self_prompts(target, tok, args.self_prompts, prompt_file, args.gen_batch_size, args.seed, exclude)
+        prompts = read_jsonl(prompt_file)[: args.self_prompts]
+        generate_responses(target, tok, prompts, generated, args.max_new_tokens, args.gen_batch_size,
+                           args.gen_temperature, args.seed)
+        rows += read_jsonl(generated)[: args.self_prompts]
     rows = [r for r in rows if r["response_ids"]]
-    if args.max_tokens:
-        random.Random(args.seed).shuffle(rows)
-        kept, n = [], 0
-        for r in rows:
-            if n >= args.max_tokens:
-                break
-            kept.append(r)
-            n += len(r["response_ids"])
-        rows = kept
+    if args.generate_only:
+        print(f"distill: generated; {len(rows)} rows, {sum(len(r['response_ids']) for r in rows)} response tokens")
+        return {"rows": len(rows)}
     if len(rows) < 2:
-        raise SpecBranchError("distill needs at least two (prompt, response) rows: give --corpus or --prompts")
+        raise SpecBranchError("distill needs at least two (prompt, response) rows: give --corpus, --prompts or --self-prompts")
     train_rows, val_rows = split_by_prompt(rows, args.val_fraction, args.seed)
-    n_tokens = sum(len(r["response_ids"]) for r in train_rows)
-    print(f"distill: {len(train_rows)} training rows ({n_tokens} response tokens), {len(val_rows)} held-out rows")
     labels = label_topk(target, train_rows + val_rows, work / f"labels_top{args.top_k}_{len(rows)}_{args.seed}.pt",
                         args.top_k, args.label_batch_size)
     train_labels, val_labels = labels[: len(train_rows)], labels[len(train_rows):]
+    if args.max_tokens:  # a data-size curve: fewer training rows, the same held-out rows and labels
+        order = list(range(len(train_rows)))
+        random.Random(args.seed).shuffle(order)
+        kept, n = [], 0
+        for i in order:
+            if n >= args.max_tokens:
+                break
+            kept.append(i)
+            n += len(train_rows[i]["response_ids"])
+        train_rows, train_labels = [train_rows[i] for i in kept], [train_labels[i] for i in kept]
+    n_tokens = sum(len(r["response_ids"]) for r in train_rows)
+    print(f"distill: {len(train_rows)} training rows ({n_tokens} response tokens), {len(val_rows)} held-out rows")
     draft, subset, summary = train_draft(
         target, train_rows, train_labels, val_rows, val_labels, layers=args.layers, vocab=args.vocab,
         epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, seed=args.seed,
@@ -273,6 +349,9 @@ def add_arguments(p) -> None:
     p.add_argument("--corpus", action="append", help="JSONL rows with prompt_ids and response_ids (repeatable)")
     p.add_argument("--prompts", help="JSONL prompts (field 'prompt', optional 'chat') to generate responses for")
     p.add_argument("--limit", type=int, default=0, help="use only the first N prompts")
+    p.add_argument("--self-prompts", type=int, default=0,
+                   help="let the target write N user questions of its own (Magpie) and answer them")
+    p.add_argument("--generate-only", action="store_true", help="stop after generating responses")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--gen-batch-size", type=int, default=16)
     p.add_argument("--gen-temperature", type=float, default=0.0)

@@ -40,3 +40,65 @@ def test_distill_tiny_end_to_end(tmp_path):
     generated = (tmp_path / "work" / "generated.jsonl").read_text()
     assert len(generated.splitlines()) == 40
     engine.close()
+    # --max-tokens trains on fewer rows and keeps the same held-out rows (a data-size curve)
+    labels = sorted((tmp_path / "work").glob("labels_*.pt"))
+    assert len(labels) == 1
+    stamp = labels[0].stat().st_mtime_ns
+    code = main(["distill", "--target", str(target), "--prompts", str(prompts), "--max-new-tokens", "24",
+                 "--max-tokens", "100", "--layers", "1", "--vocab", "8", "--epochs", "1", "--top-k", "4",
+                 "--val-fraction", "0.1", "--work-dir", str(tmp_path / "work"), "--out", str(tmp_path / "small"),
+                 "--device", "cpu"])
+    small = json.loads((tmp_path / "small" / "config.json").read_text())["specbranch_draft"]
+    assert code == 0 and small["held_out_rows"] == card["held_out_rows"]
+    assert 100 <= small["train_response_tokens"] < 100 + 25 < card["train_response_tokens"]
+    assert labels[0].stat().st_mtime_ns == stamp  # labels reused, not recomputed
+
+
+TINY_CHAT = "{% for m in messages %}a {{ m['content'] }} <eos> {% endfor %}{% if add_generation_prompt %}b {% endif %}"
+
+
+def test_self_prompts_magpie_tiny(tmp_path, capsys):
+    """--self-prompts: the target writes user questions from the template's pre-query prefix alone;
+    only finished, new, non-excluded questions are kept; the file resumes; the responses follow."""
+    from transformers import AutoTokenizer
+
+    from engine.distill import generate_self_prompts, pre_query_ids, read_jsonl, shingles
+
+    target = make_tiny_model(tmp_path / "target", seed=3, layers=2, init=0.3, context=128, eos=1)
+    tok = AutoTokenizer.from_pretrained(target)
+    # without a chat template there is nothing to prompt from: a clear error, exit 2
+    code = main(["distill", "--target", str(target), "--self-prompts", "4", "--generate-only",
+                 "--work-dir", str(tmp_path / "w0"), "--out", str(tmp_path / "d0"), "--device", "cpu"])
+    assert code == 2 and "chat template" in capsys.readouterr().err
+    tok.chat_template = TINY_CHAT
+    tok.save_pretrained(target)
+    assert pre_query_ids(tok) == ([2], 1)  # "a " opens a user turn, <eos> ends it
+
+    from engine.models import load_pair as load
+    model = load(str(target), None, device="cpu").target.model
+    out = tmp_path / "self.jsonl"
+    generate_self_prompts(model, tok, 10, out, batch_size=8, seed=0, exclude=set())
+    first = read_jsonl(out)
+    assert len(first) == 10 and len({r["prompt"] for r in first}) == 10
+    assert all(len(r["prompt"]) >= 12 and "<eos>" not in r["prompt"] and r["chat"] for r in first)
+    generate_self_prompts(model, tok, 16, out, batch_size=8, seed=0, exclude=set())
+    rows = read_jsonl(out)
+    assert rows[:10] == first and len(rows) == 16 and len({r["prompt"] for r in rows}) == 16
+    # same seed, fresh file, with the first questions' 8-word runs excluded: the long ones come back no more
+    banned = set().union(*(shingles(r["prompt"]) for r in first))
+    long_ones = {r["prompt"] for r in first if shingles(r["prompt"])}
+    assert long_ones
+    again = tmp_path / "again.jsonl"
+    generate_self_prompts(model, tok, 10, again, batch_size=8, seed=0, exclude=banned)
+    kept = {r["prompt"] for r in read_jsonl(again)}
+    assert len(kept) == 10 and not kept & long_ones
+    # through the CLI: questions, then the target's answers to them
+    code = main(["distill", "--target", str(target), "--self-prompts", "12", "--generate-only", "--gen-batch-size", "8",
+                 "--max-new-tokens", "16", "--work-dir", str(tmp_path / "w1"), "--out", str(tmp_path / "d1"),
+                 "--device", "cpu"])
+    assert code == 0
+    answered = read_jsonl(tmp_path / "w1" / "self_generated.jsonl")
+    questions = read_jsonl(tmp_path / "w1" / "self_prompts.jsonl")
+    assert len(answered) == len(questions) == 12
+    assert all(a["prompt_ids"][:1] == [2] and a["prompt_ids"][-1] == 3 for a in answered)  # "a ... <eos> b"
+    assert all(0 < len(a["response_ids"]) <= 16 for a in answered)
