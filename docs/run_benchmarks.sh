@@ -6,8 +6,10 @@ PY=${PY:-.venv/bin/python}
 N=${N:-4}          # prompts per dataset (MT-Bench, GSM8K, HumanEval benchmark split)
 TOK=${TOK:-128}
 
-# 1. draft quality: acceptance of each shipped draft at temperature 0 and 1 (SD, gamma 4)
+# 1. draft quality: acceptance of each shipped draft at temperature 0 (30 and 9 prompts) and 1 (SD, gamma 4)
 for d in embedded embedded-weak; do
+  $PY -m engine bench --methods sd --draft $d --dataset all --limit 10 --max-new-tokens $TOK \
+      --temperature 0 --gamma 4 --json docs/draft-$d-t0-n10.json
   for t in 0 1; do
     $PY -m engine bench --methods sd --draft $d --dataset all --limit 3 --max-new-tokens $TOK \
         --temperature $t --gamma 4 --json docs/draft-$d-t$t.json

@@ -164,14 +164,14 @@ def collect(engine, prompts: list[list[int]], cfg, horizon: int, desc: str) -> l
     return samples
 
 
-def training_prompts(corpus: Path, limit: int, seed: int) -> list[list[int]]:
+def training_prompts(corpora: list[Path], limit: int, seed: int) -> list[list[int]]:
     """Distinct training-split prompts, the same number from each source (GSM8K, HumanEval, MT-Bench
-    second turns), so the classifier does not learn only GSM8K's rhythm."""
+    second turns, the target's own questions), so the classifier does not learn only GSM8K's rhythm."""
     from .distill import read_jsonl
 
     by_source: dict[str, list[list[int]]] = {}
     seen = set()
-    for r in read_jsonl(corpus):
+    for r in (row for corpus in corpora for row in read_jsonl(corpus)):
         key = tuple(r["prompt_ids"])
         if key not in seen:
             seen.add(key)
@@ -188,6 +188,7 @@ def run_train_hrad(args) -> dict:
     from .config import GenerationConfig
     from .datasets import benchmark_prompts
 
+    args.corpus = args.corpus or ["data/teacher_smollm2_135m.jsonl", "data/self_smollm2_135m.jsonl"]
     engine = args.build_engine(args)
     cfg = GenerationConfig(method="specbranch-no-hrad", max_new_tokens=args.max_new_tokens, gamma=args.gamma,
                            branches=args.branches, epsilon=args.epsilon, temperature=0.0).validate()
@@ -195,7 +196,7 @@ def run_train_hrad(args) -> dict:
     if samples_path.exists():  # collecting is the slow part: reuse it to try other classifier settings
         train, val, train_prompts = torch.load(samples_path)
     else:
-        train_prompts = training_prompts(Path(args.corpus), args.limit, args.seed)
+        train_prompts = training_prompts([Path(c) for c in args.corpus], args.limit, args.seed)
         held_out = [engine.encode(p.text, p.chat) for p in benchmark_prompts("all", args.held_out_limit)]
         train = collect(engine, train_prompts, cfg, args.horizon, "collect (training prompts)")
         val = collect(engine, held_out, cfg, args.horizon, "collect (held-out benchmark prompts)")
@@ -206,7 +207,7 @@ def run_train_hrad(args) -> dict:
     meta = {"target": args.target, "draft": args.draft, "horizon": args.horizon, "gamma": args.gamma,
             "epsilon": args.epsilon, "train_prompts": len(train_prompts), "hidden": args.hidden,
             "dropout": args.dropout, "weight_decay": args.weight_decay, "epochs": args.epochs,
-            "train_source": f"{args.corpus} (training split)",
+            "train_source": f"{', '.join(args.corpus)} (training split)",
             "held_out_source": f"benchmark split, {args.held_out_limit} per dataset", **report}
     save_hrad(model, Path(args.out), meta)
     print(json.dumps(meta, indent=2))
@@ -214,7 +215,8 @@ def run_train_hrad(args) -> dict:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--corpus", default="data/teacher_smollm2_135m.jsonl", help="training prompts (prompt_ids)")
+    p.add_argument("--corpus", action="append", help="training prompts (prompt_ids), repeatable "
+                   "(default: data/teacher_smollm2_135m.jsonl and data/self_smollm2_135m.jsonl)")
     p.add_argument("--limit", type=int, default=80, help="training prompts to run")
     p.add_argument("--held-out-limit", type=int, default=6, help="benchmark prompts per dataset for accuracy")
     p.add_argument("--horizon", type=int, default=4, help="accepted run at which a block counts as all accepted")

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# How the shipped drafts and the curve in docs/RESULTS.md §1 were made (CPU, 2 cores). Run from the
+# repository root after `make install`. Stages are resumable: a work dir keeps generations and labels.
+set -euo pipefail
+PY=${PY:-.venv/bin/python}
+STAGE=${1:-all}
+CORPORA="--corpus data/teacher_smollm2_135m.jsonl --corpus data/self_smollm2_135m.jsonl"
+COMMON="$CORPORA --vocab 8192 --batch-size 16 --label-batch-size 16 --seed 0 --threads 2 --work-dir runs/distill-v2"
+
+if [[ $STAGE == corpus ]]; then  # already in data/ (35 min on CPU): the target's own questions and answers
+  $PY -m engine distill --self-prompts 3000 --gen-batch-size 64 --threads 2 --seed 0 --generate-only \
+      --work-dir runs/distill-self --out unused
+  $PY - <<'EOF'
+import json
+prompts = [json.loads(l) for l in open("runs/distill-self/self_prompts.jsonl")]
+answers = [json.loads(l) for l in open("runs/distill-self/self_generated.jsonl")]
+with open("data/self_smollm2_135m.jsonl", "w") as f:
+    for i, (p, a) in enumerate(zip(prompts, answers)):
+        f.write(json.dumps({"source": "self", "index": i, "prompt": p["prompt"], "prompt_ids": a["prompt_ids"],
+                            "response_ids": a["response_ids"]}) + "\n")
+EOF
+  exit
+fi
+
+if [[ $STAGE == all || $STAGE == main ]]; then  # labels 18 min, then ~13 min an epoch
+  $PY -m engine distill $COMMON --layers 6 --epochs 3 --lr 1e-3 --out runs/drafts/main-v2
+fi
+
+if [[ $STAGE == all || $STAGE == curve ]]; then  # data-size curve: 2 layers, 1 epoch, same held-out rows
+  for n in 75000 150000 300000 0; do
+    $PY -m engine distill $COMMON --layers 2 --epochs 1 --lr 1e-3 --max-tokens $n --out runs/drafts/curve-l2-$n
+  done
+fi
+
+if [[ $STAGE == all || $STAGE == repro ]]; then  # the same command again: same weights, same acceptance
+  $PY -m engine distill $COMMON --layers 2 --epochs 1 --lr 1e-3 --max-tokens 75000 --out runs/drafts/repro-l2-75000
+  sha256sum runs/drafts/curve-l2-75000/*.safetensors runs/drafts/repro-l2-75000/*.safetensors
+fi
