@@ -280,11 +280,35 @@ def split_by_prompt(rows: list[dict], val_fraction: float, seed: int):
     return train, val
 
 
+def writable_dir(path: Path, what: str) -> Path:
+    """Create `path` and prove a file can be written there, before any slow stage runs."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise SpecBranchError(f"cannot write the {what} to {path}: {exc.strerror or exc}") from None
+    return path
+
+
+def check_inputs(args) -> None:
+    """Fail fast, with the reason, on files that are missing or hold nothing to learn from."""
+    for path in [*(args.corpus or []), *([args.prompts] if args.prompts else [])]:
+        if not Path(path).is_file():
+            raise SpecBranchError(f"file not found: {path}")
+        if not read_jsonl(Path(path)):
+            raise SpecBranchError(f"{path} holds no rows (the file is empty)")
+    if not (args.corpus or args.prompts or args.self_prompts):
+        raise SpecBranchError("distill needs training data: give --corpus, --prompts or --self-prompts")
+
+
 def run_distill(args) -> dict:
     from .models import load_pair
 
-    work = Path(args.work_dir)
-    work.mkdir(parents=True, exist_ok=True)
+    check_inputs(args)
+    work = writable_dir(Path(args.work_dir), "work files")
+    writable_dir(Path(args.out), "draft")
     torch.set_num_threads(args.threads) if args.threads else None
     pair = load_pair(args.target, None, device=args.device, dtype="float32")
     target, tok = pair.target.model, pair.target.tokenizer

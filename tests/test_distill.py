@@ -102,3 +102,28 @@ def test_self_prompts_magpie_tiny(tmp_path, capsys):
     assert len(answered) == len(questions) == 12
     assert all(a["prompt_ids"][:1] == [2] and a["prompt_ids"][-1] == 3 for a in answered)  # "a ... <eos> b"
     assert all(0 < len(a["response_ids"]) <= 16 for a in answered)
+
+
+def test_distill_bad_input(tmp_path, capsys):
+    """An empty or missing prompt file and an output path that cannot be written are refused at once,
+    with the reason, before any model is loaded (exit 2)."""
+    target = make_tiny_model(tmp_path / "target", seed=5, layers=1)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "a b c", "chat": false}\n')
+    base = ["distill", "--target", str(target), "--work-dir", str(tmp_path / "work"), "--device", "cpu"]
+    cases = [
+        (["--prompts", str(empty), "--out", str(tmp_path / "d")], "holds no rows"),
+        (["--prompts", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "d")], "file not found"),
+        (["--corpus", str(empty), "--out", str(tmp_path / "d")], "holds no rows"),
+        (["--out", str(tmp_path / "d")], "needs training data"),
+        (["--prompts", str(target / "config.json"), "--out", str(tmp_path / "d")], "not valid JSON"),
+        (["--prompts", str(prompts), "--out", str(blocker / "draft")], "cannot write the draft"),
+    ]
+    for extra, message in cases:
+        assert main(base + extra) == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "d").exists()  # nothing written for refused input
