@@ -186,9 +186,9 @@ def training_prompts(corpora: list[Path], limit: int, seed: int) -> list[list[in
 
 def run_train_hrad(args) -> dict:
     from .config import GenerationConfig
-    from .datasets import benchmark_prompts
+    from .datasets import DATA_DIR, benchmark_prompts
 
-    args.corpus = args.corpus or ["data/teacher_smollm2_135m.jsonl", "data/self_smollm2_135m.jsonl"]
+    args.corpus = args.corpus or [str(DATA_DIR / "teacher_smollm2_135m.jsonl"), str(DATA_DIR / "self_smollm2_135m.jsonl")]
     engine = args.build_engine(args)
     cfg = GenerationConfig(method="specbranch-no-hrad", max_new_tokens=args.max_new_tokens, gamma=args.gamma,
                            branches=args.branches, epsilon=args.epsilon, temperature=0.0).validate()
