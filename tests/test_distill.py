@@ -74,8 +74,7 @@ def test_self_prompts_magpie_tiny(tmp_path, capsys):
     tok.save_pretrained(target)
     assert pre_query_ids(tok) == ([2], 1)  # "a " opens a user turn, <eos> ends it
 
-    from engine.models import load_pair as load
-    model = load(str(target), None, device="cpu").target.model
+    model = load_pair(str(target), None, device="cpu").target.model
     out = tmp_path / "self.jsonl"
     generate_self_prompts(model, tok, 10, out, batch_size=8, seed=0, exclude=set())
     first = read_jsonl(out)
