@@ -62,7 +62,12 @@ def test_self_prompts_magpie_tiny(tmp_path, capsys):
     only finished, new, non-excluded questions are kept; the file resumes; the responses follow."""
     from transformers import AutoTokenizer
 
-    from engine.distill import generate_self_prompts, pre_query_ids, read_jsonl, shingles
+    from engine.distill import (
+        generate_self_prompts,
+        pre_query_ids,
+        read_jsonl,
+        shingles,
+    )
 
     target = make_tiny_model(tmp_path / "target", seed=3, layers=2, init=0.3, context=128, eos=1)
     tok = AutoTokenizer.from_pretrained(target)
