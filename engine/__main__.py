@@ -25,7 +25,11 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--gamma", type=int, default=4, help="draft block length (sd); draft steps per round (pearl, specbranch)")
+    p.add_argument("--gamma", type=int, default=4,
+                   help="draft block length (sd); depth cap of the speculation (pearl, specbranch: the draft drafts "
+                        "until the target's verdict lands or the cap is reached)")
+    p.add_argument("--draft-stop", type=float, default=0.0,
+                   help="pearl, specbranch: end a round's drafting after a token drawn with confidence below this")
     p.add_argument("--branches", type=int, default=3, help="specbranch: most candidates at a branch point")
     p.add_argument("--epsilon", type=float, default=0.5, help="specbranch: confidence threshold for branching, [0, 1]")
     p.add_argument("--no-hrad", dest="hrad", action="store_false", help="specbranch: confidence only, no H-RAD")
@@ -74,7 +78,7 @@ class SessionLog:
 
 def config_from(args, method: str) -> GenerationConfig:
     return GenerationConfig(method=method, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                            top_k=args.top_k, top_p=args.top_p, seed=args.seed, gamma=args.gamma,
+                            top_k=args.top_k, top_p=args.top_p, seed=args.seed, gamma=args.gamma, draft_stop=args.draft_stop,
                             branches=args.branches, epsilon=args.epsilon, hrad=args.hrad).validate()
 
 

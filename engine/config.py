@@ -21,7 +21,8 @@ class GenerationConfig:
     top_k: int = 0  # 0 disables top-k
     top_p: float = 1.0
     seed: int = 0
-    gamma: int = 4  # draft block length (sd); draft steps per round (pearl, specbranch)
+    gamma: int = 4  # draft block length (sd); depth cap of the speculation (pearl, specbranch)
+    draft_stop: float = 0.0  # pearl, specbranch: stop drafting a round after a token drawn with confidence below this
     branches: int = 3  # specbranch: most candidates at a branch point (k_max)
     epsilon: float = 0.5  # specbranch: branch at the first draft token with confidence below this
     hrad: bool = True  # specbranch: let the H-RAD classifier place branch points (when weights exist)
@@ -45,6 +46,8 @@ class GenerationConfig:
             raise SpecBranchError(f"gamma (draft length) must be an integer >= 1, got {self.gamma!r}")
         if not isinstance(self.branches, int) or self.branches < 1:
             raise SpecBranchError(f"branches must be an integer >= 1, got {self.branches!r}")
+        if not (0.0 <= self.draft_stop <= 1.0):
+            raise SpecBranchError(f"draft-stop must be in [0, 1] (0 = off), got {self.draft_stop!r}")
         if not (0.0 <= self.epsilon <= 1.0):
             raise SpecBranchError(f"epsilon must be in [0, 1], got {self.epsilon!r}")
         return self

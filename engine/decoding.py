@@ -14,7 +14,7 @@ from . import cache as kv
 from .config import GenerationConfig
 from .events import (BONUS, CORRECTION, DECODE, DRAFT, PREFILL, TARGET, VERIFY, DraftProposed, Event, Rollback,
                      StepStarted, TokensEmitted, Verified)
-from .models import LM, ModelPair
+from .models import LM, ModelPair, Out
 from .runtime import Worker
 from .sampling import logits_to_probs, sample, top_alternatives, verify_block
 
@@ -46,9 +46,9 @@ class RunState:
     def __post_init__(self):
         self.generator.manual_seed(self.cfg.seed)
         self.draft_generator.manual_seed(self.cfg.seed + 1_000_003)
-        self.target_cache = kv.new_cache(self.pair.target.model)
+        self.target_cache = self.pair.target.new_cache()
         if self.pair.draft is not None:
-            self.draft_cache = kv.new_cache(self.pair.draft.model)
+            self.draft_cache = self.pair.draft.new_cache()
         room = min(self.pair.target.context_length,
                    self.pair.draft.context_length if self.pair.draft else 1 << 30) - self.prompt_len
         self.budget = min(self.cfg.max_new_tokens, room)
@@ -60,6 +60,12 @@ class RunState:
     @property
     def remaining(self) -> int:
         return self.budget - self.emitted
+
+    @property
+    def head_draft(self) -> bool:
+        """The draft is a feature-conditioned head: it reads the target's features, which the target's
+        forwards hand over (`share_features`) instead of the draft prefilling on its own."""
+        return bool(getattr(self.pair.draft, "reads_target_features", False))
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
@@ -74,24 +80,45 @@ class RunState:
 
 
 async def forward(state: RunState, lm: LM, worker: Worker, cache, ids: list[int], kind: str,
-                  events: list[Event], hidden_states: bool = False):
-    """Feed `ids` (appended to `cache`) on `worker`; returns logits [T, V] (and, if asked, the hidden
-    states of every layer, each [1, T, H]) and records the span."""
+                  events: list[Event], hidden_states: bool = False, features: bool = False):
+    """Feed `ids` (appended to `cache`) on `worker` and record the span. Returns logits [T, V]; with
+    hidden_states/features, Out(logits [T, V], every layer's states [1, T, H] each, last features [T, H])."""
     x = torch.tensor([ids], dtype=torch.long)
-    out, span = await worker.run(lm.forward, x, cache, hidden_states, kind=kind, step=state.step, t0=state.t0,
-                                 tokens=len(ids))
+    out, span = await worker.run(lm.forward, x, cache, hidden_states, features, kind=kind, step=state.step,
+                                 t0=state.t0, tokens=len(ids))
     events.append(span)
-    return (out[0][0], out[1]) if hidden_states else out[0]
+    if hidden_states or features:
+        return Out(out.logits[0], out.hidden_states, None if out.features is None else out.features[0])
+    return out[0]
+
+
+def share_features(state: RunState, start: int, feats: torch.Tensor | None, keep: int) -> None:
+    """Hand a head draft the target's features for the committed positions [start, keep) of a forward that
+    began at position `start`; its rows built on predictions of those are re-fed at the next draft step."""
+    if state.head_draft and feats is not None and keep > start:
+        state.draft_cache.set_target_features(start, feats[: keep - start])
+
+
+def crop_draft(state: RunState, keep: int) -> None:
+    """Roll the draft cache back to at most `keep` positions (and, for a head, to its first stale row)."""
+    n = min(kv.cache_length(state.draft_cache), keep)
+    if state.head_draft:
+        n = min(n, state.draft_cache.stale_from())
+    kv.rollback(state.draft_cache, n)
 
 
 async def prefill(state: RunState, events: list[Event]) -> None:
     """Run the prompt through the target and the draft (at once, on their workers) and commit the
-    target's first token."""
+    target's first token. A head draft waits for the target's features instead (its first step feeds them)."""
     prompt = state.tokens
-    jobs = [forward(state, state.pair.target, state.target_worker, state.target_cache, prompt, PREFILL, events)]
-    if state.pair.draft is not None:
+    jobs = [forward(state, state.pair.target, state.target_worker, state.target_cache, prompt, PREFILL, events,
+                    features=state.head_draft)]
+    if state.pair.draft is not None and not state.head_draft:
         jobs.append(forward(state, state.pair.draft, state.draft_worker, state.draft_cache, prompt, PREFILL, events))
-    logits = (await asyncio.gather(*jobs))[0]
+    out = (await asyncio.gather(*jobs))[0]
+    logits = out.logits if state.head_draft else out
+    if state.head_draft:
+        share_features(state, 0, out.features, len(prompt))
     state.prefill_s = state.now()
     state.decode_start = state.prefill_s
     p = state.probs(logits[-1])
@@ -129,8 +156,11 @@ async def draft_block(state: RunState, gamma: int, events: list[Event], kind: st
 async def verify_and_commit(state: RunState, tokens: list[int], q_rows: torch.Tensor, events: list[Event]):
     """One target forward over [unfed committed tokens, x_1..x_g]; accept a prefix, roll back the rest,
     commit accepted tokens plus the correction or bonus token. Returns the Verdict."""
-    feed = state.tokens[kv.cache_length(state.target_cache):] + tokens
-    logits = await forward(state, state.pair.target, state.target_worker, state.target_cache, feed, VERIFY, events)
+    start = kv.cache_length(state.target_cache)
+    feed = state.tokens[start:] + tokens
+    out = await forward(state, state.pair.target, state.target_worker, state.target_cache, feed, VERIFY, events,
+                        features=state.head_draft)
+    logits = out.logits if state.head_draft else out
     p_rows = state.probs(logits[-(len(tokens) + 1):])  # p at the positions predicting x_1..x_g and the bonus
     verdict = verify_block(tokens, q_rows, p_rows, state.generator, state.cfg.greedy)
     n = verdict.accepted
@@ -139,7 +169,8 @@ async def verify_and_commit(state: RunState, tokens: list[int], q_rows: torch.Te
                            pieces=state.pieces(tokens)))
     keep = len(state.tokens) + n
     kv.rollback(state.target_cache, keep)
-    kv.rollback(state.draft_cache, min(kv.cache_length(state.draft_cache), keep))
+    share_features(state, start, out.features if state.head_draft else None, keep)
+    crop_draft(state, keep)
     if n < len(tokens):
         rejected = tokens[n:]
         events.append(Rollback(state.step, "draft", rejected, state.pieces(rejected), "rejected"))

@@ -337,6 +337,9 @@ def run_distill(args) -> dict:
         return {"rows": len(rows)}
     if len(rows) < 2:
         raise SpecBranchError("distill needs at least two (prompt, response) rows: give --corpus, --prompts or --self-prompts")
+    if args.kind == "head":
+        from .head_distill import run_head_distill
+        return run_head_distill(args, target, rows, work)
     train_rows, val_rows = split_by_prompt(rows, args.val_fraction, args.seed)
     labels = label_topk(target, train_rows + val_rows, work / f"labels_top{args.top_k}_{len(rows)}_{args.seed}.pt",
                         args.top_k, args.label_batch_size)
@@ -380,7 +383,12 @@ def add_arguments(p) -> None:
     p.add_argument("--gen-batch-size", type=int, default=16)
     p.add_argument("--gen-temperature", type=float, default=0.0)
     p.add_argument("--max-tokens", type=int, default=0, help="cap on response tokens used (0 = all)")
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--kind", choices=("standalone", "head"), default="standalone",
+                   help="standalone: the target's first N layers as a small LM; head: a feature-conditioned "
+                        "draft head over the target's last hidden state (EAGLE-style)")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers (standalone draft or head)")
+    p.add_argument("--unroll", type=int, default=3,
+                   help="head: training-time-test steps (drafting depths trained on the head's own predictions)")
     p.add_argument("--vocab", type=int, default=8192, help="reduced LM-head size (FR-Spec); >= vocab means full")
     p.add_argument("--epochs", type=float, default=3)
     p.add_argument("--lr", type=float, default=5e-4)

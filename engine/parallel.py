@@ -23,7 +23,7 @@ import torch
 
 from . import cache as kv
 from . import hrad
-from .decoding import RunState, emit, forward, step_loop
+from .decoding import RunState, crop_draft, emit, forward, share_features, step_loop
 from .events import (ACCEPTED, BONUS, BRANCH_DRAFT, CORRECTION, DRAFT, RESCUED, VERIFY, BranchResolved, DraftProposed,
                      Event, Rollback, Verified)
 from .sampling import NO_REPLACEMENT, TOPK, draw_candidates, sample, top_alternatives, verify_block, verify_candidates
@@ -84,6 +84,7 @@ class DraftState:
     fresh: bool = True  # no draft step yet since the last verdict
     hrad_class: int | None = None
     linear_steps: int = 0  # linear draft steps since the last verdict
+    confidence: float = 1.0  # the draft's (untempered) confidence in the token it drafted last
 
 
 async def draft_step(state: RunState, spec: Speculation, ds: DraftState, policy: Policy, events: list[Event]) -> None:
@@ -110,6 +111,7 @@ async def draft_step(state: RunState, spec: Speculation, ds: DraftState, policy:
                                             parent_position=len(seq), top=[top_alternatives(q)], kind="candidates"))
                 return
         x = sample(q, state.draft_generator)
+        ds.confidence = float(raw[x]) if state.cfg.greedy else float(raw.max())
         spec.path.append(x)
         spec.path_q.append(q)
         events.append(DraftProposed(state.step, [x], state.pieces([x]), [float(q[x])],
@@ -125,6 +127,7 @@ async def draft_step(state: RunState, spec: Speculation, ds: DraftState, policy:
     logits, span = await state.draft_worker.run(draft.forward, x, cache, kind=BRANCH_DRAFT, step=state.step,
                                                 t0=state.t0, tokens=k)
     events.append(span)
+    ds.confidence = float(logits[:, -1].float().softmax(-1).amax(-1).max())  # the surest branch's
     for i in range(k):
         ds.rows[i] = ds.rows[i] + [last[i]]
         q = state.probs(logits[i, -1])
@@ -156,12 +159,12 @@ def sync_draft(state: RunState, ds: DraftState, spec: Speculation) -> None:
     A pending fork means nothing before it was rejected: every row still holds its branch."""
     if spec.fork is not None:
         return
-    keep = common_prefix(ds.rows[0], state.tokens + spec.path)
-    kv.rollback(state.draft_cache, keep)
+    crop_draft(state, common_prefix(ds.rows[0], state.tokens + spec.path))
+    keep = kv.cache_length(state.draft_cache)
     ds.rows = [row[:keep] for row in ds.rows]
 
 
-async def verify_round(state: RunState, spec: Speculation, n_path: int, logits: torch.Tensor, hidden,
+async def verify_round(state: RunState, spec: Speculation, n_path: int, logits: torch.Tensor, hidden, feats,
                        ds: DraftState, policy: Policy, events: list[Event]) -> Speculation:
     """Apply the target's verdict on path[:n_path] and the node right after it; returns what stays speculative."""
     p_rows = state.probs(logits[-(n_path + 1):])  # rows for path[0..n_path) and the position after
@@ -210,8 +213,9 @@ async def verify_round(state: RunState, spec: Speculation, n_path: int, logits: 
         else:
             collapse_draft(state, ds, cv.index)
             new = Speculation(fork.branches[cv.index], fork.branch_q[cv.index])
-    # target: keep only the committed part of what it was fed
+    # target: keep only the committed part of what it was fed; a head draft gets its features
     kept = common_prefix(state.target_seq, state.tokens)
+    share_features(state, len(state.target_seq) - logits.shape[0], feats, kept)
     ds.hrad_class = None
     if hidden is not None and not new.path and new.fork is None and not state.finish_reason:
         hrad_features(state, hidden, kept - (len(state.target_seq) - logits.shape[0]) - 1, ds, policy)
@@ -240,10 +244,28 @@ def hrad_features(state: RunState, hidden, position: int, ds: DraftState, policy
         state.hrad_samples.append((state.emitted - 1, feats))
 
 
+def depth(spec: Speculation) -> int:
+    """How far the speculation reaches beyond the committed tokens (a fork counts its candidate and branch)."""
+    return len(spec.path) + (0 if spec.fork is None else 1 + max(map(len, spec.fork.branches)))
+
+
+async def draft_until_verdict(state: RunState, spec: Speculation, ds: DraftState, policy: Policy,
+                              target_job: asyncio.Future, events: list[Event]) -> None:
+    """Draft while the target verifies: at least one step, then on until the verdict lands, the speculation
+    reaches the depth cap (cfg.gamma), or the draft's confidence in its last token falls below cfg.draft_stop
+    (it would likely be rejected: drafting on wastes draft time, and verifying it wastes target time)."""
+    steps = 0
+    while depth(spec) < state.cfg.gamma and (steps == 0 or not target_job.done()):
+        await draft_step(state, spec, ds, policy, events)
+        steps += 1
+        if ds.confidence < state.cfg.draft_stop:
+            break
+
+
 def parallel_decode(state: RunState, policy: Policy):
     """PEARL (policy.max_branches == 1) or SpecBranch: an async generator of events."""
     state.target_seq = list(state.tokens)  # after prefill both caches hold the prompt; the first token is unfed
-    ds = DraftState(rows=[list(state.tokens)])
+    ds = DraftState(rows=[list(state.tokens)] if not state.head_draft else [[]])
     spec = Speculation()
 
     async def step(events):
@@ -252,16 +274,17 @@ def parallel_decode(state: RunState, policy: Policy):
         feed = state.tokens[len(state.target_seq):] + spec.path[:n_path]
         need_hidden = policy.hrad is not None or state.hrad_samples is not None
         target_job = asyncio.ensure_future(forward(state, state.pair.target, state.target_worker, state.target_cache,
-                                                   feed, VERIFY, events, hidden_states=need_hidden))
+                                                   feed, VERIFY, events, hidden_states=need_hidden,
+                                                   features=state.head_draft))
         state.target_seq = state.target_seq + feed
         try:  # the draft drafts ahead while the target verifies
-            for _ in range(state.cfg.gamma):
-                await draft_step(state, spec, ds, policy, events)
+            await draft_until_verdict(state, spec, ds, policy, target_job, events)
             out = await target_job
         except BaseException:
             target_job.cancel()
             raise
-        logits, hidden = out if need_hidden else (out, None)
-        spec = await verify_round(state, spec, n_path, logits, hidden, ds, policy, events)
+        logits, hidden, feats = (out.logits, out.hidden_states, out.features) if (need_hidden or state.head_draft) \
+            else (out, None, None)
+        spec = await verify_round(state, spec, n_path, logits, hidden, feats, ds, policy, events)
 
     return step_loop(state, step)
