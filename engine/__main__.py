@@ -126,16 +126,41 @@ def cmd_generate(args) -> None:
                   f"rollback {m['rollback_rate']}", file=sys.stderr)
 
 
+def parse_bench_methods(spec: str) -> list[tuple[str, str, str | None]]:
+    """'ar,sd,hf-assisted@embedded' -> [(label, method, draft spec or None for --draft)]."""
+    out = []
+    for item in (m.strip() for m in spec.split(",")):
+        if not item:
+            continue
+        method, sep, draft = item.partition("@")
+        if method not in METHODS:
+            raise SpecBranchError(f"unknown method {method!r} in --methods; choose from {', '.join(METHODS)} "
+                                  f"(METHOD@DRAFT runs a method with another draft)")
+        if sep and not draft:
+            raise SpecBranchError(f"--methods: {item!r} names no draft after '@'")
+        out.append((item, method, draft or None))
+    if not out:
+        raise SpecBranchError("--methods names no method")
+    if len({label for label, _, _ in out}) < len(out):
+        raise SpecBranchError("--methods names a method twice")
+    return out
+
+
 def cmd_bench(args) -> None:
     from .bench import run_bench
+    from .engine import Engine
+    from .models import load_draft, pair_of
 
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise SpecBranchError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
-    config_from(args, methods[0])  # validate the shared settings before loading models
-    engine = build_engine(args, need_draft=any(m != "ar" for m in methods))
-    run_bench(engine, args, methods, SessionLog(args, engine))
+    entries = parse_bench_methods(args.methods)
+    for _, method, _ in entries:
+        config_from(args, method)  # validate the shared settings before loading models
+    engine = build_engine(args, need_draft=any(m != "ar" and d is None for _, m, d in entries))
+    engines = {None: engine}
+    t = engine.pair.target
+    for draft in sorted({d for _, _, d in entries if d is not None}):  # other drafts share the loaded target
+        model, tok, head_ids = load_draft(draft, t.model, t.tokenizer, t.device, t.model.dtype, args.trust_remote_code)
+        engines[draft] = Engine(pair_of(t, draft, model, tok, head_ids), threads=max(1, args.threads))
+    run_bench([(label, engines[d], m) for label, m, d in entries], args, SessionLog(args, engine))
 
 
 def cmd_train_hrad(args) -> None:
@@ -144,6 +169,12 @@ def cmd_train_hrad(args) -> None:
     config_from(args, "specbranch")
     args.build_engine = lambda a: build_engine(a, need_draft=True)
     run_train_hrad(args)
+
+
+def cmd_costs(args) -> None:
+    from .costs import run_costs
+
+    run_costs(build_engine(args, need_draft=args.draft != "none"), args)
 
 
 def cmd_distill(args) -> None:
@@ -170,7 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("bench", help="compare methods on a dataset")
     add_model_arguments(b)
     add_sampling_arguments(b)
-    b.add_argument("--methods", default="ar,sd")
+    b.add_argument("--methods", default="ar,sd",
+                   help="comma-separated; METHOD@DRAFT runs that method with another draft on the same target "
+                        "(e.g. ar,specbranch,specbranch@embedded,hf-assisted@embedded)")
     b.add_argument("--dataset", default="mt_bench",
                    help="mt_bench | gsm8k | humaneval | all (the three) | PATH.jsonl; benchmark split only")
     b.add_argument("--limit", type=int, default=10, help="prompts per dataset")
@@ -183,6 +216,16 @@ def main(argv: list[str] | None = None) -> int:
     from .distill import add_arguments
     add_arguments(d)
     d.set_defaults(func=cmd_distill)
+
+    c = sub.add_parser("costs", help="measure forward costs; model each benchmarked method's limit")
+    add_model_arguments(c)
+    c.add_argument("--bench", help="a bench JSON: add measured vs modelled speedup per method")
+    c.add_argument("--context", type=int, default=200, help="tokens already in the cache")
+    c.add_argument("--max-tokens", type=int, default=8, help="target forwards of 1..N tokens")
+    c.add_argument("--max-rows", type=int, default=4, help="draft steps on 1..N rows")
+    c.add_argument("--reps", type=int, default=15)
+    c.add_argument("--json", dest="json_out")
+    c.set_defaults(func=cmd_costs)
 
     h = sub.add_parser("train-hrad", help="collect H-RAD data on training prompts and train the classifier")
     add_model_arguments(h)

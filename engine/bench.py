@@ -40,37 +40,52 @@ def aggregate(runs: list[dict]) -> dict:
         "target_forward_ms": weighted("target_forward_ms"),
         "draft_forward_ms": weighted("draft_forward_ms"),
         "host_overhead_ms_per_step": weighted("host_overhead_ms_per_step"),
+        "per_position_acceptance": pooled_positions(runs),
         "branch_points": sum(r.get("branch_points", 0) for r in runs),
         "branch_rescues": sum(r.get("branch_rescues", 0) for r in runs),
     }
 
 
-def run_bench(engine, args, methods: list[str], log=None) -> dict:
+def pooled_positions(runs: list[dict]) -> list[float | None]:
+    """P(accept at draft position i | all before accepted), pooled over runs from their counts."""
+    width = max((len(r.get("per_position_counts") or []) for r in runs), default=0)
+    passed, reached = [0] * width, [0] * width
+    for r in runs:
+        for i, (p, n) in enumerate(r.get("per_position_counts") or []):
+            passed[i] += p
+            reached[i] += n
+    return [round(p / n, 4) if n else None for p, n in zip(passed, reached)]
+
+
+def run_bench(entries: list[tuple[str, object, str]], args, log=None) -> dict:
+    """entries: (label, engine, method). Every entry runs each prompt in turn; `ar` is the reference."""
     from .__main__ import config_from
 
+    engine = entries[0][1]
+    methods = [label for label, _, _ in entries]
     datasets = ["mt_bench", "gsm8k", "humaneval"] if args.dataset == "all" else [args.dataset]
     prompts = [p for d in datasets for p in benchmark_prompts(d, args.limit)]
     encoded = [(p, engine.encode(p.text, p.chat)) for p in prompts]
     for _ in range(args.warmup):
-        for m in methods:
-            engine.run(encoded[0][1], config_from(args, m))
-    per_run: dict[str, dict[str, list[dict]]] = {m: {} for m in methods}
-    outputs_match = {m: 0 for m in methods if m != "ar"}
+        for _, eng, m in entries:
+            eng.run(encoded[0][1], config_from(args, m))
+    per_run: dict[str, dict[str, list[dict]]] = {label: {} for label in methods}
+    outputs_match = {label: 0 for label in methods if label != "ar"}
     for p, ids in tqdm(encoded, desc="bench", unit="prompt", file=sys.stderr):
         reference = None
-        sid = log.start(p.text, config_from(args, methods[0])) if log is not None else None
-        for m in methods:
+        sid = log.start(p.text, config_from(args, entries[0][2])) if log is not None else None
+        for label, eng, m in entries:
             recorder = log.recorder(sid) if log is not None else None
             try:
-                r = engine.run(ids, config_from(args, m), p.text, on_event=recorder.add if recorder else None)
+                r = eng.run(ids, config_from(args, m), p.text, on_event=recorder.add if recorder else None)
             finally:
                 if log is not None:
                     log.finish(recorder)
-            per_run[m].setdefault(p.dataset, []).append(r.metrics)
-            if m == "ar":
+            per_run[label].setdefault(p.dataset, []).append(r.metrics)
+            if label == "ar":
                 reference = r.token_ids
             elif reference is not None and r.token_ids == reference:
-                outputs_match[m] += 1
+                outputs_match[label] += 1
     results = {}
     for m in methods:
         results[m] = {d: aggregate(runs) for d, runs in per_run[m].items()}
@@ -85,8 +100,9 @@ def run_bench(engine, args, methods: list[str], log=None) -> dict:
         "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads(),
                     "device": str(engine.pair.target.device)},
         "pair": {"target": engine.pair.target.name, "draft": engine.pair.draft.name if engine.pair.draft else None},
+        "drafts": {label: eng.pair.draft.name if eng.pair.draft else None for label, eng, _ in entries},
         "settings": {k: getattr(args, k) for k in ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "gamma",
-                                                     "limit", "dataset")},
+                                                     "draft_stop", "branches", "epsilon", "hrad", "limit", "dataset")},
         "identical_to_ar": ({m: f"{n}/{len(encoded)}" for m, n in outputs_match.items()}
                             if args.temperature == 0 and "ar" in methods else None),
         "results": results,

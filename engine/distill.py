@@ -299,6 +299,8 @@ def check_inputs(args) -> None:
             raise SpecBranchError(f"file not found: {path}")
         if not read_jsonl(Path(path)):
             raise SpecBranchError(f"{path} holds no rows (the file is empty)")
+    if args.kind == "head" and args.unroll < 1:
+        raise SpecBranchError(f"--unroll must be >= 1, got {args.unroll}")
     if not (args.corpus or args.prompts or args.self_prompts):
         raise SpecBranchError("distill needs training data: give --corpus, --prompts or --self-prompts")
 

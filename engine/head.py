@@ -258,6 +258,7 @@ def load_head_dir(path: Path, target_model, dtype: torch.dtype, device) -> tuple
             raise SpecBranchError(f"draft head {path} was trained for another target: its {field} is {info[field]}, "
                                   f"the target's is {theirs}")
     config = AutoConfig.for_model(**raw)
+    config._attn_implementation = target_model.config._attn_implementation  # as the target's layers run
     inner = target_model.model
     head = FeatureHead(config, type(inner.layers[-1]), type(inner.rotary_emb), type(inner.norm))
     weights = load_file(str(path / "model-00.safetensors"))

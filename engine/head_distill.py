@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from .config import SpecBranchError
 from .distill import batches, frequent_vocab, split_by_prompt
 from .head import FeatureHead, save_head
 
@@ -189,8 +188,6 @@ def train_head(target, rows, feats, val_rows, val_feats, *, layers: int, vocab: 
 
 def run_head_distill(args, target, rows: list[dict], work: Path) -> dict:
     """Stages features and train for --kind head; saves the head to --out."""
-    if args.unroll < 1:
-        raise SpecBranchError(f"--unroll must be >= 1, got {args.unroll}")
     torch.manual_seed(args.seed)
     train_rows, val_rows = split_by_prompt(rows, args.val_fraction, args.seed)
     ordered = train_rows + val_rows

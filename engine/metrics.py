@@ -109,6 +109,7 @@ def compute_metrics(events: list[Event]) -> dict:
         "target_forwards": target_forwards,
         "draft_forwards": draft_forwards,
         "per_position_acceptance": [round(p / r, 6) if r else None for p, r in zip(passed, reached)],
+        "per_position_counts": [[p, r] for p, r in zip(passed, reached)],  # (accepted, reached): pools across runs
         "accepted_length_histogram": _histogram([v.accepted for v in verified]),
         "target_idle_fraction": round(1 - _length(busy["target"]) / wall, 6),
         "draft_idle_fraction": round(1 - _length(busy["draft"]) / wall, 6) if draft_forwards else None,

@@ -250,11 +250,16 @@ def load_pair(target: str = "embedded", draft: str | None = "embedded", device: 
     ddev = pick_device(draft_device) if draft_device else dev
     draft_model, draft_tok, head_ids = load_draft(draft, target_model, target_tok, ddev, pick_dtype(dtype, ddev), trust_remote_code)
     check_tokenizers(target_tok, draft_tok, target, draft)
-    target_lm = LM(target, target_model, target_tok, target_vocab)
+    if isinstance(draft_model, FeatureHead) and ddev != dev:
+        raise SpecBranchError("a draft head reads the target's features: it must sit on the target's device")
+    return pair_of(LM(target, target_model, target_tok, target_vocab), draft, draft_model, draft_tok, head_ids)
+
+
+def pair_of(target: LM, draft_name: str, draft_model, draft_tok, head_ids) -> ModelPair:
+    """Wrap a loaded draft for the decoders: a head reads the target's features; an LM's logits are sliced
+    to the vocabulary both models share."""
     if isinstance(draft_model, FeatureHead):
-        if ddev != dev:
-            raise SpecBranchError("a draft head reads the target's features: it must sit on the target's device")
-        return ModelPair(target_lm, HeadLM(draft, draft_model, target_lm, head_ids, target_tok))
-    draft_vocab = draft_model.get_output_embeddings().weight.shape[0]
-    common = min(target_vocab, draft_vocab)  # e.g. Qwen2.5 0.5B vs 7B differ only in padding rows
-    return ModelPair(LM(target, target_model, target_tok, common), LM(draft, draft_model, draft_tok, common, head_ids))
+        return ModelPair(target, HeadLM(draft_name, draft_model, target, head_ids, target.tokenizer))
+    common = min(target.vocab_size, draft_model.get_output_embeddings().weight.shape[0])  # e.g. Qwen2.5 padding rows
+    target = LM(target.name, target.model, target.tokenizer, common)
+    return ModelPair(target, LM(draft_name, draft_model, draft_tok, common, head_ids))

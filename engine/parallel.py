@@ -1,9 +1,11 @@
 """Parallel speculative decoding: PEARL and SpecBranch on one overlapped loop.
 
 Each round two jobs run at the same time, each on its own worker thread:
-  target  verifies the pending path: one forward over [unfed committed tokens, path]
-  draft   drafts `gamma` more steps ahead of everything pending: linearly, or, once the policy
-          expects a rejection, as k branches from k candidates, all in one batched forward a step
+  target  verifies the next block of the pending path: one forward over [unfed committed tokens,
+          path[:γ]]
+  draft   drafts on beyond everything pending until the verdict lands (at least one step; at most
+          2γ deep; ending early after a token it is unsure of, --draft-stop): linearly, or, once the
+          policy expects a rejection, as k branches from k candidates, all in one batched forward a step
 When both are done, the verdict: commit the accepted prefix of the path, then resolve the next
 draft node with the target's last row (a linear token by the ordinary rule, a branch point by the
 multi-candidate rule), and roll back whatever no longer hangs off the committed tokens.
@@ -111,7 +113,7 @@ async def draft_step(state: RunState, spec: Speculation, ds: DraftState, policy:
                                             parent_position=len(seq), top=[top_alternatives(q)], kind="candidates"))
                 return
         x = sample(q, state.draft_generator)
-        ds.confidence = float(raw[x]) if state.cfg.greedy else float(raw.max())
+        ds.confidence = float(raw.max())
         spec.path.append(x)
         spec.path_q.append(q)
         events.append(DraftProposed(state.step, [x], state.pieces([x]), [float(q[x])],
@@ -252,10 +254,11 @@ def depth(spec: Speculation) -> int:
 async def draft_until_verdict(state: RunState, spec: Speculation, ds: DraftState, policy: Policy,
                               target_job: asyncio.Future, events: list[Event]) -> None:
     """Draft while the target verifies: at least one step, then on until the verdict lands, the speculation
-    reaches the depth cap (cfg.gamma), or the draft's confidence in its last token falls below cfg.draft_stop
-    (it would likely be rejected: drafting on wastes draft time, and verifying it wastes target time)."""
+    reaches the depth cap (2γ: one block of γ under verification, one block ahead of it, as in PEARL's
+    post-verify mode), or the draft's confidence in its last token falls below cfg.draft_stop (it would
+    likely be rejected: drafting on wastes draft time, and verifying it wastes target time)."""
     steps = 0
-    while depth(spec) < state.cfg.gamma and (steps == 0 or not target_job.done()):
+    while depth(spec) < 2 * state.cfg.gamma and (steps == 0 or not target_job.done()):
         await draft_step(state, spec, ds, policy, events)
         steps += 1
         if ds.confidence < state.cfg.draft_stop:
@@ -270,7 +273,8 @@ def parallel_decode(state: RunState, policy: Policy):
 
     async def step(events):
         nonlocal spec
-        n_path = min(len(spec.path), max(state.remaining - 1, 0))  # never verify past the token budget
+        # verify at most one block of γ (the rest waits for the next round), never past the token budget
+        n_path = min(len(spec.path), state.cfg.gamma, max(state.remaining - 1, 0))
         feed = state.tokens[len(state.target_seq):] + spec.path[:n_path]
         need_hidden = policy.hrad is not None or state.hrad_samples is not None
         target_job = asyncio.ensure_future(forward(state, state.pair.target, state.target_worker, state.target_cache,

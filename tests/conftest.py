@@ -85,8 +85,8 @@ def embedded_target():
 def engine_with_draft(target_pair, draft_spec: str):
     """An Engine on the already-loaded embedded target with another draft (no reload of the target)."""
     from engine.engine import Engine
-    from engine.models import LM, ModelPair, load_draft
+    from engine.models import load_draft, pair_of
 
     t = target_pair.target
     model, tok, head_ids = load_draft(draft_spec, t.model, t.tokenizer, t.device, t.model.dtype, False)
-    return Engine(ModelPair(t, LM(draft_spec, model, tok, t.vocab_size, head_ids)))
+    return Engine(pair_of(t, draft_spec, model, tok, head_ids))

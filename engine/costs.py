@@ -1,0 +1,135 @@
+"""`python -m engine costs`: what one forward costs, and how close each benchmarked method is to its limit.
+
+Two parts, both written to one JSON:
+  forwards   median ms of the target fed 1..8 tokens, and of the draft fed 1 token on 1..k rows (a branch
+             step), each on a cache already holding `--context` tokens, one model at a time, `--threads`
+             torch threads (the engine's workers use 1 each)
+  model      for each method of a bench JSON (`python -m engine bench --json`), the speedup it would reach if
+             nothing but the forwards cost time, next to the measured one:
+               ar           1
+               sd           τ · T_ar / (T_verify + d · D)      serial: d draft steps per round, each D ms
+               overlapped   τ · T_ar / T_verify                 the target never idles (draft hidden behind it)
+             τ = tokens per target forward, T_verify = the run's mean target forward, T_ar = ar's, all from
+             the same bench run. measured / modelled is the share of the limit reached; the rest is idle
+             target time and host overhead.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import torch
+
+from . import cache as kv
+
+OVERLAPPED = ("pearl", "specbranch")
+
+
+def median_ms(fn, reps: int) -> float:
+    fn()  # warm
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return round(1000 * statistics.median(times), 3)
+
+
+def forward_costs(lm, context: int, widths: list[int], per_row: bool = False, reps: int = 15,
+                  features: dict | None = None) -> dict[int, float]:
+    """ms of one forward of `w` new tokens, or (per_row) of 1 token on each of `w` cache rows (a branch step)."""
+    prompt = torch.randint(3, 1000, (1, context))
+    out = {}
+    for w in widths:
+        cache = lm.new_cache()
+        if features is not None:  # a head drafts on the target's features of the context
+            cache.set_target_features(0, features["feats"][:context])
+        lm.forward(prompt, cache)
+        if per_row:
+            cache.batch_repeat_interleave(w)
+            x = torch.randint(3, 1000, (w, 1))
+        else:
+            x = torch.randint(3, 1000, (1, w))
+
+        def step(cache=cache, x=x):
+            lm.forward(x, cache)
+            kv.rollback(cache, context)
+
+        out[w] = median_ms(step, reps)
+    return out
+
+
+def measure(pair, context: int = 200, max_tokens: int = 8, max_rows: int = 4, reps: int = 15) -> dict:
+    target = forward_costs(pair.target, context, list(range(1, max_tokens + 1)), reps=reps)
+    result = {"context": context, "target_ms_by_tokens": target}
+    if pair.draft is not None:
+        extra = None
+        if getattr(pair.draft, "reads_target_features", False):
+            ids = torch.randint(3, 1000, (1, context))
+            with torch.inference_mode():
+                extra = {"feats": pair.target.forward(ids, pair.target.new_cache(), features=True).features[0]}
+        result["draft_ms_by_rows"] = forward_costs(pair.draft, context, list(range(1, max_rows + 1)), per_row=True,
+                                                   reps=reps, features=extra)
+        result["c"] = round(target[1] / result["draft_ms_by_rows"][1], 2)
+    return result
+
+
+def modelled(report: dict, dataset: str = "all") -> dict[str, dict]:
+    """Measured and modelled speedup per method of a bench report (see the module's docstring)."""
+    res = report["results"]
+    ar = res.get("ar", {}).get(dataset)
+    if not ar or not ar.get("target_forward_ms"):
+        return {}
+    t_ar = ar["target_forward_ms"]
+    out = {}
+    for label, per in res.items():
+        agg = per.get(dataset)
+        if not agg:
+            continue
+        method = label.split("@")[0]
+        tau, t_v = agg.get("mean_accepted_length"), agg.get("target_forward_ms")
+        if label == "ar":
+            model = 1.0
+        elif not tau or not t_v:
+            model = None  # hf-assisted: its forwards are not visible to us
+        elif method == "sd":
+            rounds = max(agg["target_forwards"] - agg["prompts"], 1)  # the prefill is no round
+            d = agg["draft_forwards"] / rounds
+            model = tau * t_ar / (t_v + d * (agg.get("draft_forward_ms") or 0.0))
+        else:
+            model = tau * t_ar / t_v
+        measured = agg.get("speedup_vs_ar")
+        out[label] = {"measured": measured, "modelled": None if model is None else round(model, 3),
+                      "share_of_limit": round(measured / model, 3) if model and measured else None,
+                      "tau": tau, "alpha": agg.get("acceptance_rate"), "verify_ms": t_v,
+                      "per_position_acceptance": agg.get("per_position_acceptance")}
+    return out
+
+
+def format_model(rows: dict[str, dict]) -> str:
+    lines = ["method | measured | modelled (forwards only) | share of limit | τ | α | target ms/forward",
+             "---|---|---|---|---|---|---"]
+    for label, r in rows.items():
+        cells = [label] + ["" if r[k] is None else f"{r[k]:.3g}" for k in
+                           ("measured", "modelled", "share_of_limit", "tau", "alpha", "verify_ms")]
+        lines.append(" | ".join(cells))
+    return "\n".join(lines)
+
+
+def run_costs(engine, args) -> dict:
+    torch.set_num_threads(max(1, args.threads))
+    out = {"forwards": measure(engine.pair, args.context, args.max_tokens, args.max_rows, args.reps),
+           "pair": {"target": engine.pair.target.name, "draft": engine.pair.draft.name if engine.pair.draft else None},
+           "threads": args.threads}
+    print(json.dumps(out["forwards"]))
+    if args.bench:
+        with open(args.bench) as f:
+            report = json.load(f)
+        out["bench"] = args.bench
+        out["model"] = {d: modelled(report, d) for d in report["results"].get("ar", {})}
+        print(format_model(out["model"].get("all", {})))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(out, f, indent=2)
+    return out
