@@ -15,7 +15,7 @@ from engine.config import METHODS
 from engine.events import RunStarted, TokensEmitted
 from sessions import SessionStoreError
 from sessions.export import chrome_trace_runs, export_json, import_json
-from sessions.replay import compare_runs, events_up_to_step, replay_steps
+from sessions.replay import compare_runs, events_up_to_step, replay_steps, stored_run_label
 
 from .figures import timeline_figure
 from .views import fmt
@@ -28,25 +28,19 @@ def owner_of(request: gr.Request | None) -> str:
     return (request.session_hash if request is not None and request.session_hash else "anonymous")
 
 
-def run_label(run: dict) -> str:
-    return f"{run['method']} · {run['status']} · {run['id']}"
-
-
 def chat_of(events) -> list[dict]:
     start = next((e for e in events if isinstance(e, RunStarted)), None)
     text = "".join(e.text for e in events if isinstance(e, TokensEmitted))
     return [{"role": "user", "content": start.prompt_text if start else ""}, {"role": "assistant", "content": text}]
 
 
-def step_alignment_figure(runs, labels) -> go.Figure:
+def step_alignment_figure(by_step: list[dict], labels: list[str]) -> go.Figure:
+    """compare_runs' by_step rows drawn: each run's running total at the steps in which it committed tokens."""
     fig = go.Figure()
-    for events, label in zip(runs, labels):
-        steps = replay_steps(events)
-        counts, total = [], 0
-        for s in steps:
-            total += sum(len(e.tokens) for e in events if isinstance(e, TokensEmitted) and e.step == s)
-            counts.append(total)
-        fig.add_trace(go.Scatter(x=steps, y=counts, mode="lines+markers", name=label))
+    for i, label in enumerate(labels):
+        rows = [row for row in by_step if row["tokens"][i]]
+        fig.add_trace(go.Scatter(x=[row["step"] for row in rows], y=[row["total"][i] for row in rows],
+                                 mode="lines+markers", name=label))
     fig.update_layout(title="Committed tokens by step (aligned by step)", height=300, xaxis_title="step",
                       yaxis_title="tokens committed", margin=dict(l=10, r=10, t=40, b=30))
     return fig
@@ -97,7 +91,7 @@ def build_replay_tab(get_store, views_at) -> None:
             runs = {r["id"]: store.load_run_events(r["id"]) for r in session["runs"]}
         except SessionStoreError as exc:
             return gr.update(), gr.update(), {}, f'<div class="notice notice-error">{html.escape(str(exc))}</div>'
-        choices = [(run_label(r), r["id"]) for r in session["runs"]]
+        choices = [(stored_run_label(r), r["id"]) for r in session["runs"]]
         first = choices[0][1] if choices else None
         return (gr.update(choices=choices, value=first), gr.update(choices=choices, value=[c[1] for c in choices]),
                 runs, f"opened {session_id}: {len(runs)} run(s)")
@@ -130,7 +124,7 @@ def build_replay_tab(get_store, views_at) -> None:
             return "pick two or more runs", gr.skip(), gr.skip()
         result = compare_runs([events for _, events in chosen])
         return (compare_html(result), timeline_figure([events for _, events in chosen]),
-                step_alignment_figure([events for _, events in chosen], result["labels"]))
+                step_alignment_figure(result["by_step"], result["labels"]))
 
     def export(session_id, request: gr.Request):
         try:

@@ -12,8 +12,9 @@ import gradio as gr
 from engine.config import GenerationConfig, SpecBranchError
 from engine.events import Event, Finished, Notice, TokensEmitted
 from engine.metrics import compute_metrics
+from sessions.replay import replay_steps
 
-from .figures import acceptance_figure, cumulative_figure, step_numbers, timeline_figure, tree_figure
+from .figures import acceptance_figure, cumulative_figure, timeline_figure, tree_figure
 from .replay_tab import build_replay_tab
 from .stream import stream_events
 from .views import fmt, metric_panel, token_view
@@ -154,7 +155,7 @@ def build_app(get_engine, get_store=None) -> gr.Blocks:
                     history[-1] = {"role": "assistant", "content": text}
                     if time.perf_counter() - last_plot > 1.0:  # long outputs stay responsive: plots ~1/s
                         last_plot = time.perf_counter()
-                        steps = step_numbers(events)
+                        steps = replay_steps(events)
                         yield (history, *views_at(events), gr.update(maximum=max(2, len(steps)), value=max(1, len(steps))),
                                events)
                     elif tokens_seen % 4 == 0:
@@ -166,13 +167,13 @@ def build_app(get_engine, get_store=None) -> gr.Blocks:
             return
         finally:  # also on Stop: the run is kept, marked partial when it has no Finished event
             recorder.close()
-        steps = step_numbers(events)
+        steps = replay_steps(events)
         status = f"not recording: {recorder.error}" if recorder.error else None
         yield (history, *views_at(events, None, status),
                gr.update(maximum=max(2, len(steps)), value=max(1, len(steps))), events)
 
     def show_step(index, events):
-        steps = step_numbers(events or [])
+        steps = replay_steps(events or [])
         if not steps:
             return gr.skip()
         return tree_figure(events, steps[min(max(int(index), 1), len(steps)) - 1])
