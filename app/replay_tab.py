@@ -47,17 +47,18 @@ def step_alignment_figure(by_step: list[dict], labels: list[str]) -> go.Figure:
 
 
 def compare_html(result: dict) -> str:
+    """The compare table. Its values come from stored or imported runs: every cell is escaped as text."""
     keys = ["tokens_per_s", "mean_accepted_length", "acceptance_rate", "rollback_rate", "overlap", "new_tokens"]
     head = "".join(f"<th>{html.escape(h)}</th>" for h in ["run", *keys, "speedup vs first"])
     rows = []
     for i, label in enumerate(result["labels"]):
         m, diff = result["metrics"][i], result["diffs"][i]
-        cells = [html.escape(label)]
+        cells = [label]
         for k in keys:
             d = diff.get(k)
             cells.append(fmt(m.get(k)) + ("" if i == 0 or d is None else f" ({'+' if d >= 0 else ''}{fmt(d)})"))
         cells.append(fmt(result["speedup"][i]))
-        rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+        rows.append("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in cells) + "</tr>")
     return f'<table class="compare-table"><tr>{head}</tr>{"".join(rows)}</table>'
 
 
@@ -94,7 +95,7 @@ def build_replay_tab(get_store, views_at) -> None:
         choices = [(stored_run_label(r), r["id"]) for r in session["runs"]]
         first = choices[0][1] if choices else None
         return (gr.update(choices=choices, value=first), gr.update(choices=choices, value=[c[1] for c in choices]),
-                runs, f"opened {session_id}: {len(runs)} run(s)")
+                runs, f"opened {html.escape(session_id)}: {len(runs)} run(s)")
 
     def show_run(run_id, runs):
         events = (runs or {}).get(run_id)
@@ -147,21 +148,21 @@ def build_replay_tab(get_store, views_at) -> None:
             sid = import_json(store_or_raise(), Path(file).read_bytes(), owner_of(request))
         except SessionStoreError as exc:
             return f'<div class="notice notice-error">import refused: {html.escape(str(exc))}</div>'
-        return f"imported as session {sid}"
+        return f"imported as session {html.escape(sid)}"
 
     def delete(session_id, request: gr.Request):
         try:
             store_or_raise().delete_session(session_id, owner_of(request))
         except SessionStoreError as exc:
             return f'<div class="notice notice-error">{html.escape(str(exc))}</div>'
-        return f"deleted {session_id} and its events"
+        return f"deleted {html.escape(session_id)} and its events"
 
     def share(session_id, shared, request: gr.Request):
         try:
             store_or_raise().mark_shared(session_id, owner_of(request), bool(shared))
         except SessionStoreError as exc:
             return f'<div class="notice notice-error">{html.escape(str(exc))}</div>'
-        return f"{session_id} is now {'shared with everyone' if shared else 'private'}"
+        return f"{html.escape(session_id)} is now {'shared with everyone' if shared else 'private'}"
 
     with gr.Tab("Replay"):
         gr.Markdown("Stored runs of this browser session (and shared teaching examples), re-rendered from their "

@@ -78,8 +78,8 @@ def message_text(message: dict) -> str:
 
 
 def notice_html(events: list[Event], error: str | None = None, warning: str | None = None) -> str:
-    notes = [f'<div class="notice notice-{e.level}">{html.escape(e.message)}</div>'
-             for e in events if isinstance(e, Notice)]
+    notes = [f'<div class="notice notice-{html.escape(e.level)}">{html.escape(e.message)}</div>'
+             for e in events if isinstance(e, Notice)]  # a replayed Notice may come from an imported file
     if warning:
         notes.append(f'<div class="notice notice-warning">{html.escape(warning)}</div>')
     if error:
