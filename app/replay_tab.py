@@ -2,10 +2,13 @@
 step from its stored events (no model needed), compare stored runs, export, import and delete."""
 from __future__ import annotations
 
+import atexit
 import html
-import json
+import os
+import shutil
 import tempfile
 import time
+from functools import lru_cache
 from pathlib import Path
 
 import gradio as gr
@@ -14,13 +17,36 @@ import plotly.graph_objects as go
 from engine.config import METHODS
 from engine.events import RunStarted, TokensEmitted
 from sessions import SessionStoreError
-from sessions.export import chrome_trace_runs, export_json, import_json
+from sessions.db import check_id
+from sessions.export import import_json, write_export, write_trace
 from sessions.replay import compare_runs, events_up_to_step, replay_steps, stored_run_label
 
 from .figures import timeline_figure
 from .views import fmt
 
-EXPORT_DIR = Path(tempfile.gettempdir()) / "specbranch-exports"
+
+def export_dir() -> Path:
+    """This process's private folder for exported files, made on first use (a forked child makes its own)."""
+    return _private_dir(os.getpid())
+
+
+@lru_cache(maxsize=None)
+def _private_dir(pid: int) -> Path:
+    path = Path(tempfile.mkdtemp(prefix="specbranch-exports-"))  # mode 0700: no other local user reads exports
+    atexit.register(_remove_dir, path, pid)
+    return path
+
+
+def _remove_dir(path: Path, pid: int) -> None:
+    if os.getpid() == pid:  # a forked child inherits atexit hooks: only the maker removes its folder
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def export_paths(session_id: str) -> tuple[Path, Path]:
+    """The session file and the trace file of an export: the id becomes part of their names, so it must be safe."""
+    check_id(session_id, "session id")
+    folder = export_dir()
+    return folder / f"session-{session_id}.json", folder / f"session-{session_id}.trace.json"
 
 
 def owner_of(request: gr.Request | None) -> str:
@@ -129,16 +155,12 @@ def build_replay_tab(get_store, views_at) -> None:
 
     def export(session_id, request: gr.Request):
         try:
+            session_file, trace_file = export_paths(session_id)
             store = store_or_raise()
-            text = export_json(store, session_id, owner_of(request))
-            runs = store.load_session_events(session_id, owner_of(request))
+            write_export(store, session_id, session_file, owner_of(request))
+            write_trace(store, session_id, trace_file, owner_of(request))
         except SessionStoreError as exc:
             return None, None, f'<div class="notice notice-error">{html.escape(str(exc))}</div>'
-        EXPORT_DIR.mkdir(parents=True, exist_ok=True)
-        session_file = EXPORT_DIR / f"session-{session_id}.json"
-        trace_file = EXPORT_DIR / f"session-{session_id}.trace.json"
-        session_file.write_text(text)
-        trace_file.write_text(json.dumps(chrome_trace_runs(runs)))
         return str(session_file), str(trace_file), "exported: the .trace.json opens in ui.perfetto.dev"
 
     def do_import(file, request: gr.Request):
