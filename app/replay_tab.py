@@ -22,6 +22,7 @@ from sessions.export import import_json, write_export, write_trace
 from sessions.replay import compare_runs, events_up_to_step, replay_steps, stored_run_label
 
 from .figures import timeline_figure
+from .identity import owner_of
 from .views import fmt
 
 
@@ -47,11 +48,6 @@ def export_paths(session_id: str) -> tuple[Path, Path]:
     check_id(session_id, "session id")
     folder = export_dir()
     return folder / f"session-{session_id}.json", folder / f"session-{session_id}.trace.json"
-
-
-def owner_of(request: gr.Request | None) -> str:
-    """Each browser session is its own owner: it sees its own sessions and the shared ones."""
-    return (request.session_hash if request is not None and request.session_hash else "anonymous")
 
 
 def chat_of(events) -> list[dict]:
@@ -88,8 +84,9 @@ def compare_html(result: dict) -> str:
     return f'<table class="compare-table"><tr>{head}</tr>{"".join(rows)}</table>'
 
 
-def build_replay_tab(get_store, views_at) -> None:
-    """get_store() -> (Store | None, error message); views_at(events, step) -> the live tab's views."""
+def build_replay_tab(get_store, views_at, browser: gr.BrowserState) -> None:
+    """get_store() -> (Store | None, error message); views_at(events, step) -> the live tab's views;
+    browser: the page's browser id (app/identity.py), which owns what it stores and sees."""
 
     def store_or_raise():
         store, error = get_store()
@@ -97,9 +94,10 @@ def build_replay_tab(get_store, views_at) -> None:
             raise SessionStoreError(f"no session store: {error}")
         return store
 
-    def search(text, method, request: gr.Request):
+    def search(text, method, browser_id=None, request: gr.Request = None):
         try:
-            rows = store_or_raise().list_sessions(owner=owner_of(request), search=text or None, method=method or None)
+            rows = store_or_raise().list_sessions(owner=owner_of(browser_id, request), search=text or None,
+                                                  method=method or None)
         except SessionStoreError as exc:
             return gr.update(), gr.update(), f'<div class="notice notice-error">{html.escape(str(exc))}</div>'
         table = [[r["id"], time.strftime("%Y-%m-%d %H:%M", time.localtime(r["created"])), r["prompt"][:80],
@@ -109,12 +107,12 @@ def build_replay_tab(get_store, views_at) -> None:
         return table, gr.update(choices=choices, value=choices[0][1] if choices else None), \
             f"{len(rows)} session(s)" if rows else "no stored sessions yet: generate something in the Live tab"
 
-    def open_session(session_id, request: gr.Request):
+    def open_session(session_id, browser_id=None, request: gr.Request = None):
         if not session_id:
             return gr.update(), gr.update(), {}, "pick a session"
         try:
             store = store_or_raise()
-            session = store.get_session(session_id, owner_of(request))
+            session = store.get_session(session_id, owner_of(browser_id, request))
             runs = {r["id"]: store.load_run_events(r["id"]) for r in session["runs"]}
         except SessionStoreError as exc:
             return gr.update(), gr.update(), {}, f'<div class="notice notice-error">{html.escape(str(exc))}</div>'
@@ -153,41 +151,42 @@ def build_replay_tab(get_store, views_at) -> None:
         return (compare_html(result), timeline_figure([events for _, events in chosen]),
                 step_alignment_figure(result["by_step"], result["labels"]))
 
-    def export(session_id, request: gr.Request):
+    def export(session_id, browser_id=None, request: gr.Request = None):
         try:
             session_file, trace_file = export_paths(session_id)
             store = store_or_raise()
-            write_export(store, session_id, session_file, owner_of(request))
-            write_trace(store, session_id, trace_file, owner_of(request))
+            owner = owner_of(browser_id, request)
+            write_export(store, session_id, session_file, owner)
+            write_trace(store, session_id, trace_file, owner)
         except SessionStoreError as exc:
             return None, None, f'<div class="notice notice-error">{html.escape(str(exc))}</div>'
         return str(session_file), str(trace_file), "exported: the .trace.json opens in ui.perfetto.dev"
 
-    def do_import(file, request: gr.Request):
+    def do_import(file, browser_id=None, request: gr.Request = None):
         if file is None:
             return "choose a session .json exported from SpecBranch Studio"
         try:
-            sid = import_json(store_or_raise(), Path(file).read_bytes(), owner_of(request))
+            sid = import_json(store_or_raise(), Path(file).read_bytes(), owner_of(browser_id, request))
         except SessionStoreError as exc:
             return f'<div class="notice notice-error">import refused: {html.escape(str(exc))}</div>'
         return f"imported as session {html.escape(sid)}"
 
-    def delete(session_id, request: gr.Request):
+    def delete(session_id, browser_id=None, request: gr.Request = None):
         try:
-            store_or_raise().delete_session(session_id, owner_of(request))
+            store_or_raise().delete_session(session_id, owner_of(browser_id, request))
         except SessionStoreError as exc:
             return f'<div class="notice notice-error">{html.escape(str(exc))}</div>'
         return f"deleted {html.escape(session_id)} and its events"
 
-    def share(session_id, shared, request: gr.Request):
+    def share(session_id, shared, browser_id=None, request: gr.Request = None):
         try:
-            store_or_raise().mark_shared(session_id, owner_of(request), bool(shared))
+            store_or_raise().mark_shared(session_id, owner_of(browser_id, request), bool(shared))
         except SessionStoreError as exc:
             return f'<div class="notice notice-error">{html.escape(str(exc))}</div>'
         return f"{html.escape(session_id)} is now {'shared with everyone' if shared else 'private'}"
 
     with gr.Tab("Replay"):
-        gr.Markdown("Stored runs of this browser session (and shared teaching examples), re-rendered from their "
+        gr.Markdown("Stored runs of this browser (and shared teaching examples), re-rendered from their "
                     "events: no model is needed. Search matches the prompt as plain text.")
         with gr.Row():
             text = gr.Textbox(label="Search prompt", scale=3, elem_id="replay-search")
@@ -237,9 +236,9 @@ def build_replay_tab(get_store, views_at) -> None:
             manage_status = gr.HTML()
 
         views = [tokens, metrics, notices, tree, timeline, acceptance, cumulative]
-        find.click(search, [text, method], [table, session, status])
-        text.submit(search, [text, method], [table, session, status])
-        open_btn.click(open_session, [session], [run, pick, runs_state, status]).then(
+        find.click(search, [text, method, browser], [table, session, status])
+        text.submit(search, [text, method, browser], [table, session, status])
+        open_btn.click(open_session, [session, browser], [run, pick, runs_state, status]).then(
             show_run, [run, runs_state], [chat, *views, step])
         run.change(show_run, [run, runs_state], [chat, *views, step])
         step.release(show_step, [step, run, runs_state], [chat, *views])
@@ -248,7 +247,7 @@ def build_replay_tab(get_store, views_at) -> None:
         timer.tick(tick, [step, run, runs_state], [step, timer]).then(show_step, [step, run, runs_state],
                                                                       [chat, *views])
         compare_btn.click(compare, [pick, runs_state], [compare_table, compare_timeline, compare_steps])
-        export_btn.click(export, [session], [session_file, trace_file, manage_status])
-        import_btn.click(do_import, [upload], [manage_status])
-        share_btn.click(share, [session, shared], [manage_status])
-        delete_btn.click(delete, [session], [manage_status])
+        export_btn.click(export, [session, browser], [session_file, trace_file, manage_status])
+        import_btn.click(do_import, [upload, browser], [manage_status])
+        share_btn.click(share, [session, shared, browser], [manage_status])
+        delete_btn.click(delete, [session, browser], [manage_status])
