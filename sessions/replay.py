@@ -117,7 +117,8 @@ def compare_runs(runs: list[list[Event]]) -> dict:
     by_step and by_time alignments."""
     metrics = [run_metrics(events) for events in runs]
     base = metrics[0] if metrics else {}
-    base_speed = base.get("tokens_per_s")
+    speed = base.get("tokens_per_s")
+    base_speed = speed if _is_number(speed) else None  # a run stored before imports were checked may hold anything
     return {
         "labels": unique_labels([run_label(events) for events in runs]),
         "metrics": metrics,
