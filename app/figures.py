@@ -4,18 +4,13 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-from engine.events import (BranchResolved, DraftProposed, Event, Rollback, RunStarted, StepStarted, TimingSpan,
-                           TokensEmitted, Verified)
+from engine.events import BranchResolved, DraftProposed, Event, Rollback, TimingSpan, TokensEmitted, Verified
 from engine.metrics import busy_intervals
+from sessions.replay import replay_steps, run_label
 
 KIND_COLOURS = {"prefill": "#9e9e9e", "draft": "#4caf50", "branch_draft": "#8e24aa", "verify": "#1e88e5",
                 "decode": "#1e88e5", "assisted_generate": "#607d8b"}
 BUBBLE = "rgba(244, 67, 54, 0.25)"
-
-
-def _label(events: list[Event]) -> str:
-    start = next((e for e in events if isinstance(e, RunStarted)), None)
-    return start.method if start else "run"
 
 
 def timeline_figure(runs: list[list[Event]]) -> go.Figure:
@@ -23,7 +18,7 @@ def timeline_figure(runs: list[list[Event]]) -> go.Figure:
     fig = go.Figure()
     lanes = []
     for events in runs:
-        name = _label(events)
+        name = run_label(events)
         spans = [e for e in events if isinstance(e, TimingSpan)]
         if not spans:
             continue
@@ -58,15 +53,11 @@ def timeline_figure(runs: list[list[Event]]) -> go.Figure:
     return fig
 
 
-def step_numbers(events: list[Event]) -> list[int]:
-    return sorted({e.step for e in events if isinstance(e, StepStarted)})
-
-
 def tree_figure(events: list[Event], step: int | None = None) -> go.Figure:
     """One step, as the target saw it: the verified draft tokens (green accepted, red rejected, grey
     thrown away after the rejection), the branch point with each candidate and its branch (survivor
     green), the target's own token (orange), and, on the lowest row, what the draft drafted meanwhile."""
-    steps = step_numbers(events)
+    steps = replay_steps(events)
     fig = go.Figure()
     if not steps:
         fig.update_layout(title="no steps yet", height=260)

@@ -2,10 +2,13 @@
 step from its stored events (no model needed), compare stored runs, export, import and delete."""
 from __future__ import annotations
 
+import atexit
 import html
-import json
+import os
+import shutil
 import tempfile
 import time
+from functools import lru_cache
 from pathlib import Path
 
 import gradio as gr
@@ -14,22 +17,37 @@ import plotly.graph_objects as go
 from engine.config import METHODS
 from engine.events import RunStarted, TokensEmitted
 from sessions import SessionStoreError
-from sessions.export import chrome_trace_runs, export_json, import_json
-from sessions.replay import compare_runs, events_up_to_step, replay_steps
+from sessions.db import check_id
+from sessions.export import import_json, write_export, write_trace
+from sessions.replay import compare_runs, events_up_to_step, replay_steps, stored_run_label
 
 from .figures import timeline_figure
+from .identity import owner_of
 from .views import fmt
 
-EXPORT_DIR = Path(tempfile.gettempdir()) / "specbranch-exports"
+
+def export_dir() -> Path:
+    """This process's private folder for exported files, made on first use (a forked child makes its own)."""
+    return _private_dir(os.getpid())
 
 
-def owner_of(request: gr.Request | None) -> str:
-    """Each browser session is its own owner: it sees its own sessions and the shared ones."""
-    return (request.session_hash if request is not None and request.session_hash else "anonymous")
+@lru_cache(maxsize=None)
+def _private_dir(pid: int) -> Path:
+    path = Path(tempfile.mkdtemp(prefix="specbranch-exports-"))  # mode 0700: no other local user reads exports
+    atexit.register(_remove_dir, path, pid)
+    return path
 
 
-def run_label(run: dict) -> str:
-    return f"{run['method']} · {run['status']} · {run['id']}"
+def _remove_dir(path: Path, pid: int) -> None:
+    if os.getpid() == pid:  # a forked child inherits atexit hooks: only the maker removes its folder
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def export_paths(session_id: str) -> tuple[Path, Path]:
+    """The session file and the trace file of an export: the id becomes part of their names, so it must be safe."""
+    check_id(session_id, "session id")
+    folder = export_dir()
+    return folder / f"session-{session_id}.json", folder / f"session-{session_id}.trace.json"
 
 
 def chat_of(events) -> list[dict]:
@@ -38,37 +56,37 @@ def chat_of(events) -> list[dict]:
     return [{"role": "user", "content": start.prompt_text if start else ""}, {"role": "assistant", "content": text}]
 
 
-def step_alignment_figure(runs, labels) -> go.Figure:
+def step_alignment_figure(by_step: list[dict], labels: list[str]) -> go.Figure:
+    """compare_runs' by_step rows drawn: each run's running total at the steps in which it committed tokens."""
     fig = go.Figure()
-    for events, label in zip(runs, labels):
-        steps = replay_steps(events)
-        counts, total = [], 0
-        for s in steps:
-            total += sum(len(e.tokens) for e in events if isinstance(e, TokensEmitted) and e.step == s)
-            counts.append(total)
-        fig.add_trace(go.Scatter(x=steps, y=counts, mode="lines+markers", name=label))
+    for i, label in enumerate(labels):
+        rows = [row for row in by_step if row["tokens"][i]]
+        fig.add_trace(go.Scatter(x=[row["step"] for row in rows], y=[row["total"][i] for row in rows],
+                                 mode="lines+markers", name=label))
     fig.update_layout(title="Committed tokens by step (aligned by step)", height=300, xaxis_title="step",
                       yaxis_title="tokens committed", margin=dict(l=10, r=10, t=40, b=30))
     return fig
 
 
 def compare_html(result: dict) -> str:
+    """The compare table. Its values come from stored or imported runs: every cell is escaped as text."""
     keys = ["tokens_per_s", "mean_accepted_length", "acceptance_rate", "rollback_rate", "overlap", "new_tokens"]
     head = "".join(f"<th>{html.escape(h)}</th>" for h in ["run", *keys, "speedup vs first"])
     rows = []
     for i, label in enumerate(result["labels"]):
         m, diff = result["metrics"][i], result["diffs"][i]
-        cells = [html.escape(label)]
+        cells = [label]
         for k in keys:
             d = diff.get(k)
             cells.append(fmt(m.get(k)) + ("" if i == 0 or d is None else f" ({'+' if d >= 0 else ''}{fmt(d)})"))
         cells.append(fmt(result["speedup"][i]))
-        rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+        rows.append("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in cells) + "</tr>")
     return f'<table class="compare-table"><tr>{head}</tr>{"".join(rows)}</table>'
 
 
-def build_replay_tab(get_store, views_at) -> None:
-    """get_store() -> (Store | None, error message); views_at(events, step) -> the live tab's views."""
+def build_replay_tab(get_store, views_at, browser: gr.BrowserState) -> None:
+    """get_store() -> (Store | None, error message); views_at(events, step) -> the live tab's views;
+    browser: the page's browser id (app/identity.py), which owns what it stores and sees."""
 
     def store_or_raise():
         store, error = get_store()
@@ -76,9 +94,10 @@ def build_replay_tab(get_store, views_at) -> None:
             raise SessionStoreError(f"no session store: {error}")
         return store
 
-    def search(text, method, request: gr.Request):
+    def search(text, method, browser_id=None, request: gr.Request = None):
         try:
-            rows = store_or_raise().list_sessions(owner=owner_of(request), search=text or None, method=method or None)
+            rows = store_or_raise().list_sessions(owner=owner_of(browser_id, request), search=text or None,
+                                                  method=method or None)
         except SessionStoreError as exc:
             return gr.update(), gr.update(), f'<div class="notice notice-error">{html.escape(str(exc))}</div>'
         table = [[r["id"], time.strftime("%Y-%m-%d %H:%M", time.localtime(r["created"])), r["prompt"][:80],
@@ -88,19 +107,19 @@ def build_replay_tab(get_store, views_at) -> None:
         return table, gr.update(choices=choices, value=choices[0][1] if choices else None), \
             f"{len(rows)} session(s)" if rows else "no stored sessions yet: generate something in the Live tab"
 
-    def open_session(session_id, request: gr.Request):
+    def open_session(session_id, browser_id=None, request: gr.Request = None):
         if not session_id:
             return gr.update(), gr.update(), {}, "pick a session"
         try:
             store = store_or_raise()
-            session = store.get_session(session_id, owner_of(request))
+            session = store.get_session(session_id, owner_of(browser_id, request))
             runs = {r["id"]: store.load_run_events(r["id"]) for r in session["runs"]}
         except SessionStoreError as exc:
             return gr.update(), gr.update(), {}, f'<div class="notice notice-error">{html.escape(str(exc))}</div>'
-        choices = [(run_label(r), r["id"]) for r in session["runs"]]
+        choices = [(stored_run_label(r), r["id"]) for r in session["runs"]]
         first = choices[0][1] if choices else None
         return (gr.update(choices=choices, value=first), gr.update(choices=choices, value=[c[1] for c in choices]),
-                runs, f"opened {session_id}: {len(runs)} run(s)")
+                runs, f"opened {html.escape(session_id)}: {len(runs)} run(s)")
 
     def show_run(run_id, runs):
         events = (runs or {}).get(run_id)
@@ -130,47 +149,44 @@ def build_replay_tab(get_store, views_at) -> None:
             return "pick two or more runs", gr.skip(), gr.skip()
         result = compare_runs([events for _, events in chosen])
         return (compare_html(result), timeline_figure([events for _, events in chosen]),
-                step_alignment_figure([events for _, events in chosen], result["labels"]))
+                step_alignment_figure(result["by_step"], result["labels"]))
 
-    def export(session_id, request: gr.Request):
+    def export(session_id, browser_id=None, request: gr.Request = None):
         try:
+            session_file, trace_file = export_paths(session_id)
             store = store_or_raise()
-            text = export_json(store, session_id, owner_of(request))
-            runs = store.load_session_events(session_id, owner_of(request))
+            owner = owner_of(browser_id, request)
+            write_export(store, session_id, session_file, owner)
+            write_trace(store, session_id, trace_file, owner)
         except SessionStoreError as exc:
             return None, None, f'<div class="notice notice-error">{html.escape(str(exc))}</div>'
-        EXPORT_DIR.mkdir(parents=True, exist_ok=True)
-        session_file = EXPORT_DIR / f"session-{session_id}.json"
-        trace_file = EXPORT_DIR / f"session-{session_id}.trace.json"
-        session_file.write_text(text)
-        trace_file.write_text(json.dumps(chrome_trace_runs(runs)))
         return str(session_file), str(trace_file), "exported: the .trace.json opens in ui.perfetto.dev"
 
-    def do_import(file, request: gr.Request):
+    def do_import(file, browser_id=None, request: gr.Request = None):
         if file is None:
             return "choose a session .json exported from SpecBranch Studio"
         try:
-            sid = import_json(store_or_raise(), Path(file).read_bytes(), owner_of(request))
+            sid = import_json(store_or_raise(), Path(file).read_bytes(), owner_of(browser_id, request))
         except SessionStoreError as exc:
             return f'<div class="notice notice-error">import refused: {html.escape(str(exc))}</div>'
-        return f"imported as session {sid}"
+        return f"imported as session {html.escape(sid)}"
 
-    def delete(session_id, request: gr.Request):
+    def delete(session_id, browser_id=None, request: gr.Request = None):
         try:
-            store_or_raise().delete_session(session_id, owner_of(request))
+            store_or_raise().delete_session(session_id, owner_of(browser_id, request))
         except SessionStoreError as exc:
             return f'<div class="notice notice-error">{html.escape(str(exc))}</div>'
-        return f"deleted {session_id} and its events"
+        return f"deleted {html.escape(session_id)} and its events"
 
-    def share(session_id, shared, request: gr.Request):
+    def share(session_id, shared, browser_id=None, request: gr.Request = None):
         try:
-            store_or_raise().mark_shared(session_id, owner_of(request), bool(shared))
+            store_or_raise().mark_shared(session_id, owner_of(browser_id, request), bool(shared))
         except SessionStoreError as exc:
             return f'<div class="notice notice-error">{html.escape(str(exc))}</div>'
-        return f"{session_id} is now {'shared with everyone' if shared else 'private'}"
+        return f"{html.escape(session_id)} is now {'shared with everyone' if shared else 'private'}"
 
     with gr.Tab("Replay"):
-        gr.Markdown("Stored runs of this browser session (and shared teaching examples), re-rendered from their "
+        gr.Markdown("Stored runs of this browser (and shared teaching examples), re-rendered from their "
                     "events: no model is needed. Search matches the prompt as plain text.")
         with gr.Row():
             text = gr.Textbox(label="Search prompt", scale=3, elem_id="replay-search")
@@ -220,9 +236,9 @@ def build_replay_tab(get_store, views_at) -> None:
             manage_status = gr.HTML()
 
         views = [tokens, metrics, notices, tree, timeline, acceptance, cumulative]
-        find.click(search, [text, method], [table, session, status])
-        text.submit(search, [text, method], [table, session, status])
-        open_btn.click(open_session, [session], [run, pick, runs_state, status]).then(
+        find.click(search, [text, method, browser], [table, session, status])
+        text.submit(search, [text, method, browser], [table, session, status])
+        open_btn.click(open_session, [session, browser], [run, pick, runs_state, status]).then(
             show_run, [run, runs_state], [chat, *views, step])
         run.change(show_run, [run, runs_state], [chat, *views, step])
         step.release(show_step, [step, run, runs_state], [chat, *views])
@@ -231,7 +247,7 @@ def build_replay_tab(get_store, views_at) -> None:
         timer.tick(tick, [step, run, runs_state], [step, timer]).then(show_step, [step, run, runs_state],
                                                                       [chat, *views])
         compare_btn.click(compare, [pick, runs_state], [compare_table, compare_timeline, compare_steps])
-        export_btn.click(export, [session], [session_file, trace_file, manage_status])
-        import_btn.click(do_import, [upload], [manage_status])
-        share_btn.click(share, [session, shared], [manage_status])
-        delete_btn.click(delete, [session], [manage_status])
+        export_btn.click(export, [session, browser], [session_file, trace_file, manage_status])
+        import_btn.click(do_import, [upload, browser], [manage_status])
+        share_btn.click(share, [session, shared, browser], [manage_status])
+        delete_btn.click(delete, [session, browser], [manage_status])

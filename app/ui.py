@@ -12,8 +12,10 @@ import gradio as gr
 from engine.config import GenerationConfig, SpecBranchError
 from engine.events import Event, Finished, Notice, TokensEmitted
 from engine.metrics import compute_metrics
+from sessions.replay import replay_steps
 
-from .figures import acceptance_figure, cumulative_figure, step_numbers, timeline_figure, tree_figure
+from .figures import acceptance_figure, cumulative_figure, timeline_figure, tree_figure
+from .identity import browser_id_state, browser_identity, owner_of
 from .replay_tab import build_replay_tab
 from .stream import stream_events
 from .views import fmt, metric_panel, token_view
@@ -77,8 +79,8 @@ def message_text(message: dict) -> str:
 
 
 def notice_html(events: list[Event], error: str | None = None, warning: str | None = None) -> str:
-    notes = [f'<div class="notice notice-{e.level}">{html.escape(e.message)}</div>'
-             for e in events if isinstance(e, Notice)]
+    notes = [f'<div class="notice notice-{html.escape(e.level)}">{html.escape(e.message)}</div>'
+             for e in events if isinstance(e, Notice)]  # a replayed Notice may come from an imported file
     if warning:
         notes.append(f'<div class="notice notice-warning">{html.escape(warning)}</div>')
     if error:
@@ -121,9 +123,7 @@ def build_app(get_engine, get_store=None) -> gr.Blocks:
         return store.recorder(sid), sid
 
     def generate(prompt, history, method, max_new, temperature, top_p, gamma, branches, epsilon, hrad, seed, chat,
-                 request: gr.Request = None):
-        from .replay_tab import owner_of
-
+                 browser_id=None, request: gr.Request = None):
         history = list(history or [])
         events: list[Event] = []
         try:
@@ -143,7 +143,7 @@ def build_app(get_engine, get_store=None) -> gr.Blocks:
             return
         history += [{"role": "user", "content": prompt}, {"role": "assistant", "content": ""}]
         text, last_plot, tokens_seen = "", 0.0, 0
-        recorder, _ = start_recording(owner_of(request), prompt, engine, cfg)
+        recorder, _ = start_recording(owner_of(browser_id, request), prompt, engine, cfg)
         try:
             for event in stream_events(engine, ids, cfg, prompt):
                 events.append(event)
@@ -154,7 +154,7 @@ def build_app(get_engine, get_store=None) -> gr.Blocks:
                     history[-1] = {"role": "assistant", "content": text}
                     if time.perf_counter() - last_plot > 1.0:  # long outputs stay responsive: plots ~1/s
                         last_plot = time.perf_counter()
-                        steps = step_numbers(events)
+                        steps = replay_steps(events)
                         yield (history, *views_at(events), gr.update(maximum=max(2, len(steps)), value=max(1, len(steps))),
                                events)
                     elif tokens_seen % 4 == 0:
@@ -166,21 +166,19 @@ def build_app(get_engine, get_store=None) -> gr.Blocks:
             return
         finally:  # also on Stop: the run is kept, marked partial when it has no Finished event
             recorder.close()
-        steps = step_numbers(events)
+        steps = replay_steps(events)
         status = f"not recording: {recorder.error}" if recorder.error else None
         yield (history, *views_at(events, None, status),
                gr.update(maximum=max(2, len(steps)), value=max(1, len(steps))), events)
 
     def show_step(index, events):
-        steps = step_numbers(events or [])
+        steps = replay_steps(events or [])
         if not steps:
             return gr.skip()
         return tree_figure(events, steps[min(max(int(index), 1), len(steps)) - 1])
 
     def compare(prompt, methods, max_new, temperature, top_p, gamma, branches, epsilon, hrad, seed, chat,
-                request: gr.Request = None):
-        from .replay_tab import owner_of
-
+                browser_id=None, request: gr.Request = None):
         try:
             if not methods:
                 raise SpecBranchError("pick at least one method")
@@ -192,7 +190,7 @@ def build_app(get_engine, get_store=None) -> gr.Blocks:
             engine.check_prompt(ids)
         except SpecBranchError as exc:
             return notice_html([], str(exc)), gr.skip()
-        recorder, sid = start_recording(owner_of(request), prompt, engine, cfgs[0])
+        recorder, sid = start_recording(owner_of(browser_id, request), prompt, engine, cfgs[0])
         runs = []
         for cfg in cfgs:  # one stored session, one run per method
             if sid is not None and runs:
@@ -212,6 +210,7 @@ def build_app(get_engine, get_store=None) -> gr.Blocks:
         gr.Markdown("# SpecBranch Studio\nSpeculative decoding, made visible: every token is coloured by where it "
                     "came from, every forward pass is on the timeline.")
         events_state = gr.State([])
+        browser = browser_id_state()
         with gr.Tab("Live"):
             with gr.Row():
                 with gr.Column(scale=1, min_width=320):
@@ -251,19 +250,20 @@ def build_app(get_engine, get_store=None) -> gr.Blocks:
             c_run = gr.Button("Compare", variant="primary", elem_id="compare")
             c_table = gr.HTML(elem_id="compare-table")
             c_timeline = gr.Plot(label="Timelines, one axis", elem_id="compare-timeline")
-        build_replay_tab(get_store, views_at)
+        build_replay_tab(get_store, views_at, browser)
         with gr.Tab("How to read this"):
             gr.Markdown(TEACHING)
 
         controls = [max_new, temperature, top_p, gamma, branches, epsilon, hrad, seed, chat]
         outputs = [chatbot, tokens, metrics, notices, tree, timeline, acceptance, cumulative, step, events_state]
-        run_event = send.click(generate, [prompt, chatbot, method, *controls], outputs, concurrency_limit=1,
+        demo.load(browser_identity, browser, browser, api_visibility="private")
+        run_event = send.click(generate, [prompt, chatbot, method, *controls, browser], outputs, concurrency_limit=1,
                                concurrency_id="engine")
-        submit_event = prompt.submit(generate, [prompt, chatbot, method, *controls], outputs, concurrency_limit=1,
-                                     concurrency_id="engine")
+        submit_event = prompt.submit(generate, [prompt, chatbot, method, *controls, browser], outputs,
+                                     concurrency_limit=1, concurrency_id="engine")
         stop.click(None, cancels=[run_event, submit_event])
         step.release(show_step, [step, events_state], tree)
-        c_run.click(compare, [c_prompt, c_methods, *controls], [c_table, c_timeline], concurrency_limit=1,
+        c_run.click(compare, [c_prompt, c_methods, *controls, browser], [c_table, c_timeline], concurrency_limit=1,
                     concurrency_id="engine")
     return demo
 

@@ -1,5 +1,5 @@
-"""Pure functions from the event stream to what the page shows. Token text is model output, so every
-piece of it is HTML-escaped here, in one place."""
+"""Pure functions from the event stream to what the page shows. Token text is model output and a replayed
+run may come from an imported file, so every string from an event is HTML-escaped here, in one place."""
 from __future__ import annotations
 
 import html
@@ -27,7 +27,8 @@ def token_view(events: list[Event]) -> str:
                     title += f" | p={v.p[i]:.3f} q={v.q[i]:.3f} p/q={ratio:.3f} u={u}"
                 elif v is not None and kind in ("correction", "bonus"):
                     title += f" | drawn with probability {v.next_p:.3f}"
-                parts.append(f'<span class="tok tok-{kind}" title="{html.escape(title)}">{html.escape(piece)}</span>')
+                parts.append(f'<span class="tok tok-{html.escape(kind)}" title="{html.escape(title)}">'
+                             f'{html.escape(piece)}</span>')
         elif isinstance(e, Rollback) and e.tokens:
             dropped = html.escape("".join(e.pieces))
             parts.append(f'<span class="tok tok-rollback" title="rolled back ({html.escape(e.reason)})">{dropped}</span>')
@@ -52,6 +53,8 @@ def metric_panel(events: list[Event]) -> str:
 
 
 def fmt(x) -> str:
+    """A value as plain text (HTML callers escape it): a float is formatted as a number only when it is one,
+    anything else (a stored or imported run may hold any JSON) is just its string."""
     if x is None:
         return "–"
     if isinstance(x, float):

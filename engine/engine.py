@@ -3,6 +3,7 @@ of events for any method. Generations on one engine are serialised by a lock (th
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import aclosing
 import threading
 import time
@@ -42,6 +43,8 @@ class Engine:
         self.target_worker = Worker("target", threads)
         self.draft_worker = Worker("draft", threads)
         self._busy = threading.Lock()  # one generation at a time per engine; others queue (any event loop)
+        # waits for _busy happen here, one at a time (so in order), never on a loop's own executor: see _take_busy
+        self._busy_waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-lock")
         self.hrad, self.hrad_notice = find_hrad(pair)  # H-RAD classifier, when trained weights fit this pair
 
     def encode(self, prompt: str, chat: bool, history: list[dict] | None = None) -> list[int]:
@@ -76,12 +79,28 @@ class Engine:
         if cfg.method == "hf-assisted" and getattr(self.pair.draft, "reads_target_features", False):
             raise SpecBranchError("hf-assisted cannot take a feature-conditioned draft head: transformers' assisted "
                                   "generation needs a standalone causal LM as its assistant (use --draft embedded)")
-        await asyncio.get_running_loop().run_in_executor(None, self._busy.acquire)
+        await self._take_busy()
         try:  # aclosing: a consumer that stops early closes every generator below, freeing both workers
             async with aclosing(self._generate(prompt_ids, cfg, prompt_text, collect_hrad)) as stream:
                 async for event in stream:
                     yield event
         finally:
+            self._busy.release()
+
+    async def _take_busy(self) -> None:
+        """Wait for the engine's lock without blocking the event loop. Cancel-safe: a request cancelled while it
+        waits (Stop, a closed tab) cannot take the lock back from the waiting thread, so that thread's acquire,
+        when it returns, releases the lock again. This hangs on the thread's own Future, not on the loop, so
+        it works even when the cancelled request's loop is closed by then (app/stream.py closes it)."""
+        waiting = self._busy_waiter.submit(self._busy.acquire)
+        try:
+            await asyncio.wrap_future(waiting)
+        except BaseException:
+            waiting.add_done_callback(self._release_abandoned)  # runs now if the acquire already returned
+            raise
+
+    def _release_abandoned(self, waiting: Future) -> None:
+        if not waiting.cancelled() and waiting.exception() is None:  # not cancelled before it ran: it took the lock
             self._busy.release()
 
     async def _generate(self, prompt_ids, cfg, prompt_text, collect_hrad):
@@ -159,6 +178,7 @@ class Engine:
         return result_from_events(events, self.pair.tokenizer)
 
     def close(self) -> None:
+        self._busy_waiter.shutdown(wait=False, cancel_futures=True)
         self.target_worker.shutdown()
         self.draft_worker.shutdown()
 

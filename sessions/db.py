@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import secrets
 import sqlite3
 from contextlib import contextmanager
@@ -24,6 +25,7 @@ from engine.events import Event, Finished, RunStarted
 SCHEMA_VERSION = 1
 APPLICATION_ID = 0x53425231  # "SBR1" in the file header: marks a file as ours, so a foreign one is never written
 BUSY_TIMEOUT_S = 30.0  # concurrent writers queue on SQLite's lock instead of failing
+SAFE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # ids name export files: no separators, dots or control characters
 
 
 class SessionStoreError(RuntimeError):
@@ -42,6 +44,18 @@ def default_db_path() -> Path:
 def new_id() -> str:
     # unguessable: a session id is not a secret, but it should not be enumerable either
     return secrets.token_hex(8)
+
+
+def is_safe_id(value: Any) -> bool:
+    """A string of 1 to 64 letters, digits, '-' or '_' (what new_id makes is one)."""
+    return isinstance(value, str) and SAFE_ID.fullmatch(value) is not None
+
+
+def check_id(value: Any, what: str) -> str:
+    """The id, or a SessionStoreError naming it: an id from a file may become part of a file name."""
+    if not is_safe_id(value):
+        raise SessionStoreError(f"{what} {value!r:.60} is not allowed: an id is 1 to 64 letters, digits, '-' or '_'")
+    return value
 
 
 def explain(exc: BaseException, path: Path | str) -> str:

@@ -16,7 +16,7 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from engine.events import EVENT_TYPES, Event, Finished, RunStarted, TimingSpan, TokensEmitted, from_dict
 
-from .db import SessionStoreError, run_finish_fields
+from .db import SessionStoreError, check_id, run_finish_fields
 from .replay import run_label
 from .store import Store
 
@@ -26,6 +26,15 @@ SESSION_FIELDS = {"id": str, "created": float, "title": str, "prompt": str, "tar
                   "config": dict, "versions": dict}
 RUN_FIELDS = {"id": str, "method": str, "started": float, "finished": float | None, "status": str,
               "reason": str | None, "metrics": dict | None, "token_count": int, "events": list}
+# engine.metrics.compute_metrics' keys and types: imported metrics reach the page, so each is checked
+METRIC_FIELDS = {"new_tokens": int, "tokens_per_s": float, "prefill_s": float, "decode_s": float,
+                 "acceptance_rate": float | None, "mean_accepted_length": float | None, "rollback_rate": float | None,
+                 "drafted_tokens": int, "verified_tokens": int, "accepted_tokens": int, "rolled_back_tokens": int,
+                 "target_forwards": int, "draft_forwards": int, "per_position_acceptance": list[float | None],
+                 "accepted_length_histogram": dict[str, int], "target_idle_fraction": float,
+                 "draft_idle_fraction": float | None, "overlap": float, "host_overhead_ms_per_step": float | None,
+                 "branch_points": int, "branch_rescues": int, "rescue_rate": float | None,
+                 "target_forward_ms": float | None, "draft_forward_ms": float | None}
 
 
 # -- export ----------------------------------------------------------------------------------------
@@ -98,6 +107,7 @@ def parse_export(doc: Any) -> tuple[dict, list[dict]]:
         raise SessionStoreError(f"session file version {doc.get('version')!r} is not supported "
                                 f"(this SpecBranch reads version {FORMAT_VERSION})")
     session = check_fields(doc.get("session"), SESSION_FIELDS, "session")
+    check_id(session["id"], "session: id")
     if not isinstance(doc.get("runs"), list):
         raise SessionStoreError("session file: \"runs\" must be a list")
     runs = [parse_run(run, i + 1) for i, run in enumerate(doc["runs"])]
@@ -125,6 +135,9 @@ def check_fields(obj: Any, spec: dict[str, Any], where: str) -> dict:
 def parse_run(raw: Any, number: int) -> dict:
     where = f"run {number}"
     run = check_fields(raw, RUN_FIELDS, where)
+    check_id(run["id"], f"{where}: id")
+    if run["metrics"] is not None:  # a partial run's metrics so far; a complete run's equal its Finished event's
+        check_fields(run["metrics"], METRIC_FIELDS, f"{where} metrics")
     events = [parse_event(e, f"{where}, event {i + 1}") for i, e in enumerate(run["events"])]
     if not events or not isinstance(events[0], RunStarted):
         raise SessionStoreError(f"{where}: its events must begin with a run_started event")
@@ -163,6 +176,8 @@ def parse_event(raw: Any, where: str) -> Event:
         if not fits(value, hint):
             raise SessionStoreError(f"{where}: {event.type} field {name!r} should be {type_name(hint)}, "
                                     f"got {value!r:.60}")
+    if isinstance(event, Finished):
+        check_fields(event.metrics, METRIC_FIELDS, f"{where}: finished metrics")
     return event
 
 
@@ -185,7 +200,9 @@ def fits(value: Any, hint: Any) -> bool:
         args = get_args(hint)
         return isinstance(value, list) and (not args or all(fits(v, args[0]) for v in value))
     if hint is dict or origin is dict:
-        return isinstance(value, dict) and all(isinstance(k, str) for k in value)
+        args = get_args(hint)
+        return (isinstance(value, dict) and all(isinstance(k, str) for k in value)
+                and (not args or all(fits(v, args[1]) for v in value.values())))
     if hint is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if hint is int:

@@ -12,7 +12,7 @@ from engine.metrics import compute_metrics
 
 
 def replay_steps(events: list[Event]) -> list[int]:
-    """The steps a replay slider can show (the same list as app.figures.step_numbers)."""
+    """The decoder's steps in a stream: what a step slider (live or replay) and the branch tree can show."""
     return sorted({e.step for e in events if isinstance(e, StepStarted)})
 
 
@@ -25,8 +25,14 @@ def events_up_to_step(events: list[Event], step: int) -> list[Event]:
 
 
 def run_label(events: list[Event]) -> str:
+    """A run's name on figures and traces: its method."""
     start = next((e for e in events if isinstance(e, RunStarted)), None)
     return start.method if start else "run"
+
+
+def stored_run_label(run: dict) -> str:
+    """A stored run (a Store run row) as a picker entry: method, status and id."""
+    return f"{run['method']} · {run['status']} · {run['id']}"
 
 
 def run_metrics(events: list[Event]) -> dict:
@@ -111,7 +117,8 @@ def compare_runs(runs: list[list[Event]]) -> dict:
     by_step and by_time alignments."""
     metrics = [run_metrics(events) for events in runs]
     base = metrics[0] if metrics else {}
-    base_speed = base.get("tokens_per_s")
+    speed = base.get("tokens_per_s")
+    base_speed = speed if _is_number(speed) else None  # a run stored before imports were checked may hold anything
     return {
         "labels": unique_labels([run_label(events) for events in runs]),
         "metrics": metrics,

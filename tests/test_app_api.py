@@ -142,3 +142,41 @@ def test_two_browser_sessions_each_see_their_own_stream(client, tiny_engine):
         want = tiny_engine.run(tiny_engine.encode(prompt, False), GenerationConfig(
             method="specbranch", max_new_tokens=16, gamma=3, epsilon=1.0)).text
         assert content(final[0][-1]) == want
+
+
+def test_a_bad_import_is_refused_and_the_app_keeps_serving(client, store, tmp_path):
+    import html
+    import json
+
+    from gradio_client import handle_file
+    from sessions.export import export_session
+
+    call(client, "c c d")
+    doc = export_session(store, store.list_sessions(search="c c d")[0]["id"])
+    finished = next(e for e in doc["runs"][0]["events"] if e["type"] == "finished")
+    finished["metrics"]["tokens_per_s"] = "<img src=x onerror=alert(1)>"
+    crafted = tmp_path / "crafted.json"
+    crafted.write_text(json.dumps(doc))
+    status = client.predict(handle_file(str(crafted)), api_name="/do_import")
+    assert "<img" not in status  # the refusal quotes the bad value, as text
+    assert "import refused" in status and "field 'tokens_per_s' should be float" in html.unescape(status)
+    _, final = call(client, "a b")
+    assert content(final[0][-1])
+
+
+def test_a_browser_id_owns_its_runs_across_page_loads(client, store):
+    """Two page loads of one browser are two Gradio sessions with the same stored id: both see its runs."""
+    from gradio_client import Client
+
+    from app.identity import browser_identity
+
+    mine = browser_identity(None)
+    a = ARGS | {"max_new": 8}
+    client.submit("g g h", [], a["method"], a["max_new"], a["temperature"], a["top_p"], a["gamma"], a["branches"],
+                  a["epsilon"], a["hrad"], a["seed"], False, mine, api_name="/generate").result()
+    assert [s["prompt"] for s in store.list_sessions(owner=mine, include_shared=False)] == ["g g h"]
+    for page in (client, Client(client.src, verbose=False)):
+        _, _, status = page.predict("g g h", "", mine, api_name="/search")
+        assert "1 session" in status
+    _, _, status = client.predict("g g h", "", browser_identity(None), api_name="/search")
+    assert "no stored sessions" in status
