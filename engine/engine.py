@@ -39,8 +39,8 @@ class Result:
 class Engine:
     def __init__(self, pair: ModelPair, threads: int = 1):
         self.pair = pair
-        self.target_worker = Worker("target", threads)
-        self.draft_worker = Worker("draft", threads)
+        self.target_worker = Worker("target", threads, pair.target.device)
+        self.draft_worker = Worker("draft", threads, pair.draft.device if pair.draft is not None else None)
         self._busy = threading.Lock()  # one generation at a time per engine; others queue (any event loop)
         self.hrad, self.hrad_notice = find_hrad(pair)  # H-RAD classifier, when trained weights fit this pair
 

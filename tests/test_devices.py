@@ -1,0 +1,140 @@
+"""Issue 11, what can be checked without a GPU: the span arithmetic of the CUDA timing path, the CUDA worker's
+order of stream operations (against fake streams and events, not a GPU), and the CPU worker unchanged and
+free of device-wide syncs. Nothing here runs CUDA kernels."""
+from __future__ import annotations
+
+import asyncio
+from contextlib import nullcontext
+
+import pytest
+import torch
+
+from engine import runtime
+from engine.models import load_pair
+from engine.runtime import Worker, span_seconds
+
+
+# ---------------------------------------------------------------- span arithmetic
+def test_span_seconds_from_fake_elapsed_times():
+    # reference ran 0.25 s after t0; the forward's kernels ran 12 ms to 15.5 ms after it
+    assert span_seconds(0.25, 12.0, 15.5) == (0.262, 0.2655)
+    assert span_seconds(0.0, 0.0, 0.0) == (0.0, 0.0)
+    # sub-microsecond values round to the TimingSpan resolution (1 us)
+    assert span_seconds(1.0, 0.0004, 1.0006) == (1.0, 1.001001)
+    # an end event that reads earlier than its start (timer jitter) never makes a negative span
+    start, end = span_seconds(0.5, 3.0, 2.9)
+    assert start == end == 0.503
+
+
+# ---------------------------------------------------------------- the CUDA worker, against fakes
+class FakeCuda:
+    """Just enough of torch.cuda for Worker: a fake GPU clock in ms that `fn` advances, and a log of
+    every stream/event operation in order."""
+
+    def __init__(self):
+        self.now_ms = 100.0
+        self.log: list[tuple] = []
+        cuda = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                self.timing, self.t = enable_timing, None
+
+            def record(self, stream):
+                self.t = cuda.now_ms
+                cuda.log.append(("record", stream.name, self.timing))
+
+            def synchronize(self):
+                cuda.log.append(("event_sync",))
+
+            def elapsed_time(self, other):
+                assert self.timing and other.timing, "elapsed_time needs timing events"
+                return other.t - self.t
+
+        class Stream:
+            def __init__(self, device=None, name="worker"):
+                self.device, self.name = device, name
+
+            def wait_event(self, event):
+                cuda.log.append(("wait", self.name, event.timing))
+
+            def synchronize(self):
+                cuda.log.append(("stream_sync", self.name))
+
+        self.Event, self.Stream = Event, Stream
+        self.default = Stream(torch.device("cuda", 0), "default")
+
+    def install(self, monkeypatch):
+        c = torch.cuda
+        monkeypatch.setattr(c, "Stream", self.Stream)
+        monkeypatch.setattr(c, "Event", self.Event)
+        monkeypatch.setattr(c, "stream", lambda s: nullcontext())
+        monkeypatch.setattr(c, "device", lambda d: nullcontext())
+        monkeypatch.setattr(c, "current_stream", lambda d=None: self.default)
+        monkeypatch.setattr(c, "current_device", lambda: 0)
+        monkeypatch.setattr(c, "synchronize", lambda *a: pytest.fail("device-wide synchronize"))
+
+
+def test_cuda_worker_times_on_its_stream_and_orders_by_events(monkeypatch):
+    fake = FakeCuda()
+    fake.install(monkeypatch)
+    worker = Worker("target", 1, "cuda")
+    assert worker.device == torch.device("cuda", 0) and isinstance(worker.stream, fake.Stream)
+
+    def forward(ms):
+        fake.now_ms += ms  # the forward's kernels take `ms` on the fake GPU
+        return torch.zeros(2)
+
+    async def two_runs():
+        out = []
+        for t0 in (10.0, 20.0):  # two runs: each gets its own reference event
+            for ms in (5.0, 2.0):
+                out.append(await worker.run(forward, ms, kind="decode", step=1, t0=t0))
+        return out
+
+    try:
+        results = asyncio.run(two_runs())
+    finally:
+        worker.shutdown()
+    spans = [span for _, span in results]
+    assert [round(s.end - s.start, 6) for s in spans] == [0.005, 0.002, 0.005, 0.002]
+    assert spans[1].start == spans[0].end and spans[3].start == spans[2].end  # back to back on the GPU clock
+    first_forward = [("record", "default", False),  # caller: what the loop queued before
+                     ("stream_sync", "worker"), ("record", "worker", True), ("event_sync",),  # the run's reference
+                     ("wait", "worker", False),  # the worker's stream waits on the caller's event
+                     ("record", "worker", True), ("record", "worker", True),  # start, end around fn
+                     ("event_sync",),  # only the end event is waited for
+                     ("wait", "default", True)]  # the caller's stream waits on the end event
+    assert fake.log[: len(first_forward)] == first_forward
+    assert fake.log.count(("stream_sync", "worker")) == 2  # one reference per run, not per forward
+
+
+# ---------------------------------------------------------------- the CPU worker: host clocks, no CUDA calls
+def test_cpu_worker_uses_host_clocks_and_never_syncs_the_device(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine with a CPU model
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: pytest.fail("device-wide synchronize"))
+    worker = Worker("draft", 1, torch.device("cpu"))
+    assert worker.stream is None and Worker("draft").stream is None
+
+    async def go():
+        return await worker.run(lambda x: x + 1, torch.ones(1), kind="draft", step=3, t0=0.0, tokens=2)
+
+    try:
+        result, span = asyncio.run(go())
+    finally:
+        worker.shutdown()
+    assert float(result) == 2.0 and span.worker == "draft" and span.step == 3 and span.tokens == 2
+    assert 0 < span.start <= span.end  # perf_counter seconds since t0 = 0
+
+
+def test_tensors_in_a_cache_and_an_output_are_found(tiny_dirs):
+    """What the CUDA path `record_stream`s: every key/value of a transformers cache, and every output tensor."""
+    pair = load_pair(str(tiny_dirs["target"]), None, device="cpu")
+    cache = pair.target.new_cache()
+    out = pair.target.forward(torch.tensor([[2, 3, 4]]), cache, True, True)
+    found = {id(t) for t in runtime._tensors(cache)}
+    for layer in cache.layers:
+        assert id(layer.keys) in found and id(layer.values) in found
+    out_found = {id(t) for t in runtime._tensors(out)}
+    assert {id(out.logits), id(out.features)} | {id(h) for h in out.hidden_states} <= out_found
+    assert list(runtime._tensors(pair.target.model)) == []  # weights are never walked
