@@ -1,6 +1,6 @@
 """Issue 11, what can be checked without a GPU: the span arithmetic of the CUDA timing path, the CUDA worker's
-order of stream operations (against fake streams and events, not a GPU), and the CPU worker unchanged and
-free of device-wide syncs. Nothing here runs CUDA kernels."""
+order of stream operations (against fake streams and events, not a GPU), the CPU worker unchanged and free of
+device-wide syncs, and unusable devices refused before any model loads. Nothing here runs CUDA kernels."""
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from engine import runtime
-from engine.models import load_pair
+from engine.__main__ import main
+from engine.config import SpecBranchError
+from engine.models import load_pair, pick_device
 from engine.runtime import Worker, span_seconds
 
 
@@ -138,3 +140,35 @@ def test_tensors_in_a_cache_and_an_output_are_found(tiny_dirs):
     out_found = {id(t) for t in runtime._tensors(out)}
     assert {id(out.logits), id(out.features)} | {id(h) for h in out.hidden_states} <= out_found
     assert list(runtime._tensors(pair.target.model)) == []  # weights are never walked
+
+
+# ---------------------------------------------------------------- unusable devices, refused before loading
+@pytest.mark.parametrize("available, count, argv, message", [
+    (False, 0, ["--device", "cuda"], "CUDA is not available here"),
+    (False, 0, ["--device", "cuda:0"], "CUDA is not available here"),
+    (True, 1, ["--device", "cuda:1"], "'cuda:1': there is no such GPU; this machine has 1 (cuda:0)"),
+    (True, 2, ["--device", "cpu", "--draft-device", "cuda:2"], "'cuda:2': there is no such GPU"),
+    (False, 0, ["--draft-device", "cuda:0"], "CUDA is not available here"),
+    (True, 1, ["--device", "gpu"], "unknown device 'gpu'; use cpu, cuda or cuda:N"),
+    (True, 1, ["--device", "cuda:x"], "unknown device 'cuda:x'"),
+    (True, 1, ["--device", "meta"], "device 'meta' is not supported"),
+])
+def test_unusable_device_is_refused_before_loading(monkeypatch, capsys, tmp_path, available, count, argv, message):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    code = main(["generate", "--target", str(tmp_path / "no-such-model"), "--prompt", "a b", *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err, err
+    assert "model path not found" not in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: ")
+
+
+def test_usable_devices_pass(monkeypatch):
+    assert pick_device("cpu") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert pick_device("cuda:1") == torch.device("cuda", 1) and pick_device("cuda") == torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert pick_device(None) == torch.device("cpu")
+    with pytest.raises(SpecBranchError):
+        pick_device("cuda")
