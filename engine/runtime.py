@@ -26,7 +26,12 @@ from typing import Any, Callable
 
 import torch
 
+from .config import SpecBranchError
 from .events import TimingSpan
+
+
+class OutOfMemory(SpecBranchError):
+    """A forward ran out of device memory; the run it belonged to ends with this message."""
 
 
 def _init_thread(threads: int) -> None:
@@ -83,7 +88,8 @@ class Worker:
                                            initializer=_init_thread, initargs=(threads,))
 
     async def run(self, fn: Callable[..., Any], *args, kind: str, step: int, t0: float, tokens: int = 1):
-        """Run fn(*args) on this worker's thread; returns (result, TimingSpan)."""
+        """Run fn(*args) on this worker's thread; returns (result, TimingSpan). A forward that runs out of
+        device memory frees the allocator's cache and raises OutOfMemory (a SpecBranchError)."""
         if self.stream is None:
             def call():
                 start = time.perf_counter()
@@ -97,7 +103,19 @@ class Worker:
             def call():
                 return self._cuda_forward(fn, args, ready, t0)
 
-        result, start, end, done = await asyncio.get_running_loop().run_in_executor(self.executor, call)
+        def guarded():
+            try:
+                return call()
+            except torch.cuda.OutOfMemoryError:
+                pass
+            # outside the except block: the error's traceback, and the tensors its frames held, are gone
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            raise OutOfMemory(f"out of memory on {self.device} in the {self.name} model's {kind} forward "
+                              f"({tokens} token{'s' * (tokens != 1)}); the run was stopped. Try a shorter prompt, "
+                              f"fewer new tokens, or a smaller pair")
+
+        result, start, end, done = await asyncio.get_running_loop().run_in_executor(self.executor, guarded)
         if done is not None:
             caller.wait_event(done)  # the loop's later work on the result waits for the forward
             _record_on(result, caller)

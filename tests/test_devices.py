@@ -1,6 +1,7 @@
 """Issue 11, what can be checked without a GPU: the span arithmetic of the CUDA timing path, the CUDA worker's
 order of stream operations (against fake streams and events, not a GPU), the CPU worker unchanged and free of
-device-wide syncs, and unusable devices refused before any model loads. Nothing here runs CUDA kernels."""
+device-wide syncs, unusable devices refused before any model loads, and an out-of-memory forward ending only
+its own run. Nothing here runs CUDA kernels."""
 from __future__ import annotations
 
 import asyncio
@@ -11,9 +12,12 @@ import torch
 
 from engine import runtime
 from engine.__main__ import main
-from engine.config import SpecBranchError
-from engine.models import load_pair, pick_device
-from engine.runtime import Worker, span_seconds
+from engine.config import GenerationConfig, SpecBranchError
+from engine.engine import Engine
+from engine.models import LM, load_pair, pick_device
+from engine.runtime import OutOfMemory, Worker, span_seconds
+
+from .conftest import make_tiny_model
 
 
 # ---------------------------------------------------------------- span arithmetic
@@ -172,3 +176,64 @@ def test_usable_devices_pass(monkeypatch):
     assert pick_device(None) == torch.device("cpu")
     with pytest.raises(SpecBranchError):
         pick_device("cuda")
+
+
+# ---------------------------------------------------------------- out of memory ends one run only
+@pytest.fixture
+def own_engine(tmp_path):
+    """A fresh tiny engine (the shared `tiny_engine` fixture is left alone)."""
+    target = make_tiny_model(tmp_path / "target", seed=1)
+    draft = make_tiny_model(tmp_path / "draft", seed=1, perturb=0.5, perturb_seed=2)
+    engine = Engine(load_pair(str(target), str(draft), device="cpu"))
+    yield engine
+    engine.close()
+
+
+def fail_once(lm, monkeypatch, after: int = 0):
+    """Make lm.forward raise CUDA's out-of-memory error on its (after + 1)-th call, then work again."""
+    real, calls = lm.forward, []
+
+    def forward(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == after + 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(lm, "forward", forward)
+    return calls
+
+
+@pytest.mark.parametrize("method, model, after", [("sd", "target", 0), ("sd", "target", 3), ("pearl", "target", 2),
+                                                  ("specbranch", "draft", 4), ("ar", "target", 5)])
+def test_out_of_memory_ends_the_run_and_the_next_run_works(own_engine, monkeypatch, method, model, after):
+    cfg = GenerationConfig(method=method, max_new_tokens=24, gamma=3)
+    want = own_engine.run([2, 3, 4], cfg).token_ids
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the allocator's cache is emptied on CUDA
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+    calls = fail_once(getattr(own_engine.pair, model), monkeypatch, after)
+    with pytest.raises(OutOfMemory, match=f"out of memory on cpu in the {model} model's"):
+        own_engine.run([2, 3, 4], cfg)
+    assert emptied == [1] and len(calls) == after + 1
+    again = own_engine.run([2, 3, 4], cfg)
+    assert again.token_ids == want and again.finish_reason == "length"
+
+
+def test_out_of_memory_from_the_cli_is_one_error_line(tmp_path, monkeypatch, capsys):
+    target = make_tiny_model(tmp_path / "target", seed=1)
+    real, calls = LM.forward, []
+
+    def forward(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory.")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(LM, "forward", forward)
+    capsys.readouterr()  # the model writer's progress bar
+    code = main(["generate", "--target", str(target), "--method", "ar", "--prompt", "a b", "--device", "cpu",
+                 "--max-new-tokens", "8"])
+    err = capsys.readouterr().err.splitlines()  # after transformers' loading progress bar
+    assert code == 2
+    assert err[-1].startswith("error: out of memory on cpu in the target model's decode forward (1 token)")
+    assert "Traceback" not in "\n".join(err)
