@@ -1,10 +1,11 @@
 """Issue 11, what can be checked without a GPU: the span arithmetic of the CUDA timing path, the CUDA worker's
 order of stream operations (against fake streams and events, not a GPU), the CPU worker unchanged and free of
-device-wide syncs, unusable devices refused before any model loads, and an out-of-memory forward ending only
-its own run. Nothing here runs CUDA kernels."""
+device-wide syncs, unusable devices refused before any model loads, an out-of-memory forward ending only its
+own run, and the distill paths taking their device. Nothing here runs CUDA kernels."""
 from __future__ import annotations
 
 import asyncio
+import json
 from contextlib import nullcontext
 
 import pytest
@@ -237,3 +238,35 @@ def test_out_of_memory_from_the_cli_is_one_error_line(tmp_path, monkeypatch, cap
     assert code == 2
     assert err[-1].startswith("error: out of memory on cpu in the target model's decode forward (1 token)")
     assert "Traceback" not in "\n".join(err)
+
+
+# ---------------------------------------------------------------- distill takes its device
+def test_head_distill_tensors_are_made_on_the_given_device(tiny_dirs):
+    from engine.head import FeatureHead
+    from engine.head_distill import feature_batches, ttt_mask, unrolled_outputs
+
+    cpu = torch.device("cpu")
+    rows = [{"prompt_ids": [2, 3], "response_ids": [4, 5, 6]}, {"prompt_ids": [2], "response_ids": [7]}]
+    feats = [torch.randn(5, 32, dtype=torch.float16), torch.randn(2, 32, dtype=torch.float16)]
+    batches = list(feature_batches(rows, feats, 2, False, 0, cpu))
+    assert batches and all(t.device == cpu for batch in batches for t in batch)
+    assert torch.equal(ttt_mask(5, 2, cpu), ttt_mask(5, 2))
+    target = load_pair(str(tiny_dirs["target"]), None, device="cpu").target.model
+    head = FeatureHead.from_target(target, 1)
+    ids, f, _ = batches[0]
+    outs = unrolled_outputs(head, target.get_input_embeddings()(ids).float(), f, 2)
+    assert len(outs) == 2 and all(o.shape == f.shape and o.device == cpu for o in outs)
+
+
+def test_distill_head_with_device_cpu(tmp_path):
+    """`distill --kind head --device cpu` runs every stage (features, feature batches, training, evaluation)."""
+    target = make_tiny_model(tmp_path / "target", seed=5, layers=3, init=0.3, context=128)
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"prompt_ids": [2 + i % 5, 3], "response_ids": [4, 5 + i % 4, 6, 7]}) + "\n"
+                              for i in range(24)))
+    code = main(["distill", "--kind", "head", "--target", str(target), "--corpus", str(corpus), "--layers", "1",
+                 "--unroll", "2", "--vocab", "8", "--epochs", "1", "--batch-size", "8", "--val-fraction", "0.2",
+                 "--work-dir", str(tmp_path / "work"), "--out", str(tmp_path / "head"), "--device", "cpu"])
+    assert code == 0
+    card = json.loads((tmp_path / "head" / "config.json").read_text())["specbranch_head"]
+    assert card["unroll"] == 2 and len(card["val_agreement_by_depth"]) == 2
