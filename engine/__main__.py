@@ -86,8 +86,10 @@ def build_engine(args, need_draft: bool):
     import torch
 
     from .engine import Engine
-    from .models import load_pair
+    from .models import load_pair, pick_device
 
+    for device in (args.device, args.draft_device):  # refuse an unusable device before loading anything
+        pick_device(device)
     torch.set_num_threads(max(1, args.threads))
     pair = load_pair(args.target, args.draft if need_draft else None, device=args.device,
                      draft_device=args.draft_device, dtype=args.dtype, trust_remote_code=args.trust_remote_code)

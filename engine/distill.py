@@ -184,6 +184,7 @@ def frequent_vocab(rows: list[dict], size: int, vocab_size: int) -> torch.Tensor
 
 # ---------------------------------------------------------------- training
 def draft_logits(draft, ids, mask, head: torch.Tensor) -> torch.Tensor:
+    ids, mask = ids.to(head.device), mask.to(head.device)
     hidden = draft.model(input_ids=ids, attention_mask=mask).last_hidden_state  # [B, T, H]
     return hidden @ head.T  # [B, T, |subset|]
 
@@ -195,8 +196,8 @@ def kl_loss(logits_sub: torch.Tensor, rows, chunk, labels, remap: torch.Tensor) 
     for b, lo, hi in response_positions(rows, chunk):
         logq = logits_sub[b, lo:hi].float().log_softmax(-1)  # [R, S]
         lab = labels[chunk[b]]
-        sub_ids = remap[lab["ids"].long()]  # position in the subset, -1 when outside
-        p = lab["probs"].float() * (sub_ids >= 0)
+        sub_ids = remap[lab["ids"].long()].to(logq.device)  # position in the subset, -1 when outside
+        p = lab["probs"].to(logq.device).float() * (sub_ids >= 0)
         p = p / p.sum(-1, keepdim=True).clamp_min(1e-8)
         losses.append(-(p * logq.gather(-1, sub_ids.clamp_min(0))).sum(-1))
         agree += int((logq.argmax(-1) == sub_ids[:, 0]).sum())
@@ -219,7 +220,7 @@ def evaluate(draft, rows, labels, head, remap, batch_size) -> float:
 def train_draft(target, rows: list[dict], labels: list[dict], val_rows, val_labels, *, layers: int, vocab: int,
                 epochs: float, lr: float, batch_size: int, seed: int, log_path: Path, max_minutes: float | None):
     torch.manual_seed(seed)
-    draft = draft_from_target(target, layers).train()
+    draft = draft_from_target(target, layers).to(next(target.parameters()).device).train()
     for module in (draft.model.embed_tokens, draft.lm_head):  # shared with the target: frozen
         module.requires_grad_(False)
     vocab_size = target.get_output_embeddings().weight.shape[0]

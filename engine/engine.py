@@ -40,8 +40,8 @@ class Result:
 class Engine:
     def __init__(self, pair: ModelPair, threads: int = 1):
         self.pair = pair
-        self.target_worker = Worker("target", threads)
-        self.draft_worker = Worker("draft", threads)
+        self.target_worker = Worker("target", threads, pair.target.device)
+        self.draft_worker = Worker("draft", threads, pair.draft.device if pair.draft is not None else None)
         self._busy = threading.Lock()  # one generation at a time per engine; others queue (any event loop)
         # waits for _busy happen here, one at a time (so in order), never on a loop's own executor: see _take_busy
         self._busy_waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-lock")

@@ -57,9 +57,9 @@ def extract_features(target, rows: list[dict], work: Path, batch_size: int = 8) 
     return out
 
 
-def feature_batches(rows, feats, batch_size: int, shuffle: bool, seed: int):
-    """Length-bucketed batches: ids [B, T], true features [B, T, H] (float32), loss mask [B, T] (rows that
-    predict a response token)."""
+def feature_batches(rows, feats, batch_size: int, shuffle: bool, seed: int, device="cpu"):
+    """Length-bucketed batches on `device`: ids [B, T], true features [B, T, H] (float32), loss mask [B, T]
+    (rows that predict a response token)."""
     for chunk, ids, _ in batches(rows, batch_size, shuffle, seed):
         t = ids.shape[1]
         f = torch.zeros(len(chunk), t, feats[chunk[0]].shape[-1])
@@ -69,14 +69,14 @@ def feature_batches(rows, feats, batch_size: int, shuffle: bool, seed: int):
             f[b, :n] = feats[i].float()
             p, r = len(rows[i]["prompt_ids"]), len(rows[i]["response_ids"])
             loss_mask[b, p - 1:p + r - 1] = True
-        yield ids, f, loss_mask
+        yield ids.to(device), f.to(device), loss_mask.to(device)
 
 
-def ttt_mask(t: int, step: int) -> torch.Tensor:
+def ttt_mask(t: int, step: int, device=None) -> torch.Tensor:
     """bool [1, 1, t, (step + 1) * t]: at unroll step j, query t sees step-0 keys at s <= t - j, the step-i
     key at s = t - j + i for 0 < i < j, and its own key (step j, s = t)."""
-    q = torch.arange(t)[:, None]
-    s = torch.arange(t)[None, :]
+    q = torch.arange(t, device=device)[:, None]
+    s = torch.arange(t, device=device)[None, :]
     blocks = [s <= q - step] + [s == q - step + i for i in range(1, step + 1)]
     return torch.cat(blocks, dim=1)[None, None]
 
@@ -87,12 +87,12 @@ def unrolled_outputs(head: FeatureHead, embeds: torch.Tensor, true_feats: torch.
 
     b, t, _ = embeds.shape
     cache = DynamicCache(config=head.config)
-    position_ids = torch.arange(t)[None]
+    position_ids = torch.arange(t, device=embeds.device)[None]
     prev = true_feats
     outs = []
     for j in range(steps):
         feats_in = F.pad(prev[:, :-1], (0, 0, 1, 0))  # row r reads f_{r-1}; row 0 reads zeros
-        out = head(embeds, feats_in, position_ids, ttt_mask(t, j), cache)
+        out = head(embeds, feats_in, position_ids, ttt_mask(t, j, embeds.device), cache)
         outs.append(out)
         prev = out
     return outs
@@ -123,7 +123,7 @@ def evaluate(head, rows, feats, embed, sub_head, steps: int, batch_size: int) ->
     head.eval()
     a, n = [0] * steps, [0] * steps
     with torch.inference_mode():
-        for ids, f, m in feature_batches(rows, feats, batch_size, False, 0):
+        for ids, f, m in feature_batches(rows, feats, batch_size, False, 0, next(head.parameters()).device):
             outs = unrolled_outputs(head, embed(ids).float(), f, steps)
             _, agree = losses(outs, f, m, sub_head, 0.0)
             for j, (x, y) in enumerate(agree):
@@ -155,7 +155,7 @@ def train_head(target, rows, feats, val_rows, val_feats, *, layers: int, vocab: 
     start, step, stopped = time.time(), 0, False
     bar = tqdm(total=total_steps, desc="train head", unit="step")
     for epoch in range(math.ceil(epochs)):
-        for ids, f, m in feature_batches(rows, feats, batch_size, True, seed + epoch):
+        for ids, f, m in feature_batches(rows, feats, batch_size, True, seed + epoch, device):
             with autocast(device):
                 outs = unrolled_outputs(head, embed(ids).float(), f, steps)
                 loss, agree = losses(outs, f, m, sub_head, reg_weight)

@@ -49,9 +49,24 @@ def embedded_gguf_path() -> Path:
 
 
 def pick_device(device: str | None = None) -> torch.device:
-    if device:
-        return torch.device(device)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """The device a model goes on: `device` (cpu, cuda, cuda:N), or CUDA when present. A device that cannot
+    be used here is refused with the reason (callers check before loading anything)."""
+    if not device:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise SpecBranchError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise SpecBranchError(f"device {device!r} is not supported; use cpu, cuda or cuda:N")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SpecBranchError(f"device {device!r}: CUDA is not available here (no GPU, or a CPU-only torch); "
+                              f"use --device cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        n = torch.cuda.device_count()
+        raise SpecBranchError(f"device {device!r}: there is no such GPU; this machine has {n} "
+                              f"({', '.join(f'cuda:{i}' for i in range(n))})")
+    return dev
 
 
 def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:

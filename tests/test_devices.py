@@ -1,0 +1,272 @@
+"""Issue 11, what can be checked without a GPU: the span arithmetic of the CUDA timing path, the CUDA worker's
+order of stream operations (against fake streams and events, not a GPU), the CPU worker unchanged and free of
+device-wide syncs, unusable devices refused before any model loads, an out-of-memory forward ending only its
+own run, and the distill paths taking their device. Nothing here runs CUDA kernels."""
+from __future__ import annotations
+
+import asyncio
+import json
+from contextlib import nullcontext
+
+import pytest
+import torch
+
+from engine import runtime
+from engine.__main__ import main
+from engine.config import GenerationConfig, SpecBranchError
+from engine.engine import Engine
+from engine.models import LM, load_pair, pick_device
+from engine.runtime import OutOfMemory, Worker, span_seconds
+
+from .conftest import make_tiny_model
+
+
+# ---------------------------------------------------------------- span arithmetic
+def test_span_seconds_from_fake_elapsed_times():
+    # reference ran 0.25 s after t0; the forward's kernels ran 12 ms to 15.5 ms after it
+    assert span_seconds(0.25, 12.0, 15.5) == (0.262, 0.2655)
+    assert span_seconds(0.0, 0.0, 0.0) == (0.0, 0.0)
+    # sub-microsecond values round to the TimingSpan resolution (1 us)
+    assert span_seconds(1.0, 0.0004, 1.0006) == (1.0, 1.001001)
+    # an end event that reads earlier than its start (timer jitter) never makes a negative span
+    start, end = span_seconds(0.5, 3.0, 2.9)
+    assert start == end == 0.503
+
+
+# ---------------------------------------------------------------- the CUDA worker, against fakes
+class FakeCuda:
+    """Just enough of torch.cuda for Worker: a fake GPU clock in ms that `fn` advances, and a log of
+    every stream/event operation in order."""
+
+    def __init__(self):
+        self.now_ms = 100.0
+        self.log: list[tuple] = []
+        cuda = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                self.timing, self.t = enable_timing, None
+
+            def record(self, stream):
+                self.t = cuda.now_ms
+                cuda.log.append(("record", stream.name, self.timing))
+
+            def synchronize(self):
+                cuda.log.append(("event_sync",))
+
+            def elapsed_time(self, other):
+                assert self.timing and other.timing, "elapsed_time needs timing events"
+                return other.t - self.t
+
+        class Stream:
+            def __init__(self, device=None, name="worker"):
+                self.device, self.name = device, name
+
+            def wait_event(self, event):
+                cuda.log.append(("wait", self.name, event.timing))
+
+            def synchronize(self):
+                cuda.log.append(("stream_sync", self.name))
+
+        self.Event, self.Stream = Event, Stream
+        self.default = Stream(torch.device("cuda", 0), "default")
+
+    def install(self, monkeypatch):
+        c = torch.cuda
+        monkeypatch.setattr(c, "Stream", self.Stream)
+        monkeypatch.setattr(c, "Event", self.Event)
+        monkeypatch.setattr(c, "stream", lambda s: nullcontext())
+        monkeypatch.setattr(c, "device", lambda d: nullcontext())
+        monkeypatch.setattr(c, "current_stream", lambda d=None: self.default)
+        monkeypatch.setattr(c, "current_device", lambda: 0)
+        monkeypatch.setattr(c, "synchronize", lambda *a: pytest.fail("device-wide synchronize"))
+
+
+def test_cuda_worker_times_on_its_stream_and_orders_by_events(monkeypatch):
+    fake = FakeCuda()
+    fake.install(monkeypatch)
+    worker = Worker("target", 1, "cuda")
+    assert worker.device == torch.device("cuda", 0) and isinstance(worker.stream, fake.Stream)
+
+    def forward(ms):
+        fake.now_ms += ms  # the forward's kernels take `ms` on the fake GPU
+        return torch.zeros(2)
+
+    async def two_runs():
+        out = []
+        for t0 in (10.0, 20.0):  # two runs: each gets its own reference event
+            for ms in (5.0, 2.0):
+                out.append(await worker.run(forward, ms, kind="decode", step=1, t0=t0))
+        return out
+
+    try:
+        results = asyncio.run(two_runs())
+    finally:
+        worker.shutdown()
+    spans = [span for _, span in results]
+    assert [round(s.end - s.start, 6) for s in spans] == [0.005, 0.002, 0.005, 0.002]
+    assert spans[1].start == spans[0].end and spans[3].start == spans[2].end  # back to back on the GPU clock
+    first_forward = [("record", "default", False),  # caller: what the loop queued before
+                     ("stream_sync", "worker"), ("record", "worker", True), ("event_sync",),  # the run's reference
+                     ("wait", "worker", False),  # the worker's stream waits on the caller's event
+                     ("record", "worker", True), ("record", "worker", True),  # start, end around fn
+                     ("event_sync",),  # only the end event is waited for
+                     ("wait", "default", True)]  # the caller's stream waits on the end event
+    assert fake.log[: len(first_forward)] == first_forward
+    assert fake.log.count(("stream_sync", "worker")) == 2  # one reference per run, not per forward
+
+
+# ---------------------------------------------------------------- the CPU worker: host clocks, no CUDA calls
+def test_cpu_worker_uses_host_clocks_and_never_syncs_the_device(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine with a CPU model
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: pytest.fail("device-wide synchronize"))
+    worker = Worker("draft", 1, torch.device("cpu"))
+    assert worker.stream is None and Worker("draft").stream is None
+
+    async def go():
+        return await worker.run(lambda x: x + 1, torch.ones(1), kind="draft", step=3, t0=0.0, tokens=2)
+
+    try:
+        result, span = asyncio.run(go())
+    finally:
+        worker.shutdown()
+    assert float(result) == 2.0 and span.worker == "draft" and span.step == 3 and span.tokens == 2
+    assert 0 < span.start <= span.end  # perf_counter seconds since t0 = 0
+
+
+def test_tensors_in_a_cache_and_an_output_are_found(tiny_dirs):
+    """What the CUDA path `record_stream`s: every key/value of a transformers cache, and every output tensor."""
+    pair = load_pair(str(tiny_dirs["target"]), None, device="cpu")
+    cache = pair.target.new_cache()
+    out = pair.target.forward(torch.tensor([[2, 3, 4]]), cache, True, True)
+    found = {id(t) for t in runtime._tensors(cache)}
+    for layer in cache.layers:
+        assert id(layer.keys) in found and id(layer.values) in found
+    out_found = {id(t) for t in runtime._tensors(out)}
+    assert {id(out.logits), id(out.features)} | {id(h) for h in out.hidden_states} <= out_found
+    assert list(runtime._tensors(pair.target.model)) == []  # weights are never walked
+
+
+# ---------------------------------------------------------------- unusable devices, refused before loading
+@pytest.mark.parametrize("available, count, argv, message", [
+    (False, 0, ["--device", "cuda"], "CUDA is not available here"),
+    (False, 0, ["--device", "cuda:0"], "CUDA is not available here"),
+    (True, 1, ["--device", "cuda:1"], "'cuda:1': there is no such GPU; this machine has 1 (cuda:0)"),
+    (True, 2, ["--device", "cpu", "--draft-device", "cuda:2"], "'cuda:2': there is no such GPU"),
+    (False, 0, ["--draft-device", "cuda:0"], "CUDA is not available here"),
+    (True, 1, ["--device", "gpu"], "unknown device 'gpu'; use cpu, cuda or cuda:N"),
+    (True, 1, ["--device", "cuda:x"], "unknown device 'cuda:x'"),
+    (True, 1, ["--device", "meta"], "device 'meta' is not supported"),
+])
+def test_unusable_device_is_refused_before_loading(monkeypatch, capsys, tmp_path, available, count, argv, message):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    code = main(["generate", "--target", str(tmp_path / "no-such-model"), "--prompt", "a b", *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err, err
+    assert "model path not found" not in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: ")
+
+
+def test_usable_devices_pass(monkeypatch):
+    assert pick_device("cpu") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert pick_device("cuda:1") == torch.device("cuda", 1) and pick_device("cuda") == torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert pick_device(None) == torch.device("cpu")
+    with pytest.raises(SpecBranchError):
+        pick_device("cuda")
+
+
+# ---------------------------------------------------------------- out of memory ends one run only
+@pytest.fixture
+def own_engine(tmp_path):
+    """A fresh tiny engine (the shared `tiny_engine` fixture is left alone)."""
+    target = make_tiny_model(tmp_path / "target", seed=1)
+    draft = make_tiny_model(tmp_path / "draft", seed=1, perturb=0.5, perturb_seed=2)
+    engine = Engine(load_pair(str(target), str(draft), device="cpu"))
+    yield engine
+    engine.close()
+
+
+def fail_once(lm, monkeypatch, after: int = 0):
+    """Make lm.forward raise CUDA's out-of-memory error on its (after + 1)-th call, then work again."""
+    real, calls = lm.forward, []
+
+    def forward(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == after + 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(lm, "forward", forward)
+    return calls
+
+
+@pytest.mark.parametrize("method, model, after", [("sd", "target", 0), ("sd", "target", 3), ("pearl", "target", 2),
+                                                  ("specbranch", "draft", 4), ("ar", "target", 5)])
+def test_out_of_memory_ends_the_run_and_the_next_run_works(own_engine, monkeypatch, method, model, after):
+    cfg = GenerationConfig(method=method, max_new_tokens=24, gamma=3)
+    want = own_engine.run([2, 3, 4], cfg).token_ids
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the allocator's cache is emptied on CUDA
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+    calls = fail_once(getattr(own_engine.pair, model), monkeypatch, after)
+    with pytest.raises(OutOfMemory, match=f"out of memory on cpu in the {model} model's"):
+        own_engine.run([2, 3, 4], cfg)
+    assert emptied == [1] and len(calls) == after + 1
+    again = own_engine.run([2, 3, 4], cfg)
+    assert again.token_ids == want and again.finish_reason == "length"
+
+
+def test_out_of_memory_from_the_cli_is_one_error_line(tmp_path, monkeypatch, capsys):
+    target = make_tiny_model(tmp_path / "target", seed=1)
+    real, calls = LM.forward, []
+
+    def forward(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory.")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(LM, "forward", forward)
+    capsys.readouterr()  # the model writer's progress bar
+    code = main(["generate", "--target", str(target), "--method", "ar", "--prompt", "a b", "--device", "cpu",
+                 "--max-new-tokens", "8"])
+    err = capsys.readouterr().err.splitlines()  # after transformers' loading progress bar
+    assert code == 2
+    assert err[-1].startswith("error: out of memory on cpu in the target model's decode forward (1 token)")
+    assert "Traceback" not in "\n".join(err)
+
+
+# ---------------------------------------------------------------- distill takes its device
+def test_head_distill_tensors_are_made_on_the_given_device(tiny_dirs):
+    from engine.head import FeatureHead
+    from engine.head_distill import feature_batches, ttt_mask, unrolled_outputs
+
+    cpu = torch.device("cpu")
+    rows = [{"prompt_ids": [2, 3], "response_ids": [4, 5, 6]}, {"prompt_ids": [2], "response_ids": [7]}]
+    feats = [torch.randn(5, 32, dtype=torch.float16), torch.randn(2, 32, dtype=torch.float16)]
+    batches = list(feature_batches(rows, feats, 2, False, 0, cpu))
+    assert batches and all(t.device == cpu for batch in batches for t in batch)
+    assert torch.equal(ttt_mask(5, 2, cpu), ttt_mask(5, 2))
+    target = load_pair(str(tiny_dirs["target"]), None, device="cpu").target.model
+    head = FeatureHead.from_target(target, 1)
+    ids, f, _ = batches[0]
+    outs = unrolled_outputs(head, target.get_input_embeddings()(ids).float(), f, 2)
+    assert len(outs) == 2 and all(o.shape == f.shape and o.device == cpu for o in outs)
+
+
+def test_distill_head_with_device_cpu(tmp_path):
+    """`distill --kind head --device cpu` runs every stage (features, feature batches, training, evaluation)."""
+    target = make_tiny_model(tmp_path / "target", seed=5, layers=3, init=0.3, context=128)
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"prompt_ids": [2 + i % 5, 3], "response_ids": [4, 5 + i % 4, 6, 7]}) + "\n"
+                              for i in range(24)))
+    code = main(["distill", "--kind", "head", "--target", str(target), "--corpus", str(corpus), "--layers", "1",
+                 "--unroll", "2", "--vocab", "8", "--epochs", "1", "--batch-size", "8", "--val-fraction", "0.2",
+                 "--work-dir", str(tmp_path / "work"), "--out", str(tmp_path / "head"), "--device", "cpu"])
+    assert code == 0
+    card = json.loads((tmp_path / "head" / "config.json").read_text())["specbranch_head"]
+    assert card["unroll"] == 2 and len(card["val_agreement_by_depth"]) == 2
