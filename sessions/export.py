@@ -34,7 +34,8 @@ METRIC_FIELDS = {"new_tokens": int, "tokens_per_s": float, "prefill_s": float, "
                  "accepted_length_histogram": dict[str, int], "target_idle_fraction": float,
                  "draft_idle_fraction": float | None, "overlap": float, "host_overhead_ms_per_step": float | None,
                  "branch_points": int, "branch_rescues": int, "rescue_rate": float | None,
-                 "target_forward_ms": float | None, "draft_forward_ms": float | None}
+                 "target_forward_ms": float | None, "draft_forward_ms": float | None,
+                 "per_position_counts": list[list[int]]}
 
 
 # -- export ----------------------------------------------------------------------------------------
@@ -117,17 +118,18 @@ def parse_export(doc: Any) -> tuple[dict, list[dict]]:
     return session, runs
 
 
-def check_fields(obj: Any, spec: dict[str, Any], where: str) -> dict:
+def check_fields(obj: Any, spec: dict[str, Any], where: str, optional: bool = False) -> dict:
+    """Every field of `spec` present (unless `optional`) and of its type, and no other field."""
     if not isinstance(obj, dict):
         raise SessionStoreError(f"{where}: expected a JSON object")
     missing = sorted(set(spec) - set(obj))
-    if missing:
+    if missing and not optional:
         raise SessionStoreError(f"{where} is missing fields: {', '.join(missing)}")
     unknown = sorted(set(obj) - set(spec))
     if unknown:
         raise SessionStoreError(f"{where} has unknown fields: {', '.join(unknown)}")
     for name, hint in spec.items():
-        if not fits(obj[name], hint):
+        if name in obj and not fits(obj[name], hint):
             raise SessionStoreError(f"{where}: field {name!r} should be {type_name(hint)}, got {obj[name]!r:.60}")
     return dict(obj)
 
@@ -137,7 +139,8 @@ def parse_run(raw: Any, number: int) -> dict:
     run = check_fields(raw, RUN_FIELDS, where)
     check_id(run["id"], f"{where}: id")
     if run["metrics"] is not None:  # a partial run's metrics so far; a complete run's equal its Finished event's
-        check_fields(run["metrics"], METRIC_FIELDS, f"{where} metrics")
+        # metrics added by later versions may be missing from an older export: replay recomputes them from events
+        check_fields(run["metrics"], METRIC_FIELDS, f"{where} metrics", optional=True)
     events = [parse_event(e, f"{where}, event {i + 1}") for i, e in enumerate(run["events"])]
     if not events or not isinstance(events[0], RunStarted):
         raise SessionStoreError(f"{where}: its events must begin with a run_started event")
@@ -177,7 +180,7 @@ def parse_event(raw: Any, where: str) -> Event:
             raise SessionStoreError(f"{where}: {event.type} field {name!r} should be {type_name(hint)}, "
                                     f"got {value!r:.60}")
     if isinstance(event, Finished):
-        check_fields(event.metrics, METRIC_FIELDS, f"{where}: finished metrics")
+        check_fields(event.metrics, METRIC_FIELDS, f"{where}: finished metrics", optional=True)
     return event
 
 
