@@ -66,7 +66,8 @@ def test_linear_rejection():
 def fork_second_wins():
     return [
         StepStarted(1, 3, 0.0), path(1, 10), candidates(1, 30, 31, 32), *branch_step(1, 40, 41, 42),
-        *branch_step(1, 50, 51, 52), verified(1, [10], 1), resolved(1, [30, 31, 32], [[40, 50], [41, 51], [42, 52]], 1, 31),
+        *branch_step(1, 50, 51, 52), verified(1, [10], 1),
+        resolved(1, [30, 31, 32], [[40, 50], [41, 51], [42, 52]], 1, 31),
         dropped(1, "losing branches", 30, 40, 50, 32, 42, 52), emitted(1, [10, 31], [ACCEPTED, RESCUED])]
 
 
