@@ -186,8 +186,8 @@ def hedge_tokens(events: list[Event]) -> tuple[int, int]:
 
 
 def metrics_of(events: list[Event]) -> dict:
-    """What live showed (the Finished event's metrics; recomputed for a partial run), completed with every
-    metric computed from the events that a run stored before that metric existed had not recorded."""
+    """What live showed (the Finished event's metrics; recomputed for a partial run), plus, computed from the
+    events, any metric the stored run did not record because it predates that metric."""
     done = next((e for e in events if isinstance(e, Finished) and e.metrics), None)
     computed = compute_metrics(events)
     return computed if done is None else {**computed, **done.metrics}

@@ -44,7 +44,7 @@ def uniform(generator: torch.Generator | None) -> float:
 
 class Draws:
     """The random draws of verification, behind two calls, so that a test can replace them by an exact
-    enumeration of their outcomes (tests/test_verification_exact.py). This one draws from a torch generator."""
+    enumeration of their outcomes (tests/exact_draws.py). This one draws from a torch generator."""
 
     def __init__(self, generator: torch.Generator | None):
         self.generator = generator
