@@ -11,7 +11,7 @@ import gradio as gr
 
 from engine.config import GenerationConfig, SpecBranchError
 from engine.events import Event, Finished, Notice, TokensEmitted
-from engine.metrics import compute_metrics
+from engine.metrics import compute_metrics, metrics_of
 from sessions.replay import replay_steps
 
 from .figures import acceptance_figure, cumulative_figure, timeline_figure, tree_figure
@@ -271,8 +271,7 @@ def build_app(get_engine, get_store=None) -> gr.Blocks:
 def comparison_table(runs: list[list[Event]], greedy: bool) -> str:
     results = []
     for events in runs:
-        finished = next((e for e in events if isinstance(e, Finished)), None)
-        m = finished.metrics if finished and finished.metrics else compute_metrics(events)
+        m = metrics_of(events)
         ids = [t for e in events if isinstance(e, TokensEmitted) for t in e.tokens]
         results.append((events[0].method, m, ids))
     base = next((m["tokens_per_s"] for name, m, _ in results if name == "ar"), None)
@@ -283,9 +282,10 @@ def comparison_table(runs: list[list[Event]], greedy: bool) -> str:
         same = ("identical" if ids == reference else "DIFFERENT") if greedy else "(sampled)"
         rows.append("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in (
             name, f"{m['tokens_per_s']:.1f}", speed, fmt(m["mean_accepted_length"]), fmt(m["acceptance_rate"]),
-            fmt(m["rollback_rate"]), fmt(m["overlap"]), same)) + "</tr>")
+            fmt(m["path_rollback_rate"]), fmt(m["wasted_draft_rate"]), fmt(m["overlap"]), same)) + "</tr>")
     head = "".join(f"<th>{h}</th>" for h in ("method", "tokens/s", "speedup vs ar", "tokens per target forward",
-                                               "acceptance", "rollback rate", "overlap", "output vs first"))
+                                               "acceptance", "path rollback", "wasted draft", "overlap",
+                                               "output vs first"))
     note = "" if greedy else "<p>Sampled runs differ by design; compare their statistics, not their text.</p>"
     return f'<table class="compare-table"><tr>{head}</tr>{"".join(rows)}</table>{note}'
 

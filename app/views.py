@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import html
 
-from engine.events import Event, Finished, Rollback, TokensEmitted, Verified
-from engine.metrics import FORMULAS, compute_metrics
+from engine.events import Event, Rollback, TokensEmitted, Verified
+from engine.metrics import FORMULAS, metrics_of
 
 KIND_LABEL = {"accepted": "accepted draft token", "correction": "target correction", "bonus": "bonus token",
               "target": "target token", "rescued": "rescued by a branch"}
@@ -36,8 +36,7 @@ def token_view(events: list[Event]) -> str:
 
 
 def metric_panel(events: list[Event]) -> str:
-    finished = next((e for e in events if isinstance(e, Finished) and e.metrics), None)
-    m = finished.metrics if finished else compute_metrics(events)
+    m = metrics_of(events)  # a stored run older than a metric still shows it, computed from its events
     rows = []
     for key, formula in FORMULAS.items():
         value = m.get(key)

@@ -125,7 +125,7 @@ def cmd_generate(args) -> None:
             m = result.metrics
             print(f"[{result.method}] {m['new_tokens']} tokens, {m['tokens_per_s']} tok/s, "
                   f"acceptance {m['acceptance_rate']}, tokens/target forward {m['mean_accepted_length']}, "
-                  f"rollback {m['rollback_rate']}", file=sys.stderr)
+                  f"path rollback {m['path_rollback_rate']}, wasted draft {m['wasted_draft_rate']}", file=sys.stderr)
 
 
 def parse_bench_methods(spec: str) -> list[tuple[str, str, str | None]]:

@@ -12,8 +12,12 @@ from tqdm import tqdm
 
 from .datasets import benchmark_prompts
 
-SUMMED = ("new_tokens", "drafted_tokens", "verified_tokens", "accepted_tokens", "rolled_back_tokens",
-          "target_forwards", "draft_forwards")
+SUMMED = ("new_tokens", "drafted_tokens", "verified_tokens", "accepted_tokens", "wasted_draft_tokens",
+          "path_drafted_tokens", "path_rolled_back_tokens", "target_forwards", "draft_forwards")
+
+
+def ratio(part: int, whole: int) -> float | None:
+    return round(part / whole, 4) if whole else None
 
 
 def aggregate(runs: list[dict]) -> dict:
@@ -33,7 +37,9 @@ def aggregate(runs: list[dict]) -> dict:
         "tokens_per_s": round(after_prefill / decode_s, 3) if decode_s else 0.0,
         "acceptance_rate": round(tot["accepted_tokens"] / tot["verified_tokens"], 4) if tot["verified_tokens"] else None,
         "mean_accepted_length": round(tot["new_tokens"] / tot["target_forwards"], 4) if tot["target_forwards"] else None,
-        "rollback_rate": round(tot["rolled_back_tokens"] / tot["drafted_tokens"], 4) if tot["drafted_tokens"] else None,
+        # the two rollback figures (engine.metrics.draft_waste) of finished runs, pooled as ratios of sums
+        "path_rollback_rate": ratio(tot["path_rolled_back_tokens"], tot["path_drafted_tokens"]),
+        "wasted_draft_rate": ratio(tot["wasted_draft_tokens"], tot["drafted_tokens"]),
         "target_idle_fraction": weighted("target_idle_fraction"),
         "draft_idle_fraction": weighted("draft_idle_fraction"),
         "overlap": weighted("overlap"),
@@ -115,11 +121,11 @@ def run_bench(entries: list[tuple[str, object, str]], args, log=None) -> dict:
 
 
 def format_table(report: dict) -> str:
-    cols = ["tokens_per_s", "speedup_vs_ar", "acceptance_rate", "mean_accepted_length", "rollback_rate",
-            "rolled_back_tokens", "target_idle_fraction", "draft_idle_fraction", "overlap", "target_forward_ms",
-            "draft_forward_ms", "host_overhead_ms_per_step", "branch_rescues"]
-    head = ["method", "dataset", "tok/s", "speedup", "α", "τ", "rollback", "rolled back", "idle T", "idle D",
-            "overlap", "T ms", "D ms", "host ms/step", "rescues"]
+    cols = ["tokens_per_s", "speedup_vs_ar", "acceptance_rate", "mean_accepted_length", "path_rollback_rate",
+            "wasted_draft_rate", "wasted_draft_tokens", "target_idle_fraction", "draft_idle_fraction", "overlap",
+            "target_forward_ms", "draft_forward_ms", "host_overhead_ms_per_step", "branch_rescues"]
+    head = ["method", "dataset", "tok/s", "speedup", "α", "τ", "path rollback", "wasted draft", "wasted tokens",
+            "idle T", "idle D", "overlap", "T ms", "D ms", "host ms/step", "rescues"]
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for m, per_ds in report["results"].items():
         for d, agg in per_ds.items():

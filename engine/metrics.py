@@ -3,7 +3,9 @@ Definitions (SPECBRANCH.md §5):
   tokens/s            tokens emitted after prefill / decode wall time (prefill reported separately)
   acceptance rate     accepted draft tokens / draft tokens the target verified
   mean accepted len   emitted tokens / target forward passes (prefill included, so AR = 1)
-  rollback rate       drafted tokens thrown away / all drafted tokens
+  wasted draft rate   drafted tokens never committed (losing branches included) / all drafted tokens
+  path rollback rate  the paper's accounting: drafted tokens on the path the target followed and never
+                      committed / drafted tokens on that path (losing branches are a hedge: not counted)
   per-position acc.   P(accept at draft position i | positions < i accepted)
   idle fraction       per model: 1 - busy time / decode wall time
   overlap             time both models compute at once / decode wall time
@@ -11,13 +13,19 @@ Definitions (SPECBRANCH.md §5):
 """
 from __future__ import annotations
 
-from .events import BranchResolved, DraftProposed, Event, Finished, Rollback, TimingSpan, TokensEmitted, Verified
+from .events import (ACCEPTED, RESCUED, BranchResolved, DraftProposed, Event, Finished, Rollback, TimingSpan,
+                     TokensEmitted, Verified)
 
 FORMULAS = {
     "tokens_per_s": "tokens emitted after prefill / decode wall time",
     "acceptance_rate": "accepted draft tokens / verified draft tokens",
     "mean_accepted_length": "emitted tokens / target forward passes",
-    "rollback_rate": "discarded drafted tokens / drafted tokens",
+    "wasted_draft_rate": "drafted tokens never committed (rejected, drafted after a rejection, superseded, "
+                         "on losing branches, or pending at the end) / all drafted tokens",
+    "path_rollback_rate": "drafted tokens on the path the target followed, never committed / drafted tokens on "
+                          "that path. The path: linear drafted tokens, and at each branch point the surviving "
+                          "candidate and its branch (the draft's first choice and its branch when none survived "
+                          "or the branch point was never verified); other branches are a hedge, not counted",
     "per_position_acceptance": "P(accept at i | all before i accepted)",
     "idle_fraction": "1 - busy time / decode wall time (per model)",
     "overlap": "time both models compute at once / decode wall time",
@@ -65,8 +73,6 @@ def compute_metrics(events: list[Event]) -> dict:
     prefill_end = max((s.end for s in spans if s.kind == "prefill"), default=0.0)
     end = max((s.end for s in spans), default=prefill_end)
     decode_s = finished.decode_s if finished else max(end - prefill_end, 0.0)
-    drafted = sum(len(e.tokens) for e in events if isinstance(e, DraftProposed))
-    discarded = sum(len(e.tokens) for e in events if isinstance(e, Rollback) and e.model == "draft")
     forks = [e for e in events if isinstance(e, BranchResolved)]
     # verification of a block stops at its first rejection: the tokens after it are never verified.
     # A branch point counts as one verified draft position, accepted when some branch survived.
@@ -101,11 +107,9 @@ def compute_metrics(events: list[Event]) -> dict:
         "decode_s": round(decode_s, 6),
         "acceptance_rate": round(n_accepted / n_verified, 6) if n_verified else None,
         "mean_accepted_length": round(new_tokens / target_forwards, 6) if target_forwards and not opaque else None,
-        "rollback_rate": round(discarded / drafted, 6) if drafted else None,
-        "drafted_tokens": drafted,
+        **draft_waste(events),
         "verified_tokens": n_verified,
         "accepted_tokens": n_accepted,
-        "rolled_back_tokens": discarded,
         "target_forwards": target_forwards,
         "draft_forwards": draft_forwards,
         "per_position_acceptance": [round(p / r, 6) if r else None for p, r in zip(passed, reached)],
@@ -122,6 +126,72 @@ def compute_metrics(events: list[Event]) -> dict:
         "target_forward_ms": mean_ms("target", ("decode", "verify")),
         "draft_forward_ms": mean_ms("draft", ("draft", "branch_draft")),
     }
+
+
+def draft_waste(events: list[Event]) -> dict:
+    """The two rollback figures (SPECBRANCH.md §5), from the events alone:
+
+    wasted draft rate  = (drafted - committed) / drafted
+    path rollback rate = (path drafted - committed) / path drafted
+      drafted       every token of every DraftProposed: linear tokens, a branch point's candidates, branch tokens
+      committed     emitted tokens of kind accepted or rescued: the drafted tokens that entered the output
+      path drafted  drafted minus the hedge: the tokens drafted on the path the target followed (`hedge_tokens`)
+    A drafted token that is not committed was rejected, drafted after a rejection, superseded by a bonus token,
+    cut at EOS, still pending when the run ended, or (wasted rate only) on a losing branch. Every committed
+    token lies on the path, so path rollback <= wasted, equal when there are no branch points.
+    Events of a run still going (no Finished event) leave out the tokens still pending (drafted, neither
+    committed nor in a draft Rollback) from every count until their fate is known."""
+    drafted = sum(len(e.tokens) for e in events if isinstance(e, DraftProposed))
+    committed = sum(k in (ACCEPTED, RESCUED) for e in events if isinstance(e, TokensEmitted) for k in e.kinds)
+    discarded = sum(len(e.tokens) for e in events if isinstance(e, Rollback) and e.model == "draft")
+    hedge, pending_hedge = hedge_tokens(events)
+    if any(isinstance(e, Finished) for e in events):
+        pending = pending_hedge = 0
+    else:
+        pending = max(drafted - committed - discarded, 0)
+    settled = drafted - pending
+    on_path = settled - (hedge - pending_hedge)
+    return {
+        "wasted_draft_rate": round((settled - committed) / settled, 6) if settled else None,
+        "path_rollback_rate": round((on_path - committed) / on_path, 6) if on_path else None,
+        "drafted_tokens": drafted,
+        "wasted_draft_tokens": settled - committed,
+        "path_drafted_tokens": on_path,
+        "path_rolled_back_tokens": on_path - committed,
+    }
+
+
+def hedge_tokens(events: list[Event]) -> tuple[int, int]:
+    """Drafted tokens off the path the target followed: at each branch point, every candidate and its branch
+    except the path's one. The path's candidate is the survivor (BranchResolved.survivor); when no candidate
+    survived, or the branch point was dropped unverified (a rejection before it, or the run ended), it is the
+    draft's first choice (candidate 0), where a draft without branches would have drafted on.
+    A branch point opens with DraftProposed(kind="candidates"); its branch steps (kind="branch", branch=i+1)
+    and its end (BranchResolved, or a draft Rollback that drops it) come before the next one opens (the engine
+    keeps at most one pending). Returns (hedge tokens, those of a branch point still pending at the end)."""
+    hedge, sizes, path, pending = 0, [], 0, False
+    for e in [*events, None]:  # None closes the last branch point
+        if e is None or (isinstance(e, DraftProposed) and e.kind == "candidates"):
+            off = sum(sizes) - (sizes[path] if sizes else 0)
+            hedge += off
+            if e is None:
+                return hedge, off if pending else 0
+            sizes, path, pending = [1] * len(e.tokens), 0, True
+        elif isinstance(e, DraftProposed) and e.kind == "branch" and 0 < e.branch <= len(sizes):
+            sizes[e.branch - 1] += len(e.tokens)
+        elif isinstance(e, BranchResolved):
+            path = e.survivor if 0 <= e.survivor < len(sizes) else 0
+            pending = False
+        elif isinstance(e, Rollback) and e.model == "draft":
+            pending = False
+
+
+def metrics_of(events: list[Event]) -> dict:
+    """What live showed (the Finished event's metrics; recomputed for a partial run), plus, computed from the
+    events, any metric the stored run did not record because it predates that metric."""
+    done = next((e for e in events if isinstance(e, Finished) and e.metrics), None)
+    computed = compute_metrics(events)
+    return computed if done is None else {**computed, **done.metrics}
 
 
 def _histogram(values: list[int]) -> dict[str, int]:

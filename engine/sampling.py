@@ -42,6 +42,26 @@ def uniform(generator: torch.Generator | None) -> float:
     return float(torch.rand((), generator=generator))
 
 
+class Draws:
+    """The random draws of verification, behind two calls, so that a test can replace them by an exact
+    enumeration of their outcomes (tests/exact_draws.py). This one draws from a torch generator."""
+
+    def __init__(self, generator: torch.Generator | None):
+        self.generator = generator
+
+    def accept(self, a: float) -> tuple[float, bool]:
+        """Draw U ~ Uniform[0, 1) and accept with probability a: (U, U < a)."""
+        u = uniform(self.generator)
+        return u, u < a
+
+    def sample(self, probs: torch.Tensor) -> int:
+        return sample(probs, self.generator)
+
+
+def as_draws(generator: torch.Generator | Draws | None) -> Draws:
+    return generator if isinstance(generator, Draws) else Draws(generator)
+
+
 def accept_probability(p: torch.Tensor, q: torch.Tensor, token: int) -> float:
     """Leviathan et al.: accept a token drawn from q with probability min(1, p(x)/q(x))."""
     return min(1.0, float(p[token]) / float(q[token]))
@@ -67,26 +87,31 @@ class Verdict:
 
 
 def verify_block(tokens: list[int], q_rows: torch.Tensor, p_rows: torch.Tensor,
-                 generator: torch.Generator | None, greedy: bool) -> Verdict:
+                 generator: torch.Generator | Draws | None, greedy: bool) -> Verdict:
     """Verify draft tokens x_1..x_g (q_rows [g, V]) against target rows p_rows [g+1, V] (or [g, V]:
     then nothing is drawn when all are accepted, because the caller resolves that position itself)."""
+    draws = as_draws(generator)
     p_of, q_of, us = [], [], []
     for i, x in enumerate(tokens):
         p_of.append(float(p_rows[i, x]))
         q_of.append(float(q_rows[i, x]))
-        a = accept_probability(p_rows[i], q_rows[i], x)
-        u = -1.0 if greedy else uniform(generator)
+        u, accepted = decide(accept_probability(p_rows[i], q_rows[i], x), draws, greedy)
         us.append(u)
-        if (a == 1.0) if greedy else (u < a):
+        if accepted:
             continue
         residual = residual_distribution(p_rows[i], q_rows[i])
-        token = sample(residual, generator)
+        token = draws.sample(residual)
         return Verdict(i, token, float(residual[token]), False, p_of, q_of, us)
     if len(p_rows) == len(tokens):
         return Verdict(len(tokens), None, 0.0, False, p_of, q_of, us)
     bonus_row = p_rows[len(tokens)]
-    token = sample(bonus_row, generator)
+    token = draws.sample(bonus_row)
     return Verdict(len(tokens), token, float(bonus_row[token]), True, p_of, q_of, us)
+
+
+def decide(a: float, draws: Draws, greedy: bool) -> tuple[float, bool]:
+    """(u, accepted) for an acceptance probability a; greedy draws nothing and accepts iff a == 1."""
+    return (-1.0, a == 1.0) if greedy else draws.accept(a)
 
 
 def top_alternatives(probs: torch.Tensor, k: int = 3) -> list[list[float]]:
@@ -144,15 +169,16 @@ class CandidateVerdict:
 
 
 def verify_candidates(p: torch.Tensor, q: torch.Tensor, candidates: list[int], scheme: str,
-                      generator: torch.Generator | None, greedy: bool) -> CandidateVerdict:
+                      generator: torch.Generator | Draws | None, greedy: bool) -> CandidateVerdict:
+    draws = as_draws(generator)
     p_i, us = p, []
     for i, x in enumerate(candidates):
         q_i = candidate_q(q, candidates[:i], scheme)
         a, p_next = candidate_step(p_i, q_i, x, scheme)
-        u = -1.0 if greedy else uniform(generator)
+        u, accepted = decide(a, draws, greedy)
         us.append(u)
-        if (a == 1.0) if greedy else (u < a):
+        if accepted:
             return CandidateVerdict(i, x, float(p[x]), [float(p[c]) for c in candidates], us)
         p_i = p_next
-    token = sample(p_i, generator)
+    token = draws.sample(p_i)
     return CandidateVerdict(None, token, float(p_i[token]), [float(p[c]) for c in candidates], us)

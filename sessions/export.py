@@ -28,14 +28,18 @@ RUN_FIELDS = {"id": str, "method": str, "started": float, "finished": float | No
               "reason": str | None, "metrics": dict | None, "token_count": int, "events": list}
 # engine.metrics.compute_metrics' keys and types: imported metrics reach the page, so each is checked
 METRIC_FIELDS = {"new_tokens": int, "tokens_per_s": float, "prefill_s": float, "decode_s": float,
-                 "acceptance_rate": float | None, "mean_accepted_length": float | None, "rollback_rate": float | None,
-                 "drafted_tokens": int, "verified_tokens": int, "accepted_tokens": int, "rolled_back_tokens": int,
+                 "acceptance_rate": float | None, "mean_accepted_length": float | None,
+                 "wasted_draft_rate": float | None, "path_rollback_rate": float | None,
+                 "drafted_tokens": int, "wasted_draft_tokens": int, "path_drafted_tokens": int,
+                 "path_rolled_back_tokens": int, "verified_tokens": int, "accepted_tokens": int,
                  "target_forwards": int, "draft_forwards": int, "per_position_acceptance": list[float | None],
+                 "per_position_counts": list[list[int]],
                  "accepted_length_histogram": dict[str, int], "target_idle_fraction": float,
                  "draft_idle_fraction": float | None, "overlap": float, "host_overhead_ms_per_step": float | None,
                  "branch_points": int, "branch_rescues": int, "rescue_rate": float | None,
                  "target_forward_ms": float | None, "draft_forward_ms": float | None,
-                 "per_position_counts": list[list[int]]}
+                 # written by earlier versions (one rollback figure); replay recomputes both figures from events
+                 "rollback_rate": float | None, "rolled_back_tokens": int}
 
 
 # -- export ----------------------------------------------------------------------------------------

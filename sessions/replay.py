@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from bisect import bisect_right
 
-from engine.events import Event, Finished, RunStarted, StepStarted, TimingSpan, TokensEmitted
-from engine.metrics import compute_metrics
+from engine.events import Event, RunStarted, StepStarted, TimingSpan, TokensEmitted
+from engine.metrics import metrics_of
 
 
 def replay_steps(events: list[Event]) -> list[int]:
@@ -36,9 +36,9 @@ def stored_run_label(run: dict) -> str:
 
 
 def run_metrics(events: list[Event]) -> dict:
-    """The Finished event's metrics (what live showed); recomputed for a partial run."""
-    done = next((e for e in events if isinstance(e, Finished) and e.metrics), None)
-    return dict(done.metrics) if done else compute_metrics(events)
+    """The Finished event's metrics (what live showed), completed with any metric the run predates;
+    recomputed for a partial run."""
+    return metrics_of(events)
 
 
 def tokens_by_step(events: list[Event]) -> dict[int, int]:

@@ -1,6 +1,8 @@
-"""Exact enumeration (float64, V = 5, k up to 3) of the multi-candidate rules used at a branch point:
-for each way of drawing the k candidates, the engine's rule emits a token distributed exactly as p.
-Negative controls: the three mistakes SPECBRANCH.md lists must each be badly biased."""
+"""Exact enumeration (float64, V = 5, k up to 3) of the multi-candidate rules at a branch point, through the
+engine's own `engine.sampling.verify_candidates`: for each way of drawing the k candidates, every candidate
+tuple is enumerated with its probability of being drawn, and verify_candidates' uniform and final-residual
+draws are enumerated exactly (tests/exact_draws.py). The emitted token must be distributed exactly as p.
+Negative controls: the three mistakes SPECBRANCH.md lists, patched in, must each be badly biased."""
 from __future__ import annotations
 
 import itertools
@@ -8,7 +10,11 @@ import itertools
 import pytest
 import torch
 
-from engine.sampling import IID, NO_REPLACEMENT, TOPK, candidate_q, candidate_step, logits_to_probs
+from engine import sampling
+from engine.sampling import (IID, NO_REPLACEMENT, TOPK, candidate_step, draw_candidates, logits_to_probs,
+                             verify_candidates)
+
+from .exact_draws import outcomes
 
 V = 5
 
@@ -19,31 +25,27 @@ def rand_dist(seed: int, peaky: float = 1.5) -> torch.Tensor:
 
 
 def candidate_sets(q: torch.Tensor, k: int, scheme: str):
-    """Every candidate tuple with its probability of being drawn."""
+    """Every candidate tuple with its probability of being drawn (computed here, not by the engine)."""
     if scheme == TOPK:
-        yield tuple(int(i) for i in torch.topk(q, k).indices), 1.0
+        yield tuple(draw_candidates(q, k, TOPK, None)), 1.0
         return
     for cands in itertools.product(range(V), repeat=k):
         if scheme == NO_REPLACEMENT and len(set(cands)) < k:
             continue
         prob = 1.0
         for i, x in enumerate(cands):
-            prob *= float(candidate_q(q, list(cands[:i]), scheme)[x])
+            left = 1.0 - sum(float(q[c]) for c in cands[:i]) if scheme == NO_REPLACEMENT else 1.0
+            prob *= float(q[x]) / left
         if prob > 0:
             yield cands, prob
 
 
-def output_distribution(p, q, k, scheme, step=candidate_step, q_of=candidate_q, order=lambda c, q: c):
+def output_distribution(p, q, k, scheme, greedy=False, order=lambda c, q: c):
     out = torch.zeros(V, dtype=torch.float64)
     for cands, pc in candidate_sets(q, k, scheme):
-        cands = order(cands, q)
-        p_i, reach = p, pc
-        for i, x in enumerate(cands):
-            a, p_next = step(p_i, q_of(q, list(cands[:i]), scheme), x, scheme)
-            out[x] += reach * a
-            reach *= 1 - a
-            p_i = p_next
-        out += reach * p_i
+        cands = list(order(cands, q))
+        for v, pr in outcomes(lambda draws: verify_candidates(p, q, cands, scheme, draws, greedy)):
+            out[v.token] += pc * pr
     return out
 
 
@@ -69,33 +71,33 @@ def test_rule_is_exact_with_truncated_rows(scheme):
     assert float((output_distribution(p, q, k, scheme) - p).abs().max()) < 1e-9
 
 
-def test_greedy_topk_follows_target_argmax():
+@pytest.mark.parametrize("greedy", [True, False])
+def test_greedy_topk_follows_target_argmax(greedy):
     p = logits_to_probs(rand_dist(1).log(), 0.0).double()
-    q = rand_dist(2)
-    assert torch.equal(output_distribution(p, q, 3, TOPK), p)
+    for seed in range(2, 12):  # the target's argmax among the candidates, first or later, or not at all
+        assert torch.equal(output_distribution(p, rand_dist(seed), 3, TOPK, greedy), p)
 
 
 def tv(a, b) -> float:
     return 0.5 * float((a - b).abs().sum())
 
 
-def test_negative_control_draft_ratio_for_topk():
+def test_negative_control_draft_ratio_for_topk(monkeypatch):
     """Mistake 1: verifying deterministic top-k candidates with the p/q ratio."""
     p, q = rand_dist(3, 2.5), rand_dist(4, 2.5)
-    wrong = output_distribution(p, q, 3, TOPK, step=lambda p_i, q_i, x, s: candidate_step(p_i, q_i, x, IID))
-    assert tv(wrong, p) > 0.3
+    monkeypatch.setattr(sampling, "candidate_step", lambda p_i, q_i, x, s: candidate_step(p_i, q_i, x, IID))
+    assert tv(output_distribution(p, q, 3, TOPK), p) > 0.3
 
 
-def test_negative_control_unadjusted_q_without_replacement():
+def test_negative_control_unadjusted_q_without_replacement(monkeypatch):
     """Mistake 2: drawing without replacement but leaving q unadjusted in the rule."""
     p, q = rand_dist(5, 2.5), rand_dist(6, 2.5)
-    wrong = output_distribution(p, q, 3, NO_REPLACEMENT, q_of=lambda q, earlier, s: q)
-    assert tv(wrong, p) > 0.2
+    monkeypatch.setattr(sampling, "candidate_q", lambda q, earlier, s: q)
+    assert tv(output_distribution(p, q, 3, NO_REPLACEMENT), p) > 0.2
 
 
 def test_negative_control_resorting_candidates():
     """Mistake 3: re-sorting sampled candidates (by q) before verifying them."""
     p, q = rand_dist(7, 2.5), rand_dist(8, 2.5)
     resort = lambda c, q: tuple(sorted(c, key=lambda x: -float(q[x])))  # noqa: E731
-    wrong = output_distribution(p, q, 3, NO_REPLACEMENT, order=resort)
-    assert tv(wrong, p) > 0.1
+    assert tv(output_distribution(p, q, 3, NO_REPLACEMENT, order=resort), p) > 0.1

@@ -16,7 +16,7 @@ def test_generate_json(capsys, tiny_dirs):
     assert code == 0
     out = json.loads(capsys.readouterr().out.strip())
     assert out["method"] == "sd" and len(out["token_ids"]) == 12
-    for key in ("tokens_per_s", "acceptance_rate", "mean_accepted_length", "rollback_rate"):
+    for key in ("tokens_per_s", "acceptance_rate", "mean_accepted_length", "path_rollback_rate", "wasted_draft_rate"):
         assert key in out["metrics"]
     assert isinstance(out["text"], str) and out["text"]
 

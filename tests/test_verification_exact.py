@@ -1,5 +1,7 @@
-"""Exact enumeration (float64, small vocabulary): one step of speculative decoding, verified with the
-engine's own rule primitives, must emit tokens distributed exactly as the target would sample them."""
+"""Exact enumeration (float64, small vocabulary) of one step of speculative decoding through the engine's own
+`engine.sampling.verify_block`: the draft tokens are enumerated with their q-probability, and verify_block's
+uniform and residual/bonus draws are enumerated exactly (tests/exact_draws.py). The emitted tokens must be
+distributed exactly as the target would sample them."""
 from __future__ import annotations
 
 import itertools
@@ -8,7 +10,10 @@ import random
 import pytest
 import torch
 
-from engine.sampling import accept_probability, logits_to_probs, residual_distribution
+from engine import sampling
+from engine.sampling import logits_to_probs, verify_block
+
+from .exact_draws import outcomes
 
 V = 5
 
@@ -26,27 +31,25 @@ def toy_model(seed: int, peaky: float):
     return dist
 
 
-def step_distribution(p, q, gamma: int, accept=accept_probability, residual=residual_distribution):
-    """Exact distribution of what one SD step emits (a tuple of 1..gamma+1 tokens)."""
+def step_distribution(p, q, gamma: int, greedy: bool = False, bonus_row: bool = True):
+    """Exact distribution of what one SD step emits (a tuple of 1..gamma+1 tokens; with no bonus row, as
+    the parallel decoders call it, an all-accepted step emits just the gamma drafted tokens)."""
     out: dict[tuple, float] = {}
-
-    def walk(ctx: tuple, prob: float, i: int):
-        if i == gamma:  # all accepted: bonus from p
-            for y in range(V):
-                out[ctx + (y,)] = out.get(ctx + (y,), 0.0) + prob * float(p(ctx)[y])
-            return
-        qd, pd = q(ctx), p(ctx)
-        r = residual(pd, qd)
-        for x in range(V):
-            px = prob * float(qd[x])
-            if px == 0:
-                continue
-            a = accept(pd, qd, x)
-            walk(ctx + (x,), px * a, i + 1)
-            for y in range(V):  # rejected: correction from the residual
-                out[ctx + (y,)] = out.get(ctx + (y,), 0.0) + px * (1 - a) * float(r[y])
-
-    walk((), 1.0, 0)
+    for drafted in itertools.product(range(V), repeat=gamma):
+        ctx, prob, q_rows, p_rows = (), 1.0, [], []
+        for x in drafted:
+            q_rows.append(q(ctx))
+            p_rows.append(p(ctx))
+            prob *= float(q(ctx)[x])
+            ctx = ctx + (x,)
+        if prob == 0:
+            continue
+        if bonus_row:
+            p_rows.append(p(ctx))
+        q_rows, p_rows = torch.stack(q_rows), torch.stack(p_rows)
+        for v, pr in outcomes(lambda draws: verify_block(list(drafted), q_rows, p_rows, draws, greedy)):
+            seq = drafted[:v.accepted] + (() if v.next_token is None else (v.next_token,))
+            out[seq] = out.get(seq, 0.0) + prob * pr
     return out
 
 
@@ -77,8 +80,8 @@ def target_distribution(p, length: int) -> dict:
     return out
 
 
-def max_error(gamma, p, q, **rule) -> float:
-    step = step_distribution(p, q, gamma, **rule)
+def max_error(gamma, p, q, **how) -> float:
+    step = step_distribution(p, q, gamma, **how)
     assert abs(sum(step.values()) - 1) < 1e-12
     got = prefix_distribution(step, p, gamma + 1)
     want = target_distribution(p, gamma + 1)
@@ -90,9 +93,10 @@ PAIRS = [(1, 2, 1.0), (3, 4, 2.0), (5, 6, 0.3)]  # (target seed, draft seed, pea
 
 @pytest.mark.parametrize("gamma", [1, 2, 3])
 @pytest.mark.parametrize("seeds", PAIRS)
-def test_sd_rule_is_exact(gamma, seeds):
+@pytest.mark.parametrize("bonus_row", [True, False])
+def test_sd_rule_is_exact(gamma, seeds, bonus_row):
     p, q = toy_model(seeds[0], seeds[2]), toy_model(seeds[1], seeds[2])
-    assert max_error(gamma, p, q) < 1e-9
+    assert max_error(gamma, p, q, bonus_row=bonus_row) < 1e-9
 
 
 @pytest.mark.parametrize("gamma", [1, 3])
@@ -110,23 +114,26 @@ def normalised(row: torch.Tensor) -> torch.Tensor:
     return row / row.sum()
 
 
-def test_greedy_rule_is_exact():
+@pytest.mark.parametrize("greedy", [True, False])
+def test_greedy_rule_is_exact(greedy):
+    """One-hot rows (temperature 0), through the greedy branch and through the sampled rule alike."""
     raw_p, raw_q = toy_model(9, 1.0), toy_model(10, 1.0)
     p = lambda ctx: logits_to_probs(raw_p(ctx).log(), 0.0).double()  # noqa: E731
     q = lambda ctx: logits_to_probs(raw_q(ctx).log(), 0.0).double()  # noqa: E731
-    assert max_error(3, p, q) < 1e-12
+    assert max_error(3, p, q, greedy=greedy) < 1e-12
 
 
 @pytest.mark.parametrize("wrong", ["residual_is_p", "accept_q_over_p", "residual_unnormalised_q"])
-def test_negative_controls_fail(wrong):
-    """Deliberately wrong rules must fail the same check, so the check has teeth."""
+def test_negative_controls_fail(wrong, monkeypatch):
+    """Deliberately wrong rules, patched into the engine's verify_block, must fail the same check."""
     p, q = toy_model(3, 2.0), toy_model(4, 2.0)
-    rules = {
-        "residual_is_p": dict(residual=lambda pd, qd: pd),
-        "accept_q_over_p": dict(accept=lambda pd, qd, x: min(1.0, float(qd[x]) / float(pd[x]))),
-        "residual_unnormalised_q": dict(residual=lambda pd, qd: qd),
+    name, rule = {
+        "residual_is_p": ("residual_distribution", lambda pd, qd: pd),
+        "accept_q_over_p": ("accept_probability", lambda pd, qd, x: min(1.0, float(qd[x]) / float(pd[x]))),
+        "residual_unnormalised_q": ("residual_distribution", lambda pd, qd: qd),
     }[wrong]
-    assert max_error(2, p, q, **rules) > 1e-3
+    monkeypatch.setattr(sampling, name, rule)
+    assert max_error(2, p, q) > 1e-3
 
 
 def test_top_p_keeps_smallest_covering_set():

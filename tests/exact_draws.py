@@ -1,0 +1,57 @@
+"""Exact enumeration of the random draws inside engine.sampling's verification functions.
+
+verify_block and verify_candidates take their randomness through a `Draws` (accept with probability a;
+sample a token from a row). `outcomes(call)` runs `call(draws)` once per combination of draw outcomes,
+each time with a `Script` that fixes every draw, and yields each result with its exact probability (the
+product of the probabilities of the outcomes taken), so a test enumerates the engine's own function in
+float64 instead of rebuilding its rule.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterator, TypeVar
+
+import torch
+
+from engine.sampling import Draws
+
+T = TypeVar("T")
+
+
+class Script(Draws):
+    """Draws whose outcomes follow `script` (outcome indices; past its end: the first possible outcome)."""
+
+    def __init__(self, script: list[int]):
+        super().__init__(None)
+        self.script = script
+        self.taken: list[int] = []  # the outcome taken at each draw
+        self.weights: list[list[float]] = []  # the probabilities of every outcome of each draw
+        self.prob = 1.0
+
+    def choose(self, weights: list[float]) -> int:
+        n = len(self.taken)
+        i = self.script[n] if n < len(self.script) else next(j for j, w in enumerate(weights) if w > 0)
+        self.taken.append(i)
+        self.weights.append(weights)
+        self.prob *= weights[i]
+        return i
+
+    def accept(self, a: float) -> tuple[float, bool]:
+        i = self.choose([a, 1.0 - a])
+        return (a / 2, True) if i == 0 else ((1.0 + a) / 2, False)  # a u on the side of a the outcome is on
+
+    def sample(self, probs: torch.Tensor) -> int:
+        support = [y for y in range(probs.shape[-1]) if float(probs[y]) > 0]
+        return support[self.choose([float(probs[y]) for y in support])]
+
+
+def outcomes(call: Callable[[Draws], T]) -> Iterator[tuple[T, float]]:
+    """Every result of call(draws) with its exact probability (depth first over the draws' outcomes)."""
+    todo: list[list[int]] = [[]]
+    while todo:
+        draws = Script(todo.pop())
+        result = call(draws)
+        for depth in range(len(draws.script), len(draws.taken)):  # the draws this run decided on its own
+            for alt, w in enumerate(draws.weights[depth]):
+                if alt != draws.taken[depth] and w > 0:
+                    todo.append(draws.taken[:depth] + [alt])
+        yield result, draws.prob
