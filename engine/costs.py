@@ -39,7 +39,8 @@ def median_ms(fn, reps: int) -> float:
 def forward_costs(lm, context: int, widths: list[int], per_row: bool = False, reps: int = 15,
                   features: dict | None = None) -> dict[int, float]:
     """ms of one forward of `w` new tokens, or (per_row) of 1 token on each of `w` cache rows (a branch step)."""
-    prompt = torch.randint(3, 1000, (1, context))
+    vocab = min(lm.vocab_size, 1000)  # ordinary tokens, whatever the model
+    prompt = torch.randint(0, vocab, (1, context))
     out = {}
     for w in widths:
         cache = lm.new_cache()
@@ -48,9 +49,9 @@ def forward_costs(lm, context: int, widths: list[int], per_row: bool = False, re
         lm.forward(prompt, cache)
         if per_row:
             cache.batch_repeat_interleave(w)
-            x = torch.randint(3, 1000, (w, 1))
+            x = torch.randint(0, vocab, (w, 1))
         else:
-            x = torch.randint(3, 1000, (1, w))
+            x = torch.randint(0, vocab, (1, w))
 
         def step(cache=cache, x=x):
             lm.forward(x, cache)
@@ -66,7 +67,7 @@ def measure(pair, context: int = 200, max_tokens: int = 8, max_rows: int = 4, re
     if pair.draft is not None:
         extra = None
         if getattr(pair.draft, "reads_target_features", False):
-            ids = torch.randint(3, 1000, (1, context))
+            ids = torch.randint(0, min(pair.target.vocab_size, 1000), (1, context))
             with torch.inference_mode():
                 extra = {"feats": pair.target.forward(ids, pair.target.new_cache(), features=True).features[0]}
         result["draft_ms_by_rows"] = forward_costs(pair.draft, context, list(range(1, max_rows + 1)), per_row=True,

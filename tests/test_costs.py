@@ -1,0 +1,50 @@
+"""`python -m engine costs`: the forward-cost measurement runs on a real (tiny) pair, and the modelled
+speedups follow the formulas in engine/costs.py, checked on a hand-made bench report."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.__main__ import main
+from engine.costs import modelled
+
+
+def agg(tokens_per_s, speedup, tau, verify_ms, target_forwards=10, draft_forwards=0, draft_ms=None, prompts=1):
+    return {"tokens_per_s": tokens_per_s, "speedup_vs_ar": speedup, "mean_accepted_length": tau,
+            "target_forward_ms": verify_ms, "target_forwards": target_forwards, "draft_forwards": draft_forwards,
+            "draft_forward_ms": draft_ms, "prompts": prompts, "acceptance_rate": 0.5, "per_position_acceptance": []}
+
+
+def test_modelled_speedups_by_hand():
+    report = {"results": {
+        "ar": {"all": agg(20.0, 1.0, 1.0, 50.0)},
+        # sd: 11 target forwards, 1 of them the prefill: 10 rounds, 40 draft steps of 10 ms -> d = 4
+        # modelled = 2.0 * 50 / (80 + 4 * 10) = 0.8333
+        "sd": {"all": agg(16.0, 0.8, 2.0, 80.0, target_forwards=11, draft_forwards=40, draft_ms=10.0)},
+        # overlapped: the draft hides behind the target: 2.5 * 50 / 75 = 1.6667; measured 1.2 -> share 0.72
+        "specbranch@embedded": {"all": agg(24.0, 1.2, 2.5, 75.0)},
+        "hf-assisted": {"all": agg(10.0, 0.5, None, None)},
+    }}
+    rows = modelled(report)
+    assert rows["ar"]["modelled"] == 1.0
+    assert rows["sd"]["modelled"] == pytest.approx(0.833, abs=1e-3)
+    assert rows["specbranch@embedded"]["modelled"] == pytest.approx(1.667, abs=1e-3)
+    assert rows["specbranch@embedded"]["share_of_limit"] == pytest.approx(0.72, abs=1e-3)
+    assert rows["hf-assisted"]["modelled"] is None  # its forwards are invisible to us
+
+
+def test_costs_command_on_a_tiny_pair(tiny_dirs, tmp_path):
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"results": {"ar": {"all": agg(20.0, 1.0, 1.0, 50.0)},
+                                             "pearl": {"all": agg(30.0, 1.5, 2.0, 60.0)}}}))
+    out = tmp_path / "costs.json"
+    code = main(["costs", "--target", str(tiny_dirs["target"]), "--draft", str(tiny_dirs["draft"]), "--device", "cpu",
+                 "--context", "16", "--max-tokens", "3", "--max-rows", "2", "--reps", "3", "--bench", str(bench),
+                 "--json", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    forwards = result["forwards"]
+    assert sorted(forwards["target_ms_by_tokens"]) == ["1", "2", "3"] and sorted(forwards["draft_ms_by_rows"]) == ["1", "2"]
+    assert all(v > 0 for v in forwards["target_ms_by_tokens"].values()) and forwards["c"] > 0
+    assert result["model"]["all"]["pearl"]["modelled"] == pytest.approx(2.0 * 50 / 60, abs=1e-3)
