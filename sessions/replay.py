@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 
-from engine.events import Event, Finished, RunStarted, StepStarted, TimingSpan, TokensEmitted
+from engine.events import PREFILL, Event, Finished, RunStarted, StepStarted, TimingSpan, TokensEmitted
 from engine.metrics import compute_metrics
 
 
@@ -50,19 +50,35 @@ def tokens_by_step(events: list[Event]) -> dict[int, int]:
     return out
 
 
-def emission_times(events: list[Event]) -> list[tuple[float, int]]:
-    """(t, tokens committed so far) after each emission. An emission carries no clock of its own, so it
-    is placed at the latest measured moment before it (a forward's end or a step's start)."""
-    now, total, out = 0.0, 0, []
+def timed_emissions(events: list[Event]) -> list[tuple[float, TokensEmitted]]:
+    """Each emission with its time. An emission carries no clock of its own, so it is placed at the latest
+    measured moment before it (a forward's end or a step's start)."""
+    now, out = 0.0, []
     for e in events:
         if isinstance(e, TimingSpan):
             now = max(now, e.end)
         elif isinstance(e, StepStarted):
             now = max(now, e.t)
         elif isinstance(e, TokensEmitted) and e.tokens:
-            total += len(e.tokens)
-            out.append((round(now, 6), total))
+            out.append((round(now, 6), e))
     return out
+
+
+def emission_times(events: list[Event]) -> list[tuple[float, int]]:
+    """(t, tokens committed so far) after each emission (timed as in timed_emissions)."""
+    total, out = 0, []
+    for t, e in timed_emissions(events):
+        total += len(e.tokens)
+        out.append((t, total))
+    return out
+
+
+def decode_start(events: list[Event]) -> float:
+    """When decoding began on the run's clock: the end of the prefill (else the first step's start)."""
+    prefill = [e.end for e in events if isinstance(e, TimingSpan) and e.kind == PREFILL]
+    if prefill:
+        return max(prefill)
+    return next((e.t for e in events if isinstance(e, StepStarted)), 0.0)
 
 
 def _is_number(x) -> bool:
