@@ -4,29 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from app.ui import build_app
 from app.views import token_view
 from engine.events import Rollback, TokensEmitted
 
-from .conftest import free_port
+from .conftest import serve_app
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    from sessions import Store
-
-    with Store(tmp_path_factory.mktemp("db") / "sessions.db") as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(tiny_engine, store):
+def client(tiny_engine, app_store):
     from gradio_client import Client
 
-    demo = build_app(lambda: tiny_engine, lambda: (store, ""))
-    port = free_port()
-    demo.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
-    yield Client(f"http://127.0.0.1:{port}/", verbose=False)
+    demo, url = serve_app(tiny_engine, app_store)
+    yield Client(url, verbose=False)
     demo.close()
 
 
@@ -142,25 +131,25 @@ def test_the_navigator_moves_and_a_step_out_of_range_is_clamped_with_a_notice(cl
         assert value(slider) == clamped and "there is no step" in notice and f'data-step="{clamped}"' in tree
 
 
-def test_live_runs_are_recorded_and_replayed_without_a_model(client, store):
+def test_live_runs_are_recorded_and_replayed_without_a_model(client, app_store):
     _, final = call(client, "a b c d e")
     history, tokens_html = final[0], final[1]
-    sessions = store.list_sessions(search="a b c d e")
+    sessions = app_store.list_sessions(search="a b c d e")
     assert sessions and sessions[0]["status"] == "complete"
     # replay through the app: search, open, and the replayed views equal the live ones
     client.predict("a b c d e", "", api_name="/search")
     client.predict(sessions[0]["id"], api_name="/open_session")
-    replayed = client.predict(store.get_session(sessions[0]["id"])["runs"][0]["id"], False, api_name="/show_run")
+    replayed = client.predict(app_store.get_session(sessions[0]["id"])["runs"][0]["id"], False, api_name="/show_run")
     assert content(replayed[2][-1]) == content(history[-1])
     assert replayed[3] == tokens_html
 
 
-def test_other_browser_sessions_do_not_see_private_runs(client, store):
+def test_other_browser_sessions_do_not_see_private_runs(client, app_store):
     """The API client above is one browser session; a run stored by another owner stays invisible."""
-    sid = store.start_session("someone-else", "private prompt zzz", "t", "d", {"method": "ar"})
+    sid = app_store.start_session("someone-else", "private prompt zzz", "t", "d", {"method": "ar"})
     table, _, status = client.predict("private prompt zzz", "", api_name="/search")
     assert "no stored sessions" in status
-    store.mark_shared(sid, "someone-else", True)
+    app_store.mark_shared(sid, "someone-else", True)
     table, _, status = client.predict("private prompt zzz", "", api_name="/search")
     assert "1 session" in status
 
@@ -183,7 +172,7 @@ def test_two_browser_sessions_each_see_their_own_stream(client, tiny_engine):
         assert content(final[0][-1]) == want
 
 
-def test_a_bad_import_is_refused_and_the_app_keeps_serving(client, store, tmp_path):
+def test_a_bad_import_is_refused_and_the_app_keeps_serving(client, app_store, tmp_path):
     import html
     import json
 
@@ -191,7 +180,7 @@ def test_a_bad_import_is_refused_and_the_app_keeps_serving(client, store, tmp_pa
     from sessions.export import export_session
 
     call(client, "c c d")
-    doc = export_session(store, store.list_sessions(search="c c d")[0]["id"])
+    doc = export_session(app_store, app_store.list_sessions(search="c c d")[0]["id"])
     finished = next(e for e in doc["runs"][0]["events"] if e["type"] == "finished")
     finished["metrics"]["tokens_per_s"] = "<img src=x onerror=alert(1)>"
     crafted = tmp_path / "crafted.json"
@@ -203,7 +192,7 @@ def test_a_bad_import_is_refused_and_the_app_keeps_serving(client, store, tmp_pa
     assert content(final[0][-1])
 
 
-def test_a_browser_id_owns_its_runs_across_page_loads(client, store):
+def test_a_browser_id_owns_its_runs_across_page_loads(client, app_store):
     """Two page loads of one browser are two Gradio sessions with the same stored id: both see its runs."""
     from gradio_client import Client
 
@@ -213,7 +202,7 @@ def test_a_browser_id_owns_its_runs_across_page_loads(client, store):
     a = ARGS | {"max_new": 8}
     client.submit("g g h", [], a["method"], a["max_new"], a["temperature"], a["top_p"], a["gamma"], a["branches"],
                   a["epsilon"], a["hrad"], a["seed"], False, mine, api_name="/generate").result()
-    assert [s["prompt"] for s in store.list_sessions(owner=mine, include_shared=False)] == ["g g h"]
+    assert [s["prompt"] for s in app_store.list_sessions(owner=mine, include_shared=False)] == ["g g h"]
     for page in (client, Client(client.src, verbose=False)):
         _, _, status = page.predict("g g h", "", mine, api_name="/search")
         assert "1 session" in status

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from app.tree import build_tree, step_events
-from app.ui import build_app, css_paths
+from app.ui import css_paths
 from engine.events import BranchResolved, StepStarted
 
-from .conftest import free_port
+from .conftest import serve_app
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -30,20 +30,9 @@ RACE_JS = """(root) => { const w = document.querySelector(root + ' .race-wrap');
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    from sessions import Store
-
-    with Store(tmp_path_factory.mktemp("db") / "sessions.db") as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def app_url(tiny_engine, store):
-    demo = build_app(lambda: tiny_engine, lambda: (store, ""))
-    port = free_port()
-    demo.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
-                        css_paths=css_paths())
-    yield f"http://127.0.0.1:{port}/"
+def app_url(tiny_engine, app_store):
+    demo, url = serve_app(tiny_engine, app_store, css_paths=css_paths())
+    yield url
     demo.close()
 
 
@@ -136,9 +125,9 @@ def test_live_view_in_chromium(page):
     assert (ARTIFACTS / "app_live.png").stat().st_size > 10_000
 
 
-def test_tree_and_step_navigator_in_chromium(page, store):
-    session = store.list_sessions(search=PROMPT)[0]
-    events = store.load_run_events(store.get_session(session["id"])["runs"][0]["id"])
+def test_tree_and_step_navigator_in_chromium(page, app_store):
+    session = app_store.list_sessions(search=PROMPT)[0]
+    events = app_store.load_run_events(app_store.get_session(session["id"])["runs"][0]["id"])
     steps = sorted({e.step for e in events if isinstance(e, BranchResolved)}) or [2]
     step = next((s for s in steps if s > 1), steps[0])  # a step with a fork, where there is one
     page.wait_for_selector("#step-strip .step-mark", timeout=30_000)
