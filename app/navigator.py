@@ -24,7 +24,8 @@ def clamp_step(requested, steps: list[int]) -> tuple[int | None, str]:
     except (TypeError, ValueError):
         return steps[-1], f"step {str(requested)!r} is not a number: showing step {steps[-1]}"
     if want < steps[0]:
-        return steps[0], f"there is no step {want}: this run's steps are {steps[0]}–{steps[-1]}; showing step {steps[0]}"
+        return steps[0], (f"there is no step {want}: this run's steps are {steps[0]}–{steps[-1]}; "
+                          f"showing step {steps[0]}")
     if want > steps[-1]:
         return steps[-1], (f"there is no step {want}: this run's steps are {steps[0]}–{steps[-1]}; "
                            f"showing step {steps[-1]}")
@@ -58,7 +59,8 @@ def step_outcome(events: list[Event], step: int) -> tuple[str, str]:
     dropped = sum(len(e.tokens) for e in mine if isinstance(e, Rollback) and e.model == "draft")
     rescued = any(isinstance(e, BranchResolved) and e.rescued for e in mine)
     kind = "rescued" if rescued else ("rollback" if dropped else "clean")
-    return kind, f"step {step}: {committed} committed, {dropped} rolled back" + (", rescued by a branch" if rescued else "")
+    title = f"step {step}: {committed} committed, {dropped} rolled back" + (", rescued by a branch" if rescued else "")
+    return kind, title
 
 
 def step_strip(events: list[Event], selected: int | None) -> str:

@@ -63,8 +63,8 @@ def lane_html(lane: Lane, t: float, place: int | None) -> str:
     done = t >= lane.duration
     tokens = "".join(f'<span class="tok tok-{html.escape(kind)}">{html.escape(piece)}</span>'
                      for e in shown for piece, kind in zip(e.pieces, e.kinds))
-    finish = (f'<span class="race-place">{ORDINAL.get(place, f"#{place}")} · done in {1000 * lane.duration:.0f} ms</span>'
-              if done else "")
+    rank = ORDINAL.get(place, f"{place}th")
+    finish = f'<span class="race-place">{rank} · done in {1000 * lane.duration:.0f} ms</span>' if done else ""
     progress = 100 * count / total if total else 100
     return (f'<div class="race-col" data-label="{html.escape(lane.label)}" data-done="{str(done).lower()}">'
             f'<div class="race-head"><b>{html.escape(lane.label)}</b> <span class="race-speed">'
@@ -83,7 +83,8 @@ def race_html(lanes: list[Lane], t: float, stretch: float) -> str:
     columns = "".join(lane_html(lane, t, places[i]) for i, lane in enumerate(lanes))
     return (f'<div class="race-wrap" data-done="{str(done).lower()}"><div class="race-clock">race clock '
             f'{1000 * min(t, longest):.0f} / {1000 * longest:.0f} ms since each decode started{slowed}</div>'
-            f'<div class="race" style="grid-template-columns:repeat({len(lanes)}, minmax(0, 1fr))">{columns}</div></div>')
+            f'<div class="race" style="grid-template-columns:repeat({len(lanes)}, minmax(0, 1fr))">{columns}</div>'
+            '</div>')
 
 
 def race_frames(runs: list[list[Event]], clock: Callable[[], float] = time.perf_counter,

@@ -156,7 +156,7 @@ def build_replay_tab(get_store, views_at, browser: gr.BrowserState) -> None:
         step, notice = clamp_step(steps[-1] if requested is None and steps else requested, steps)
         prefix = events if step is None or step == steps[-1] else events_up_to_step(events, step)
         return (slider_update(steps, step), notice_of(notice), chat_of(prefix),
-                *views_at(prefix, step, None, bool(show_all), ar_speed))
+                *views_at(prefix, step, None, bool(show_all), ar_speed, events))
 
     def show_run(run_id, runs, show_all, ar_speed):
         return show_step(None, run_id, runs, show_all, ar_speed)
@@ -182,7 +182,8 @@ def build_replay_tab(get_store, views_at, browser: gr.BrowserState) -> None:
         if len(chosen) < 2:
             return "pick two or more runs", gr.skip(), gr.skip()
         result = compare_runs(chosen)
-        return (compare_html(result), timeline_figure(chosen), step_alignment_figure(result["by_step"], result["labels"]))
+        return (compare_html(result), timeline_figure(chosen),
+                step_alignment_figure(result["by_step"], result["labels"]))
 
     def race(run_ids, runs):
         chosen = chosen_runs(run_ids, runs)

@@ -275,8 +275,8 @@ def add_resolved_fork(parent: Node, facts: StepFacts) -> None:
                                  survivor=b == f.survivor))
     if f.survivor < 0 and facts.emitted_pieces:
         piece = facts.emitted_pieces[-1]
-        parent.add(Node(piece, "correction", hover(piece, "no candidate survived: the target's token from the residual"),
-                        survivor=True))
+        what = "no candidate survived: the target's token from the residual"
+        parent.add(Node(piece, "correction", hover(piece, what), survivor=True))
 
 
 def add_pending_fork(path: list[Node], root: Node, facts: StepFacts, rejected: bool) -> None:

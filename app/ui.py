@@ -29,7 +29,8 @@ COMPARE_METHODS = ["ar", "sd", "pearl", "specbranch"]
 LEGEND = ('<div class="legend"><span class="tok tok-accepted">accepted draft</span>'
           '<span class="tok tok-rescued">rescued by a branch</span><span class="tok tok-correction">target correction'
           '</span><span class="tok tok-bonus">bonus</span><span class="tok tok-target">target</span>'
-          '<span class="tok tok-rollback">rolled back</span> · hover a token for p, q, p/q and u</div>')
+          '<span class="rb-key">↶n</span> n drafted tokens rolled back in that step (click to show) · hover a token '
+          'for p, q, p/q and u</div>')
 TEACHING = """
 ### How to read this
 **Speculative decoding (SD).** A small *draft* model guesses the next few tokens; the big *target* model
@@ -39,16 +40,20 @@ token. The output has exactly the target's distribution (at temperature 0: exact
 In plain SD the two models take turns, so each waits while the other works: the red *bubbles* in the timeline.
 
 **PEARL.** The draft keeps drafting the next block *while* the target verifies the current one, so the
-bubbles shrink. But a rejection throws away everything drafted after it (struck-through red tokens).
+bubbles shrink. But a rejection throws away everything drafted after it (the ↶ markers: click one to see).
 
 **SpecBranch.** Where a rejection is likely (the draft is unsure, or the H-RAD classifier reading the
 target's hidden state says so), the draft forks *k branches* from its top candidates and drafts them
 all at once. If the target's token matches any branch, that branch's tokens are already drafted and
 survive (purple *rescued* tokens); only the other branches are rolled back.
 
-**The charts.** *Tree*: one step's drafted path (green accepted, red rejected) and branches (the survivor
-green). *Timeline*: measured forward passes of each model; overlap means both computed at once.
+**The charts.** *Branch tree*: one step, left to right: the committed prefix, the drafted path, the fork
+with its k candidates and each branch. Green accepted, purple rescued, red rejected, orange the target's
+correction, blue its bonus, dashed never verified; the orange outline follows what survives the step.
+Hover a node for p, q, p/q and u. Pick a step with ◀ ▶, the slider, or a marker under the timeline.
+*Timeline*: measured forward passes of each model; overlap means both computed at once.
 *Per-position acceptance*: how often the i-th draft token survives given the ones before it did.
+*Race* (Compare, Replay): the runs, recorded one after another, replayed side by side on one clock.
 """
 
 
@@ -98,15 +103,17 @@ def highlight_of(events: list[Event], step: int | None):
 
 
 def views_at(events: list[Event], step: int | None = None, warning: str | None = None, show_rollbacks: bool = False,
-             ar_speed: float | None = None):
+             ar_speed: float | None = None, whole: list[Event] | None = None):
     """Every view of a (possibly partial) event stream: live and replay render through this. In order:
     token view, metric panel, notices, at-a-glance line, branch tree, timeline, step strip, acceptance,
-    cumulative. step None: the last step."""
+    cumulative. step None: the last step. whole: the whole run, when `events` is a prefix of it (Replay
+    at a step): its step strip still offers every step."""
     steps = replay_steps(events)
     step = step if step in steps else (steps[-1] if steps else None)
     return (token_view(events, show_rollbacks), metric_panel(events), notice_html(events, warning=warning),
-            glance_html(events, ar_speed), tree_html(events, step), timeline_figure([events], highlight_of(events, step)),
-            step_strip(events, step), acceptance_figure(compute_metrics(events)), cumulative_figure(events))
+            glance_html(events, ar_speed), tree_html(events, step),
+            timeline_figure([events], highlight_of(events, step)),
+            step_strip(whole or events, step), acceptance_figure(compute_metrics(events)), cumulative_figure(events))
 
 
 def skips(n: int) -> tuple:
@@ -254,8 +261,9 @@ def build_app(get_engine, get_store=None) -> gr.Blocks:
         with gr.Tab("Live"):
             with gr.Row():
                 with gr.Column(scale=1, min_width=320):
-                    method = gr.Dropdown(LIVE_METHODS, value="specbranch", label="Method")
-                    max_new = gr.Slider(1, 2048, value=128, step=1, label="Max new tokens (1–2048)")
+                    method = gr.Dropdown(LIVE_METHODS, value="specbranch", label="Method", elem_id="live-method")
+                    max_new = gr.Slider(1, 2048, value=128, step=1, label="Max new tokens (1–2048)",
+                                        elem_id="max-new")
                     temperature = gr.Slider(0, 2, value=0, step=0.05, label="Temperature (0 = greedy, ≥ 0)")
                     top_p = gr.Slider(0.01, 1, value=1, step=0.01, label="Top-p, in (0, 1]")
                     gamma = gr.Slider(1, 16, value=6, step=1, label="γ: draft steps per round (1–16)")
@@ -265,7 +273,8 @@ def build_app(get_engine, get_store=None) -> gr.Blocks:
                     seed = gr.Number(0, precision=0, label="Seed (integer)")
                     chat = gr.Checkbox(True, label="Chat template (off: raw text, e.g. code completion)")
                 with gr.Column(scale=2):
-                    chatbot = gr.Chatbot(label="Chat (the answer text)", height=320, sanitize_html=True)
+                    chatbot = gr.Chatbot(label="Chat (the answer text)", height=320, sanitize_html=True,
+                                         elem_id="chatbot")
                     prompt = gr.Textbox(label="Prompt", lines=2, placeholder="Ask something…", elem_id="prompt")
                     with gr.Row():
                         send = gr.Button("Generate", variant="primary", elem_id="generate")
@@ -291,7 +300,8 @@ def build_app(get_engine, get_store=None) -> gr.Blocks:
             gr.Markdown("Run several methods on one prompt and seed, one after the other (so each is timed alone), "
                         "then watch them **race** side by side from their recorded events, each at its measured "
                         "speed. Speedups are against `ar` from the same comparison.")
-            c_prompt = gr.Textbox(label="Prompt", lines=2, value="Explain how a hash map works.")
+            c_prompt = gr.Textbox(label="Prompt", lines=2, value="Explain how a hash map works.",
+                                  elem_id="compare-prompt")
             c_methods = gr.CheckboxGroup(COMPARE_METHODS, value=COMPARE_METHODS, label="Methods (two or more)",
                                          elem_id="compare-methods")
             c_run = gr.Button("Compare", variant="primary", elem_id="compare")

@@ -43,8 +43,9 @@ def token_view(events: list[Event], show_rollbacks: bool = False) -> str:
         if isinstance(e, TokensEmitted):
             parts = steps.setdefault(e.step, ([], []))[0]
             for i, (piece, kind) in enumerate(zip(e.pieces, e.kinds)):
-                parts.append(f'<span class="tok tok-{html.escape(kind)}" '
-                             f'title="{html.escape(token_title(kind, i, verdicts.get(e.step)))}">{html.escape(piece)}</span>')
+                title = token_title(kind, i, verdicts.get(e.step))
+                parts.append(f'<span class="tok tok-{html.escape(kind)}" title="{html.escape(title)}">'
+                             f'{html.escape(piece)}</span>')
         elif isinstance(e, Rollback) and e.tokens and e.model == "draft":  # the target's copy names the same tokens
             steps.setdefault(e.step, ([], []))[1].append(e)
     out = [("".join(parts) + (rollback_marker(step, rbs, show_rollbacks) if rbs else ""))
