@@ -95,8 +95,8 @@ def test_depth_16_by_k_6_labels_never_overlap_or_clip():
     events = [StepStarted(3, START, 0.0),
               Verified(3, 10, 10, [0.9] * 10, [0.8] * 10, [-1.0] * 10, -1, "", 0.0, tokens=list(range(10)),
                        pieces=path),
-              BranchResolved(3, START + 10, list(range(k)), [f"cand{'≈' * b}" for b in range(k)], [0.1] * k, [0.1] * k,
-                             [0.5] * k, "topk", [list(range(depth))] * k, branches, 3, 3, True),
+              BranchResolved(3, START + 10, list(range(k)), [f"cand{'≈' * b}" for b in range(k)], [0.1] * k,
+                             [0.1] * k, [0.5] * k, "topk", [list(range(depth))] * k, branches, 3, 3, True),
               TokensEmitted(3, list(range(11)), path + ["cand≈≈≈"], ["accepted"] * 10 + ["rescued"], "")]
     prefix = "a long committed prefix " * 5
     boxes = layout(build_tree(events, prefix))
