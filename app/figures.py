@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-from engine.events import BranchResolved, DraftProposed, Event, Rollback, TimingSpan, TokensEmitted, Verified
+from engine.events import DraftProposed, Event, Rollback, TimingSpan, TokensEmitted
 from engine.metrics import busy_intervals
-from sessions.replay import replay_steps, run_label
+from sessions.replay import run_label
 
 KIND_COLOURS = {"prefill": "#9e9e9e", "draft": "#4caf50", "branch_draft": "#8e24aa", "verify": "#1e88e5",
                 "decode": "#1e88e5", "assisted_generate": "#607d8b"}
 BUBBLE = "rgba(244, 67, 54, 0.25)"
 
 
-def timeline_figure(runs: list[list[Event]]) -> go.Figure:
-    """Gantt chart: one lane per (run, model); bars are forward passes, red bubbles are idle gaps."""
+def timeline_figure(runs: list[list[Event]], highlight: tuple[int, float, float] | None = None) -> go.Figure:
+    """Gantt chart: one lane per (run, model); bars are forward passes, red bubbles are idle gaps.
+    highlight: (step, start, end) shades the step the navigator selected."""
     fig = go.Figure()
     lanes = []
     for events in runs:
@@ -47,76 +48,14 @@ def timeline_figure(runs: list[list[Event]]) -> go.Figure:
                     orientation="h", name="idle (bubble)", legendgroup="idle",
                     showlegend="idle (bubble)" not in {t.name for t in fig.data}, marker_color=BUBBLE,
                     hovertemplate="idle %{x:.1f} ms<extra>" + lane + "</extra>"))
+    if highlight is not None:
+        step, start, end = highlight
+        fig.add_vrect(x0=1000 * start, x1=1000 * max(end, start + 1e-4), fillcolor="rgba(255, 143, 0, 0.18)",
+                      line=dict(color="#ff8f00", width=1), annotation_text=f"step {step}",
+                      annotation_position="top left")
     fig.update_layout(barmode="overlay", height=120 + 45 * len(lanes), margin=dict(l=10, r=10, t=40, b=30),
                       title="Measured timeline (ms): draft and target forwards, idle gaps in red",
                       xaxis_title="time since the run started (ms, measured)", yaxis=dict(autorange="reversed"))
-    return fig
-
-
-def tree_figure(events: list[Event], step: int | None = None) -> go.Figure:
-    """One step, as the target saw it: the verified draft tokens (green accepted, red rejected, grey
-    thrown away after the rejection), the branch point with each candidate and its branch (survivor
-    green), the target's own token (orange), and, on the lowest row, what the draft drafted meanwhile."""
-    steps = replay_steps(events)
-    fig = go.Figure()
-    if not steps:
-        fig.update_layout(title="no steps yet", height=260)
-        return fig
-    step = steps[-1] if step is None or step not in steps else step
-    verdict = next((e for e in events if isinstance(e, Verified) and e.step == step), None)
-    fork = next((e for e in events if isinstance(e, BranchResolved) and e.step == step), None)
-    emitted = next((e for e in events if isinstance(e, TokensEmitted) and e.step == step), None)
-    meanwhile = [e for e in events if isinstance(e, DraftProposed) and e.step == step]
-    if fork is not None and any(d.kind == "candidates" and d.tokens == fork.candidates for d in meanwhile):
-        meanwhile = [d for d in meanwhile if d.kind == "path"]  # the fork was drafted and resolved in this step
-    xs, ys, texts, colours, hovers = [], [], [], [], []
-
-    def node(x, y, text, colour, hover):
-        xs.append(x), ys.append(y), texts.append(text), colours.append(colour), hovers.append(hover)
-
-    node(0, 0, "▶", "#616161", "committed prefix")
-    path = verdict.pieces if verdict else []
-    accepted = verdict.accepted if verdict else 0
-    for i, piece in enumerate(path):
-        status = "accepted" if i < accepted else ("rejected" if i == accepted else "thrown away")
-        colour = {"accepted": "#43a047", "rejected": "#e53935", "thrown away": "#bdbdbd"}[status]
-        hover = status  # p, q and u exist up to the first rejection, where verification stopped
-        if i < len(verdict.p):
-            ratio = verdict.p[i] / verdict.q[i] if verdict.q[i] else 0.0
-            u = "" if verdict.u[i] < 0 else f", u={verdict.u[i]:.3f}"
-            hover = f"{status}: p={verdict.p[i]:.3f}, q={verdict.q[i]:.3f}, p/q={ratio:.3f}{u}"
-        node(i + 1, 0, piece, colour, hover)
-    base = len(path)
-    if fork is not None:
-        k = len(fork.candidates)
-        for b, piece in enumerate(fork.pieces):
-            y = (k - 1) / 2 - b
-            won = b == fork.survivor
-            node(base + 1, y, piece, "#43a047" if won else "#e53935",
-                 f"candidate {b + 1} ({fork.scheme}): q={fork.q[b]:.3f}, p={fork.p[b]:.3f}"
-                 + ((" · survived" + (" (rescued a rejection)" if fork.rescued else "")) if won else " · dropped"))
-            for j, piece2 in enumerate(fork.branch_pieces[b]):
-                node(base + 2 + j, y, piece2, "#a5d6a7" if won else "#ef9a9a",
-                     "branch: next path, verified next step" if won else "rolled back with its branch")
-    if verdict is not None and verdict.next_token >= 0 and emitted is not None and emitted.pieces:
-        x = accepted + 1
-        node(x, -1.5 if fork is None else -(len(fork.candidates) + 1) / 2, emitted.pieces[-1], "#fb8c00",
-             f"{verdict.next_kind} from the target (drawn with p={verdict.next_p:.3f})")
-    if fork is not None and fork.survivor < 0 and emitted is not None and emitted.pieces:
-        node(base + 1, -(len(fork.candidates) + 1) / 2, emitted.pieces[-1], "#fb8c00",
-             "no branch matched: the target's own token")
-    low = min(ys) - 1.5
-    for i, d in enumerate(meanwhile):
-        label = "/".join(d.pieces) if d.kind == "candidates" else d.pieces[0] if d.pieces else "?"
-        node(i + 1, low, label, "#90caf9", f"drafted meanwhile ({d.kind}{'' if d.kind != 'branch' else f' {d.branch}'})"
-             f": q={', '.join(f'{q:.2f}' for q in d.q)}")
-    fig.add_trace(go.Scatter(x=xs, y=ys, mode="markers+text", text=texts, textposition="top center",
-                             marker=dict(size=16, color=colours, line=dict(width=1, color="#333")),
-                             hovertext=hovers, hoverinfo="text"))
-    fig.update_layout(title=f"Step {step}: what the target verified (green kept, red rejected/dropped, orange its "
-                            f"own token); blue: drafted meanwhile", height=320, showlegend=False,
-                      margin=dict(l=10, r=10, t=40, b=20), xaxis=dict(title="position after the prefix", dtick=1),
-                      yaxis=dict(visible=False))
     return fig
 
 

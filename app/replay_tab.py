@@ -23,7 +23,11 @@ from sessions.replay import compare_runs, events_up_to_step, replay_steps, store
 
 from .figures import timeline_figure
 from .identity import owner_of
-from .views import fmt
+from .navigator import build_navigator, clamp_step, notice_of, slider_update, wire_navigator
+from .race import NEEDS_TWO, race_updates
+from .views import fmt, token_view
+
+VIEWS = 9  # how many views app/ui.py's views_at gives
 
 
 def export_dir() -> Path:
@@ -85,6 +89,26 @@ def compare_html(result: dict) -> str:
     return f'<table class="compare-table"><tr>{head}</tr>{"".join(rows)}</table>'
 
 
+def stored_ar_speed(store, owner: str, prompt: str, pair: tuple[str, str | None] | None = None,
+                    session_id: str | None = None) -> float | None:
+    """tokens/s of the newest complete AR run of exactly this prompt that this owner stored (a run in
+    `session_id` first): the baseline for a speedup. None when there is none, so no speedup is claimed."""
+    if store is None or not prompt:
+        return None
+    try:
+        rows = store.list_sessions(owner=owner, search=prompt, method="ar", pair=pair, include_shared=False, limit=20)
+        ids = [r["id"] for r in rows if r["prompt"] == prompt]
+        for sid in ([session_id] if session_id else []) + [i for i in ids if i != session_id]:
+            for run in store.get_session(sid, owner)["runs"]:
+                speed = (run["metrics"] or {}).get("tokens_per_s")
+                if run["method"] == "ar" and run["status"] == "complete" and isinstance(speed, (int, float)) \
+                        and not isinstance(speed, bool) and speed > 0:
+                    return float(speed)
+    except SessionStoreError:
+        return None
+    return None
+
+
 def build_replay_tab(get_store, views_at, browser: gr.BrowserState) -> None:
     """get_store() -> (Store | None, error message); views_at(events, step) -> the live tab's views;
     browser: the page's browser id (app/identity.py), which owns what it stores and sees."""
@@ -110,47 +134,64 @@ def build_replay_tab(get_store, views_at, browser: gr.BrowserState) -> None:
 
     def open_session(session_id, browser_id=None, request: gr.Request = None):
         if not session_id:
-            return gr.update(), gr.update(), {}, "pick a session"
+            return gr.update(), gr.update(), {}, "pick a session", None
+        owner = owner_of(browser_id, request)
         try:
             store = store_or_raise()
-            session = store.get_session(session_id, owner_of(browser_id, request))
+            session = store.get_session(session_id, owner)
             runs = {r["id"]: store.load_run_events(r["id"]) for r in session["runs"]}
         except SessionStoreError as exc:
-            return gr.update(), gr.update(), {}, f'<div class="notice notice-error">{html.escape(str(exc))}</div>'
+            return gr.update(), gr.update(), {}, f'<div class="notice notice-error">{html.escape(str(exc))}</div>', None
+        ar_speed = stored_ar_speed(store, owner, session["prompt"], (session["target"], session["draft"]), session_id)
         choices = [(stored_run_label(r), r["id"]) for r in session["runs"]]
         first = choices[0][1] if choices else None
         return (gr.update(choices=choices, value=first), gr.update(choices=choices, value=[c[1] for c in choices]),
-                runs, f"opened {html.escape(session_id)}: {len(runs)} run(s)")
+                runs, f"opened {html.escape(session_id)}: {len(runs)} run(s)", ar_speed)
 
-    def show_run(run_id, runs):
+    def show_step(requested, run_id, runs, show_all, ar_speed):
+        """The run as it stood at the end of a step (None: the whole run): chat, views and the navigator."""
         events = (runs or {}).get(run_id)
         if not events:
-            return (gr.skip(),) * 9
+            return (gr.skip(),) * (3 + VIEWS)
         steps = replay_steps(events)
-        return (chat_of(events), *views_at(events, None), gr.update(maximum=max(2, len(steps)), value=len(steps)))
+        step, notice = clamp_step(steps[-1] if requested is None and steps else requested, steps)
+        prefix = events if step is None or step == steps[-1] else events_up_to_step(events, step)
+        return (slider_update(steps, step), notice_of(notice), chat_of(prefix),
+                *views_at(prefix, step, None, bool(show_all), ar_speed, events))
 
-    def show_step(index, run_id, runs):
+    def show_run(run_id, runs, show_all, ar_speed):
+        return show_step(None, run_id, runs, show_all, ar_speed)
+
+    def rerender_tokens(index, run_id, runs, show_all):
         events = (runs or {}).get(run_id)
-        steps = replay_steps(events or [])
-        if not steps:
-            return (gr.skip(),) * 8
-        step = steps[min(max(int(index), 1), len(steps)) - 1]
-        prefix = events_up_to_step(events, step)
-        return (chat_of(prefix), *views_at(prefix, step))
+        if not events:
+            return gr.skip()
+        step, _ = clamp_step(index, replay_steps(events))
+        return token_view(events if step is None else events_up_to_step(events, step), bool(show_all))
 
     def tick(index, run_id, runs):
         steps = replay_steps((runs or {}).get(run_id) or [])
-        if not steps or int(index) >= len(steps):
+        if not steps or int(index) >= steps[-1]:
             return gr.update(), gr.Timer(active=False)
         return int(index) + 1, gr.Timer(active=True)
 
+    def chosen_runs(run_ids, runs):
+        return [runs[rid] for rid in run_ids or [] if rid in (runs or {})]
+
     def compare(run_ids, runs):
-        chosen = [(rid, runs[rid]) for rid in run_ids or [] if rid in (runs or {})]
+        chosen = chosen_runs(run_ids, runs)
         if len(chosen) < 2:
             return "pick two or more runs", gr.skip(), gr.skip()
-        result = compare_runs([events for _, events in chosen])
-        return (compare_html(result), timeline_figure([events for _, events in chosen]),
+        result = compare_runs(chosen)
+        return (compare_html(result), timeline_figure(chosen),
                 step_alignment_figure(result["by_step"], result["labels"]))
+
+    def race(run_ids, runs):
+        chosen = chosen_runs(run_ids, runs)
+        if len(chosen) < 2:
+            yield NEEDS_TWO, gr.skip(), gr.skip()
+            return
+        yield from race_updates(chosen, lambda rs: compare_html(compare_runs(rs)))
 
     def export(session_id, browser_id=None, request: gr.Request = None):
         try:
@@ -200,26 +241,33 @@ def build_replay_tab(get_store, views_at, browser: gr.BrowserState) -> None:
             session = gr.Dropdown([], label="Session", scale=3, elem_id="replay-session")
             open_btn = gr.Button("Open", scale=1, elem_id="replay-open")
         runs_state = gr.State({})
+        ar_state = gr.State(None)  # tokens/s of a stored AR run of this session's prompt, for the speedup
         run = gr.Dropdown([], label="Run", elem_id="replay-run")
         with gr.Row():
-            step = gr.Slider(1, 2, value=1, step=1, label="Step", scale=4, elem_id="replay-step")
-            speed = gr.Slider(0.1, 5, value=0.5, step=0.1, label="Seconds per step", scale=2)
+            speed = gr.Slider(0.1, 5, value=0.5, step=0.1, label="Seconds per step (Play)", scale=4)
             play = gr.Button("▶ Play", scale=1)
             pause = gr.Button("⏸ Pause", scale=1)
         timer = gr.Timer(0.5, active=False)
-        chat = gr.Chatbot(label="Replayed chat", height=220, sanitize_html=True)
+        chat = gr.Chatbot(label="Replayed chat (the answer text)", height=220, sanitize_html=True)
         notices = gr.HTML()
+        glance = gr.HTML(elem_id="replay-glance")
+        show_all = gr.Checkbox(False, label="Show all rollbacks (else click a ↶ marker)")
         tokens = gr.HTML(elem_id="replay-token-view")
         metrics = gr.HTML(elem_id="replay-metric-panel")
-        tree = gr.Plot(label="Branch tree")
+        nav = build_navigator("replay-step")
+        tree = gr.HTML(elem_id="replay-tree-view")
         timeline = gr.Plot(label="Timeline (measured)")
+        nav.add_strip()
         with gr.Row():
             acceptance = gr.Plot(label="Acceptance")
             cumulative = gr.Plot(label="Drafted / accepted / rolled back")
-        with gr.Accordion("Compare stored runs", open=False):
-            pick = gr.CheckboxGroup([], label="Runs to compare (first = baseline)")
-            compare_btn = gr.Button("Compare")
-            compare_table = gr.HTML()
+        with gr.Accordion("Compare and race stored runs", open=False):
+            pick = gr.CheckboxGroup([], label="Runs to compare or race (first = baseline)", elem_id="replay-pick")
+            with gr.Row():
+                compare_btn = gr.Button("Compare")
+                race_btn = gr.Button("Race", variant="primary", elem_id="replay-race-btn")
+            race_view = gr.HTML(elem_id="replay-race")
+            compare_table = gr.HTML(elem_id="replay-compare-table")
             compare_timeline = gr.Plot(label="Timelines on one axis")
             compare_steps = gr.Plot(label="Aligned by step")
         with gr.Accordion("Export, import, share, delete", open=False):
@@ -236,18 +284,21 @@ def build_replay_tab(get_store, views_at, browser: gr.BrowserState) -> None:
                 delete_btn = gr.Button("Delete session", variant="stop")
             manage_status = gr.HTML()
 
-        views = [tokens, metrics, notices, tree, timeline, acceptance, cumulative]
+        views = [tokens, metrics, notices, glance, tree, timeline, nav.strip, acceptance, cumulative]
+        shown = [nav.slider, nav.notice, chat, *views]
         find.click(search, [text, method, browser], [table, session, status])
         text.submit(search, [text, method, browser], [table, session, status])
-        open_btn.click(open_session, [session, browser], [run, pick, runs_state, status]).then(
-            show_run, [run, runs_state], [chat, *views, step])
-        run.change(show_run, [run, runs_state], [chat, *views, step])
-        step.release(show_step, [step, run, runs_state], [chat, *views])
+        open_btn.click(open_session, [session, browser], [run, pick, runs_state, status, ar_state]).then(
+            show_run, [run, runs_state, show_all, ar_state], shown)
+        run.change(show_run, [run, runs_state, show_all, ar_state], shown)
+        wire_navigator(nav, show_step, [run, runs_state, show_all, ar_state], shown)
+        show_all.change(rerender_tokens, [nav.slider, run, runs_state, show_all], tokens)
         play.click(lambda s: gr.Timer(value=float(s), active=True), [speed], timer)
         pause.click(lambda: gr.Timer(active=False), None, timer)
-        timer.tick(tick, [step, run, runs_state], [step, timer]).then(show_step, [step, run, runs_state],
-                                                                      [chat, *views])
+        timer.tick(tick, [nav.slider, run, runs_state], [nav.slider, timer]).then(
+            show_step, [nav.slider, run, runs_state, show_all, ar_state], shown)
         compare_btn.click(compare, [pick, runs_state], [compare_table, compare_timeline, compare_steps])
+        race_btn.click(race, [pick, runs_state], [race_view, compare_table, compare_timeline])
         export_btn.click(export, [session, browser], [session_file, trace_file, manage_status])
         import_btn.click(do_import, [upload, browser], [manage_status])
         share_btn.click(share, [session, shared, browser], [manage_status])

@@ -10,15 +10,18 @@ from pathlib import Path
 import gradio as gr
 
 from engine.config import GenerationConfig, SpecBranchError
-from engine.events import Event, Finished, Notice, TokensEmitted
+from engine.events import Event, Notice, TokensEmitted
 from engine.metrics import compute_metrics, metrics_of
 from sessions.replay import replay_steps
 
-from .figures import acceptance_figure, cumulative_figure, timeline_figure, tree_figure
+from .figures import acceptance_figure, cumulative_figure, timeline_figure
 from .identity import browser_id_state, browser_identity, owner_of
-from .replay_tab import build_replay_tab
+from .navigator import build_navigator, clamp_step, notice_of, slider_update, step_strip, step_times, wire_navigator
+from .race import NEEDS_TWO, is_greedy, race_updates
+from .replay_tab import VIEWS, build_replay_tab, stored_ar_speed
 from .stream import stream_events
-from .views import fmt, metric_panel, token_view
+from .tree import tree_html
+from .views import fmt, glance_html, metric_panel, token_view
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
 LIVE_METHODS = ["specbranch", "pearl", "sd", "ar", "specbranch-no-branch", "specbranch-no-hrad"]
@@ -26,7 +29,8 @@ COMPARE_METHODS = ["ar", "sd", "pearl", "specbranch"]
 LEGEND = ('<div class="legend"><span class="tok tok-accepted">accepted draft</span>'
           '<span class="tok tok-rescued">rescued by a branch</span><span class="tok tok-correction">target correction'
           '</span><span class="tok tok-bonus">bonus</span><span class="tok tok-target">target</span>'
-          '<span class="tok tok-rollback">rolled back</span> · hover a token for p, q, p/q and u</div>')
+          '<span class="rb-key">↶n</span> n drafted tokens rolled back in that step (click to show) · hover a token '
+          'for p, q, p/q and u</div>')
 TEACHING = """
 ### How to read this
 **Speculative decoding (SD).** A small *draft* model guesses the next few tokens; the big *target* model
@@ -36,16 +40,20 @@ token. The output has exactly the target's distribution (at temperature 0: exact
 In plain SD the two models take turns, so each waits while the other works: the red *bubbles* in the timeline.
 
 **PEARL.** The draft keeps drafting the next block *while* the target verifies the current one, so the
-bubbles shrink. But a rejection throws away everything drafted after it (struck-through red tokens).
+bubbles shrink. But a rejection throws away everything drafted after it (the ↶ markers: click one to see).
 
 **SpecBranch.** Where a rejection is likely (the draft is unsure, or the H-RAD classifier reading the
 target's hidden state says so), the draft forks *k branches* from its top candidates and drafts them
 all at once. If the target's token matches any branch, that branch's tokens are already drafted and
 survive (purple *rescued* tokens); only the other branches are rolled back.
 
-**The charts.** *Tree*: one step's drafted path (green accepted, red rejected) and branches (the survivor
-green). *Timeline*: measured forward passes of each model; overlap means both computed at once.
+**The charts.** *Branch tree*: one step, left to right: the committed prefix, the drafted path, the fork
+with its k candidates and each branch. Green accepted, purple rescued, red rejected, orange the target's
+correction, blue its bonus, dashed never verified; the orange outline follows what survives the step.
+Hover a node for p, q, p/q and u. Pick a step with ◀ ▶, the slider, or a marker under the timeline.
+*Timeline*: measured forward passes of each model; overlap means both computed at once.
 *Per-position acceptance*: how often the i-th draft token survives given the ones before it did.
+*Race* (Compare, Replay): the runs, recorded one after another, replayed side by side on one clock.
 """
 
 
@@ -88,15 +96,28 @@ def notice_html(events: list[Event], error: str | None = None, warning: str | No
     return "".join(notes)
 
 
-def figures(events: list[Event], step: int | None = None):
-    metrics = compute_metrics(events)
-    return (tree_figure(events, step), timeline_figure([events]), acceptance_figure(metrics),
-            cumulative_figure(events))
+def highlight_of(events: list[Event], step: int | None):
+    """(step, start, end) for the timeline's shading of the selected step, where the step has a time."""
+    span = step_times(events).get(step) if step is not None else None
+    return None if span is None else (step, *span)
 
 
-def views_at(events: list[Event], step: int | None = None, warning: str | None = None):
-    """Every view of a (possibly partial) event stream: live and replay render through this."""
-    return (token_view(events), metric_panel(events), notice_html(events, warning=warning), *figures(events, step))
+def views_at(events: list[Event], step: int | None = None, warning: str | None = None, show_rollbacks: bool = False,
+             ar_speed: float | None = None, whole: list[Event] | None = None):
+    """Every view of a (possibly partial) event stream: live and replay render through this. In order:
+    token view, metric panel, notices, at-a-glance line, branch tree, timeline, step strip, acceptance,
+    cumulative. step None: the last step. whole: the whole run, when `events` is a prefix of it (Replay
+    at a step): its step strip still offers every step."""
+    steps = replay_steps(events)
+    step = step if step in steps else (steps[-1] if steps else None)
+    return (token_view(events, show_rollbacks), metric_panel(events), notice_html(events, warning=warning),
+            glance_html(events, ar_speed), tree_html(events, step),
+            timeline_figure([events], highlight_of(events, step)),
+            step_strip(whole or events, step), acceptance_figure(compute_metrics(events)), cumulative_figure(events))
+
+
+def skips(n: int) -> tuple:
+    return (gr.skip(),) * n
 
 
 def no_store(reason: str):
@@ -122,8 +143,14 @@ def build_app(get_engine, get_store=None) -> gr.Blocks:
             return Recorder.disabled(str(exc)), None
         return store.recorder(sid), sid
 
+    def ar_speed_of(owner, prompt, engine):
+        """tokens/s of this browser's latest stored AR run of the same prompt on the same pair, if any."""
+        store, _ = get_store()
+        pair = engine.pair
+        return stored_ar_speed(store, owner, prompt, (pair.target.name, pair.draft.name if pair.draft else None))
+
     def generate(prompt, history, method, max_new, temperature, top_p, gamma, branches, epsilon, hrad, seed, chat,
-                 browser_id=None, request: gr.Request = None):
+                 browser_id=None, show_rollbacks=False, request: gr.Request = None):
         history = list(history or [])
         events: list[Event] = []
         try:
@@ -135,15 +162,23 @@ def build_app(get_engine, get_store=None) -> gr.Blocks:
             ids = engine.encode(prompt, bool(chat), history=turns)
             engine.check_prompt(ids)
         except SpecBranchError as exc:
-            yield (history, gr.skip(), gr.skip(), notice_html([], str(exc)), *([gr.skip()] * 5), events)
+            yield (history, *skips(2), notice_html([], str(exc)), *skips(VIEWS - 3 + 2), events)
             return
         except Exception as exc:  # a model that fails to load: say so, keep serving
-            yield (history, gr.skip(), gr.skip(), notice_html([], f"could not load the models: {exc}"),
-                   *([gr.skip()] * 5), events)
+            yield (history, *skips(2), notice_html([], f"could not load the models: {exc}"), *skips(VIEWS - 3 + 2),
+                   events)
             return
         history += [{"role": "user", "content": prompt}, {"role": "assistant", "content": ""}]
         text, last_plot, tokens_seen = "", 0.0, 0
-        recorder, _ = start_recording(owner_of(browser_id, request), prompt, engine, cfg)
+        owner = owner_of(browser_id, request)
+        ar_speed = ar_speed_of(owner, prompt, engine)  # before this run is stored: an AR run is not its own baseline
+        recorder, _ = start_recording(owner, prompt, engine, cfg)
+
+        def everything(warning=None):
+            steps = replay_steps(events)
+            return (history, *views_at(events, None, warning, show_rollbacks, ar_speed),
+                    slider_update(steps, steps[-1] if steps else None), "", events)
+
         try:
             for event in stream_events(engine, ids, cfg, prompt):
                 events.append(event)
@@ -151,37 +186,40 @@ def build_app(get_engine, get_store=None) -> gr.Blocks:
                 if isinstance(event, TokensEmitted):
                     text += event.text
                     tokens_seen += len(event.tokens)
-                    history[-1] = {"role": "assistant", "content": text}
+                    history[-1] = {"role": "assistant", "content": text}  # the chat holds the answer text only
                     if time.perf_counter() - last_plot > 1.0:  # long outputs stay responsive: plots ~1/s
                         last_plot = time.perf_counter()
-                        steps = replay_steps(events)
-                        yield (history, *views_at(events), gr.update(maximum=max(2, len(steps)), value=max(1, len(steps))),
-                               events)
+                        yield everything()
                     elif tokens_seen % 4 == 0:
-                        yield (history, token_view(events), gr.skip(), gr.skip(), *([gr.skip()] * 5), events)
+                        yield (history, token_view(events, show_rollbacks), *skips(VIEWS - 1 + 2), events)
         except Exception as exc:
             message = "out of memory: try fewer tokens or a smaller pair" if "out of memory" in str(exc) else str(exc)
-            yield (history, token_view(events), metric_panel(events), notice_html(events, message),
-                   *([gr.skip()] * 5), events)
+            yield (history, token_view(events, show_rollbacks), metric_panel(events), notice_html(events, message),
+                   *skips(VIEWS - 3 + 2), events)
             return
         finally:  # also on Stop: the run is kept, marked partial when it has no Finished event
             recorder.close()
-        steps = replay_steps(events)
-        status = f"not recording: {recorder.error}" if recorder.error else None
-        yield (history, *views_at(events, None, status),
-               gr.update(maximum=max(2, len(steps)), value=max(1, len(steps))), events)
+        yield everything(f"not recording: {recorder.error}" if recorder.error else None)
 
-    def show_step(index, events):
-        steps = replay_steps(events or [])
-        if not steps:
-            return gr.skip()
-        return tree_figure(events, steps[min(max(int(index), 1), len(steps)) - 1])
+    def show_step(requested, events):
+        """The navigator's step: the tree, the timeline's shading and the strip follow it."""
+        events = events or []
+        step, notice = clamp_step(requested, replay_steps(events))
+        if step is None:
+            return slider_update([], None), notice_of("no steps yet: generate something first"), *skips(3)
+        return (slider_update(replay_steps(events), step), notice_of(notice), tree_html(events, step),
+                timeline_figure([events], highlight_of(events, step)), step_strip(events, step))
+
+    def rerender_tokens(show_rollbacks, events):
+        return token_view(events or [], bool(show_rollbacks))
 
     def compare(prompt, methods, max_new, temperature, top_p, gamma, branches, epsilon, hrad, seed, chat,
                 browser_id=None, request: gr.Request = None):
+        """Run each chosen method once, one after another (clean timings); the race then replays them."""
         try:
-            if not methods:
-                raise SpecBranchError("pick at least one method")
+            if not methods or len(methods) < 2:
+                yield NEEDS_TWO, "", "", []
+                return
             if not prompt or not prompt.strip():
                 raise SpecBranchError("the prompt is empty")
             cfgs = [make_config(m, max_new, temperature, top_p, gamma, branches, epsilon, hrad, seed) for m in methods]
@@ -189,10 +227,13 @@ def build_app(get_engine, get_store=None) -> gr.Blocks:
             ids = engine.encode(prompt, bool(chat))
             engine.check_prompt(ids)
         except SpecBranchError as exc:
-            return notice_html([], str(exc)), gr.skip()
+            yield notice_html([], str(exc)), "", "", []
+            return
         recorder, sid = start_recording(owner_of(browser_id, request), prompt, engine, cfgs[0])
         runs = []
-        for cfg in cfgs:  # one stored session, one run per method
+        for i, cfg in enumerate(cfgs):  # one stored session, one run per method
+            yield ("", f'<div class="race-status">running {html.escape(cfg.method)} ({i + 1} of {len(cfgs)}): the '
+                   f'methods run one after another so each is timed alone; then they race</div>', "", [])
             if sid is not None and runs:
                 recorder = get_store()[0].recorder(sid)
             try:
@@ -204,7 +245,13 @@ def build_app(get_engine, get_store=None) -> gr.Blocks:
                 recorder.close()
         note = f'<div class="notice notice-warning">not recording: {html.escape(recorder.error)}</div>' \
             if recorder.error else ""
-        return comparison_table(runs, float(temperature) == 0.0) + note, timeline_figure(runs)
+        yield note, gr.skip(), gr.skip(), runs
+
+    def race(runs):
+        """The recorded runs side by side on one clock (no engine needed: this does not queue behind generation)."""
+        if not runs or len(runs) < 2:
+            return
+        yield from race_updates(runs, lambda rs: comparison_table(rs, all(is_greedy(r) for r in rs)))
 
     with gr.Blocks(title="SpecBranch Studio") as demo:
         gr.Markdown("# SpecBranch Studio\nSpeculative decoding, made visible: every token is coloured by where it "
@@ -214,8 +261,9 @@ def build_app(get_engine, get_store=None) -> gr.Blocks:
         with gr.Tab("Live"):
             with gr.Row():
                 with gr.Column(scale=1, min_width=320):
-                    method = gr.Dropdown(LIVE_METHODS, value="specbranch", label="Method")
-                    max_new = gr.Slider(1, 2048, value=128, step=1, label="Max new tokens (1–2048)")
+                    method = gr.Dropdown(LIVE_METHODS, value="specbranch", label="Method", elem_id="live-method")
+                    max_new = gr.Slider(1, 2048, value=128, step=1, label="Max new tokens (1–2048)",
+                                        elem_id="max-new")
                     temperature = gr.Slider(0, 2, value=0, step=0.05, label="Temperature (0 = greedy, ≥ 0)")
                     top_p = gr.Slider(0.01, 1, value=1, step=0.01, label="Top-p, in (0, 1]")
                     gamma = gr.Slider(1, 16, value=6, step=1, label="γ: draft steps per round (1–16)")
@@ -225,29 +273,41 @@ def build_app(get_engine, get_store=None) -> gr.Blocks:
                     seed = gr.Number(0, precision=0, label="Seed (integer)")
                     chat = gr.Checkbox(True, label="Chat template (off: raw text, e.g. code completion)")
                 with gr.Column(scale=2):
-                    chatbot = gr.Chatbot(label="Chat", height=320, sanitize_html=True)
+                    chatbot = gr.Chatbot(label="Chat (the answer text)", height=320, sanitize_html=True,
+                                         elem_id="chatbot")
                     prompt = gr.Textbox(label="Prompt", lines=2, placeholder="Ask something…", elem_id="prompt")
                     with gr.Row():
                         send = gr.Button("Generate", variant="primary", elem_id="generate")
                         stop = gr.Button("Stop", variant="stop", elem_id="stop")
                     gr.Examples(examples(), [prompt, chat], label="Example prompts (benchmark split)")
                     notices = gr.HTML(elem_id="notices")
+                    glance = gr.HTML(elem_id="glance")
                     gr.HTML(LEGEND)
+                    show_rollbacks = gr.Checkbox(False, label="Show all rollbacks (else click a ↶ marker)",
+                                                 elem_id="show-rollbacks")
                     tokens = gr.HTML(elem_id="token-view")
                     metrics = gr.HTML(elem_id="metric-panel")
-            with gr.Row():
-                step = gr.Slider(1, 2, value=1, step=1, label="Step (branch tree of any step)", elem_id="step-slider")
-            tree = gr.Plot(label="Branch tree", elem_id="tree-plot")
+            gr.Markdown("### Branch tree of a step\nPick a step with the buttons, the slider, or a marker under the "
+                        "timeline; the tree and the timeline's shading follow.")
+            nav = build_navigator("step")
+            tree = gr.HTML(elem_id="tree-view")
             timeline = gr.Plot(label="Bubble timeline", elem_id="timeline-plot")
+            nav.add_strip()
             with gr.Row():
                 acceptance = gr.Plot(label="Acceptance", elem_id="acceptance-plot")
                 cumulative = gr.Plot(label="Drafted / accepted / rolled back", elem_id="cumulative-plot")
         with gr.Tab("Compare"):
-            gr.Markdown("Run several methods on one prompt and seed, one after the other, and compare them on one "
-                        "time axis. Speedups are against `ar` from the same comparison.")
-            c_prompt = gr.Textbox(label="Prompt", lines=2, value="Explain how a hash map works.")
-            c_methods = gr.CheckboxGroup(COMPARE_METHODS, value=COMPARE_METHODS, label="Methods")
+            gr.Markdown("Run several methods on one prompt and seed, one after the other (so each is timed alone), "
+                        "then watch them **race** side by side from their recorded events, each at its measured "
+                        "speed. Speedups are against `ar` from the same comparison.")
+            c_prompt = gr.Textbox(label="Prompt", lines=2, value="Explain how a hash map works.",
+                                  elem_id="compare-prompt")
+            c_methods = gr.CheckboxGroup(COMPARE_METHODS, value=COMPARE_METHODS, label="Methods (two or more)",
+                                         elem_id="compare-methods")
             c_run = gr.Button("Compare", variant="primary", elem_id="compare")
+            c_runs = gr.State([])
+            c_notice = gr.HTML(elem_id="compare-notice")
+            c_race = gr.HTML(elem_id="compare-race")
             c_table = gr.HTML(elem_id="compare-table")
             c_timeline = gr.Plot(label="Timelines, one axis", elem_id="compare-timeline")
         build_replay_tab(get_store, views_at, browser)
@@ -255,16 +315,18 @@ def build_app(get_engine, get_store=None) -> gr.Blocks:
             gr.Markdown(TEACHING)
 
         controls = [max_new, temperature, top_p, gamma, branches, epsilon, hrad, seed, chat]
-        outputs = [chatbot, tokens, metrics, notices, tree, timeline, acceptance, cumulative, step, events_state]
+        views = [tokens, metrics, notices, glance, tree, timeline, nav.strip, acceptance, cumulative]
+        outputs = [chatbot, *views, nav.slider, nav.notice, events_state]
         demo.load(browser_identity, browser, browser, api_visibility="private")
-        run_event = send.click(generate, [prompt, chatbot, method, *controls, browser], outputs, concurrency_limit=1,
-                               concurrency_id="engine")
-        submit_event = prompt.submit(generate, [prompt, chatbot, method, *controls, browser], outputs,
+        run_event = send.click(generate, [prompt, chatbot, method, *controls, browser, show_rollbacks], outputs,
+                               concurrency_limit=1, concurrency_id="engine")
+        submit_event = prompt.submit(generate, [prompt, chatbot, method, *controls, browser, show_rollbacks], outputs,
                                      concurrency_limit=1, concurrency_id="engine")
         stop.click(None, cancels=[run_event, submit_event])
-        step.release(show_step, [step, events_state], tree)
-        c_run.click(compare, [c_prompt, c_methods, *controls, browser], [c_table, c_timeline], concurrency_limit=1,
-                    concurrency_id="engine")
+        wire_navigator(nav, show_step, [events_state], [nav.slider, nav.notice, tree, timeline, nav.strip])
+        show_rollbacks.change(rerender_tokens, [show_rollbacks, events_state], tokens)
+        c_run.click(compare, [c_prompt, c_methods, *controls, browser], [c_notice, c_race, c_table, c_runs],
+                    concurrency_limit=1, concurrency_id="engine").then(race, [c_runs], [c_race, c_table, c_timeline])
     return demo
 
 

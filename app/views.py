@@ -6,33 +6,66 @@ import html
 
 from engine.events import Event, Rollback, TokensEmitted, Verified
 from engine.metrics import FORMULAS, metrics_of
+from sessions.replay import run_label
 
 KIND_LABEL = {"accepted": "accepted draft token", "correction": "target correction", "bonus": "bonus token",
               "target": "target token", "rescued": "rescued by a branch"}
 
 
-def token_view(events: list[Event]) -> str:
-    """Committed tokens coloured by origin; rolled-back tokens struck through after the step that dropped them.
-    Hover text gives p, q, the acceptance ratio and the uniform draw when there was a verification."""
-    parts = []
+def token_title(kind: str, i: int, v: Verified | None) -> str:
+    """Hover text of a committed token: its origin, and p, q, p/q and u where it was verified."""
+    title = KIND_LABEL.get(kind, kind)
+    if v is not None and kind == "accepted" and i < len(v.p):
+        ratio = v.p[i] / v.q[i] if v.q[i] else float("nan")
+        u = "greedy" if v.u[i] < 0 else f"{v.u[i]:.3f}"
+        title += f" | p={v.p[i]:.3f} q={v.q[i]:.3f} p/q={ratio:.3f} u={u}"
+    elif v is not None and kind in ("correction", "bonus"):
+        title += f" | drawn with probability {v.next_p:.3f}"
+    return title
+
+
+def rollback_marker(step: int, rollbacks: list[Rollback], show: bool) -> str:
+    """A step's rolled-back draft text behind a small marker that expands on click (open: show all)."""
+    count = sum(len(r.tokens) for r in rollbacks)
+    why = ", ".join(dict.fromkeys(r.reason for r in rollbacks))
+    dropped = "".join(f'<span class="tok tok-rollback" title="rolled back ({html.escape(r.reason)})">'
+                      f'{html.escape("".join(r.pieces))}</span>' for r in rollbacks)
+    return (f'<details class="rb"{" open" if show else ""}><summary title="step {step}: {count} drafted token(s) '
+            f'rolled back ({html.escape(why)}); click to show">↶{count}</summary>{dropped}</details>')
+
+
+def token_view(events: list[Event], show_rollbacks: bool = False) -> str:
+    """Committed tokens coloured by origin; each step's rolled-back draft tokens sit behind a marker after
+    its committed tokens (show_rollbacks: all markers open). Hover a token for p, q, p/q and u."""
     verdicts = {e.step: e for e in events if isinstance(e, Verified)}
+    steps: dict[int, tuple[list[str], list[Rollback]]] = {}  # in order of first appearance
     for e in events:
         if isinstance(e, TokensEmitted):
-            v = verdicts.get(e.step)
+            parts = steps.setdefault(e.step, ([], []))[0]
             for i, (piece, kind) in enumerate(zip(e.pieces, e.kinds)):
-                title = KIND_LABEL.get(kind, kind)
-                if v is not None and kind == "accepted" and i < len(v.p):
-                    ratio = v.p[i] / v.q[i] if v.q[i] else float("nan")
-                    u = "greedy" if v.u[i] < 0 else f"{v.u[i]:.3f}"
-                    title += f" | p={v.p[i]:.3f} q={v.q[i]:.3f} p/q={ratio:.3f} u={u}"
-                elif v is not None and kind in ("correction", "bonus"):
-                    title += f" | drawn with probability {v.next_p:.3f}"
+                title = token_title(kind, i, verdicts.get(e.step))
                 parts.append(f'<span class="tok tok-{html.escape(kind)}" title="{html.escape(title)}">'
                              f'{html.escape(piece)}</span>')
-        elif isinstance(e, Rollback) and e.tokens:
-            dropped = html.escape("".join(e.pieces))
-            parts.append(f'<span class="tok tok-rollback" title="rolled back ({html.escape(e.reason)})">{dropped}</span>')
-    return f'<div class="token-view">{"".join(parts)}</div>'
+        elif isinstance(e, Rollback) and e.tokens and e.model == "draft":  # the target's copy names the same tokens
+            steps.setdefault(e.step, ([], []))[1].append(e)
+    out = [("".join(parts) + (rollback_marker(step, rbs, show_rollbacks) if rbs else ""))
+           for step, (parts, rbs) in steps.items()]
+    return f'<div class="token-view">{"".join(out)}</div>'
+
+
+def glance_html(events: list[Event], ar_tokens_per_s: float | None = None) -> str:
+    """At a glance: tokens per target forward, α, and the speedup against AR where an AR run of the same
+    prompt was measured (else no speedup is claimed)."""
+    m = metrics_of(events)
+    items = [("tokens per target forward", fmt(m.get("mean_accepted_length"))),
+             ("α (acceptance rate)", fmt(m.get("acceptance_rate")))]
+    speed = m.get("tokens_per_s")
+    if ar_tokens_per_s and isinstance(speed, (int, float)) and run_label(events) != "ar":
+        items.append(("vs AR on this prompt", f"{speed / ar_tokens_per_s:.2f}× ({fmt(float(speed))} vs "
+                                               f"{fmt(float(ar_tokens_per_s))} tokens/s)"))
+    cells = "".join(f'<span class="glance-item"><span class="glance-label">{html.escape(k)}</span> '
+                    f'<b>{html.escape(v)}</b></span>' for k, v in items)
+    return f'<div class="glance">{cells}</div>'
 
 
 def metric_panel(events: list[Event]) -> str:

@@ -27,3 +27,31 @@ $PY -m engine bench --methods ar,sd,pearl,specbranch --dataset all --limit $N --
 # 4. the poorly aligned regime: rollback of PEARL vs SpecBranch with the weak draft
 $PY -m engine bench --methods ar,sd,pearl,specbranch --draft embedded-weak --dataset all --limit $N \
     --max-new-tokens $TOK --temperature 0 --gamma 6 --json docs/bench-cpu-weak-t0.json
+
+# ---------------------------------------------------------------- issue 10: the draft head (docs/RESULTS.md §0)
+# 5. the draft head: how it was trained (features ~40 min, training 45 min on 2 cores; resumable work dir)
+if [[ ${HEAD_TRAIN:-0} == 1 ]]; then
+  $PY -m engine distill --kind head --corpus data/teacher_smollm2_135m.jsonl --corpus data/self_smollm2_135m.jsonl \
+      --corpus data/self2_smollm2_135m.jsonl --layers 1 --unroll 3 --epochs 2 --batch-size 8 --lr 5e-4 --threads 2 \
+      --max-minutes 45 --work-dir runs/head/work --out engine/drafts/smollm2-135m-head
+fi
+
+# 6. defaults, chosen on data/tuning_prompts.jsonl (benchmark split, none of the reported prompts)
+for g in 3 4 6; do
+  for s in 0 0.3; do
+    $PY -m engine bench --methods ar,pearl,specbranch --draft embedded-head --dataset data/tuning_prompts.jsonl \
+        --max-new-tokens $TOK --temperature 0 --gamma $g --draft-stop $s --json docs/tune-head-g$g-s$s.json
+  done
+done
+
+# 7. the head's acceptance on 30 benchmark prompts (SD, γ 4), as §1 does for the standalone drafts
+$PY -m engine bench --methods sd --draft embedded-head --dataset all --limit 10 --max-new-tokens $TOK \
+    --temperature 0 --gamma 4 --json docs/draft-embedded-head-t0-n10.json
+
+# 8. every method at T=0 and T=1 with the head; standalone-draft peers in the same run
+$PY -m engine bench --draft embedded-head --methods ar,sd,pearl,specbranch,specbranch-no-branch,pearl@embedded,specbranch@embedded,hf-assisted@embedded \
+    --dataset all --limit $N --max-new-tokens $TOK --temperature 0 --gamma ${G:-4} --draft-stop ${S:-0} \
+    --json docs/bench-cpu-head-t0.json
+$PY -m engine bench --draft embedded-head --methods ar,sd,pearl,specbranch --dataset all --limit $N \
+    --max-new-tokens $TOK --temperature 1 --gamma ${G:-4} --draft-stop ${S:-0} --json docs/bench-cpu-head-t1.json
+$PY -m engine costs --draft embedded-head --bench docs/bench-cpu-head-t0.json --json docs/costs-cpu-head.json

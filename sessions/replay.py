@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 
-from engine.events import Event, RunStarted, StepStarted, TimingSpan, TokensEmitted
+from engine.events import PREFILL, Event, RunStarted, StepStarted, TimingSpan, TokensEmitted
 from engine.metrics import metrics_of
 
 
@@ -35,12 +35,6 @@ def stored_run_label(run: dict) -> str:
     return f"{run['method']} · {run['status']} · {run['id']}"
 
 
-def run_metrics(events: list[Event]) -> dict:
-    """The Finished event's metrics (what live showed), completed with any metric the run predates;
-    recomputed for a partial run."""
-    return metrics_of(events)
-
-
 def tokens_by_step(events: list[Event]) -> dict[int, int]:
     """Tokens committed in each step."""
     out: dict[int, int] = {}
@@ -50,19 +44,35 @@ def tokens_by_step(events: list[Event]) -> dict[int, int]:
     return out
 
 
-def emission_times(events: list[Event]) -> list[tuple[float, int]]:
-    """(t, tokens committed so far) after each emission. An emission carries no clock of its own, so it
-    is placed at the latest measured moment before it (a forward's end or a step's start)."""
-    now, total, out = 0.0, 0, []
+def timed_emissions(events: list[Event]) -> list[tuple[float, TokensEmitted]]:
+    """Each emission with its time. An emission carries no clock of its own, so it is placed at the latest
+    measured moment before it (a forward's end or a step's start)."""
+    now, out = 0.0, []
     for e in events:
         if isinstance(e, TimingSpan):
             now = max(now, e.end)
         elif isinstance(e, StepStarted):
             now = max(now, e.t)
         elif isinstance(e, TokensEmitted) and e.tokens:
-            total += len(e.tokens)
-            out.append((round(now, 6), total))
+            out.append((round(now, 6), e))
     return out
+
+
+def emission_times(events: list[Event]) -> list[tuple[float, int]]:
+    """(t, tokens committed so far) after each emission (timed as in timed_emissions)."""
+    total, out = 0, []
+    for t, e in timed_emissions(events):
+        total += len(e.tokens)
+        out.append((t, total))
+    return out
+
+
+def decode_start(events: list[Event]) -> float:
+    """When decoding began on the run's clock: the end of the prefill (else the first step's start)."""
+    prefill = [e.end for e in events if isinstance(e, TimingSpan) and e.kind == PREFILL]
+    if prefill:
+        return max(prefill)
+    return next((e.t for e in events if isinstance(e, StepStarted)), 0.0)
 
 
 def _is_number(x) -> bool:
@@ -115,7 +125,7 @@ def compare_runs(runs: list[list[Event]]) -> dict:
     """Side-by-side data for runs of one prompt (e.g. ar, sd, pearl, specbranch); the first is the baseline.
     Returns labels, metrics per run, diffs (run - first, numeric metrics), speedup (tokens/s ÷ first's),
     by_step and by_time alignments."""
-    metrics = [run_metrics(events) for events in runs]
+    metrics = [metrics_of(events) for events in runs]
     base = metrics[0] if metrics else {}
     speed = base.get("tokens_per_s")
     base_speed = speed if _is_number(speed) else None  # a run stored before imports were checked may hold anything

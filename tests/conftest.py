@@ -18,6 +18,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def serve_app(engine, store, **launch):
+    """The app on `engine` recording to `store`, launched on a free local port: (demo, url)."""
+    from app.ui import build_app
+
+    demo = build_app(lambda: engine, lambda: (store, ""))
+    port = free_port()
+    demo.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, **launch)
+    return demo, f"http://127.0.0.1:{port}/"
+
+
+@pytest.fixture(scope="module")
+def app_store(tmp_path_factory):
+    """A fresh session store for one test module's app."""
+    from sessions import Store
+
+    with Store(tmp_path_factory.mktemp("db") / "sessions.db") as s:
+        yield s
+
+
 TINY_WORDS = ["<unk>", "<eos>", "a", "b", "c", "d", "e", "f", "g", "h"]
 
 

@@ -4,29 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from app.ui import build_app
 from app.views import token_view
 from engine.events import Rollback, TokensEmitted
 
-from .conftest import free_port
+from .conftest import serve_app
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    from sessions import Store
-
-    with Store(tmp_path_factory.mktemp("db") / "sessions.db") as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(tiny_engine, store):
+def client(tiny_engine, app_store):
     from gradio_client import Client
 
-    demo = build_app(lambda: tiny_engine, lambda: (store, ""))
-    port = free_port()
-    demo.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
-    yield Client(f"http://127.0.0.1:{port}/", verbose=False)
+    demo, url = serve_app(tiny_engine, app_store)
+    yield Client(url, verbose=False)
     demo.close()
 
 
@@ -42,6 +31,11 @@ def call(client, prompt, **overrides):
     return updates, job.outputs()[-1]
 
 
+def value(update):
+    """A component's value from an output that may be a gr.update(...) dict."""
+    return update["value"] if isinstance(update, dict) else update
+
+
 def content(message) -> str:
     c = message["content"]
     return c if isinstance(c, str) else "".join(part.get("text", "") for part in c)
@@ -50,11 +44,14 @@ def content(message) -> str:
 def test_streamed_generation_returns_tokens_and_figures(client, tiny_engine):
     updates, final = call(client, "a b c")
     assert len(updates) >= 2  # streamed: intermediate updates before the final one
-    history, tokens_html, metrics_html, notices, tree, timeline, acceptance, cumulative = final[:8]
+    history, tokens_html, metrics_html, notices, glance, tree, timeline, strip, acceptance, cumulative = final[:10]
     assert history[-1]["role"] == "assistant" and content(history[-1])
     assert 'class="tok tok-' in tokens_html
     assert "tokens per s" in metrics_html and "acceptance rate" in metrics_html
-    for fig in (tree, timeline, acceptance, cumulative):
+    assert "tokens per target forward" in glance and "vs AR" not in glance  # no AR run of this prompt yet
+    assert '<svg class="branch-tree"' in tree and '<g class="node ' in tree  # the last step's tree
+    assert strip.count('class="step-mark') >= 2
+    for fig in (timeline, acceptance, cumulative):
         assert fig and fig.get("plot")  # plotly JSON for each figure
     assert "verify" in timeline["plot"] and "draft" in timeline["plot"]
     # same tokens as the engine gives directly
@@ -98,30 +95,61 @@ def test_token_text_is_escaped():
     hostile = ["<script>alert(1)</script>", '<img src=x onerror="alert(2)">']
     events = [TokensEmitted(1, [5, 6], hostile, ["accepted", "correction"], "".join(hostile)),
               Rollback(1, "draft", [7], ["<b onmouseover=alert(3)>"], "rejected")]
-    out = token_view(events)
-    assert "<script>" not in out and "<img" not in out and "<b " not in out
-    assert "&lt;script&gt;" in out and "&lt;img" in out
+    for out in (token_view(events), token_view(events, show_rollbacks=True)):
+        assert "<script>" not in out and "<img" not in out and "<b " not in out
+        assert "&lt;script&gt;" in out and "&lt;img" in out
 
 
-def test_live_runs_are_recorded_and_replayed_without_a_model(client, store):
+def test_rolled_back_text_sits_behind_a_per_step_marker():
+    events = [Rollback(1, "draft", [7, 8], ["x", "y"], "rejected"), TokensEmitted(1, [5], ["a"], ["correction"], "a"),
+              Rollback(1, "target", [7], ["x"], "unverified positions"),  # the target's copy: not counted again
+              TokensEmitted(2, [6], ["b"], ["bonus"], "b")]
+    closed, opened = token_view(events), token_view(events, show_rollbacks=True)
+    assert closed.count("<details") == 1 and "↶2</summary>" in closed and "<details class=\"rb\">" in closed
+    assert closed.index(">a</span>") < closed.index("<details") < closed.index(">b</span>")  # after its step's tokens
+    assert '<details class="rb" open>' in opened
+
+
+def test_the_glance_gives_a_speedup_only_against_a_stored_ar_run_of_the_same_prompt(client):
+    _, final = call(client, "b c d e f", method="ar")
+    assert "vs AR" not in final[4]  # an AR run is not its own baseline
+    _, final = call(client, "b c d e f")
+    assert "vs AR on this prompt" in final[4] and "×" in final[4]
+    _, final = call(client, "b c d e f g")  # another prompt: no AR run, no speedup claimed
+    assert "vs AR" not in final[4]
+
+
+def test_the_navigator_moves_and_a_step_out_of_range_is_clamped_with_a_notice(client):
+    _, final = call(client, "a b c")
+    last = value(final[10])  # the slider sits on the last step
+    slider, notice, tree, _, strip = client.predict(2, api_name="/step_slide")
+    assert value(slider) == 2 and not notice and 'data-step="2"' in tree and 'selected" data-step="2"' in strip
+    slider, notice, tree, _, _ = client.predict(2, api_name="/step_next")
+    assert value(slider) == 3 and 'data-step="3"' in tree
+    for api, at, clamped in (("/step_next", last, last), ("/step_prev", 1, 1)):  # past either end
+        slider, notice, tree, _, strip = client.predict(at, api_name=api)
+        assert value(slider) == clamped and "there is no step" in notice and f'data-step="{clamped}"' in tree
+
+
+def test_live_runs_are_recorded_and_replayed_without_a_model(client, app_store):
     _, final = call(client, "a b c d e")
     history, tokens_html = final[0], final[1]
-    sessions = store.list_sessions(search="a b c d e")
+    sessions = app_store.list_sessions(search="a b c d e")
     assert sessions and sessions[0]["status"] == "complete"
     # replay through the app: search, open, and the replayed views equal the live ones
     client.predict("a b c d e", "", api_name="/search")
     client.predict(sessions[0]["id"], api_name="/open_session")
-    replayed = client.predict(store.get_session(sessions[0]["id"])["runs"][0]["id"], api_name="/show_run")
-    assert content(replayed[0][-1]) == content(history[-1])
-    assert replayed[1] == tokens_html
+    replayed = client.predict(app_store.get_session(sessions[0]["id"])["runs"][0]["id"], False, api_name="/show_run")
+    assert content(replayed[2][-1]) == content(history[-1])
+    assert replayed[3] == tokens_html
 
 
-def test_other_browser_sessions_do_not_see_private_runs(client, store):
+def test_other_browser_sessions_do_not_see_private_runs(client, app_store):
     """The API client above is one browser session; a run stored by another owner stays invisible."""
-    sid = store.start_session("someone-else", "private prompt zzz", "t", "d", {"method": "ar"})
+    sid = app_store.start_session("someone-else", "private prompt zzz", "t", "d", {"method": "ar"})
     table, _, status = client.predict("private prompt zzz", "", api_name="/search")
     assert "no stored sessions" in status
-    store.mark_shared(sid, "someone-else", True)
+    app_store.mark_shared(sid, "someone-else", True)
     table, _, status = client.predict("private prompt zzz", "", api_name="/search")
     assert "1 session" in status
 
@@ -144,7 +172,7 @@ def test_two_browser_sessions_each_see_their_own_stream(client, tiny_engine):
         assert content(final[0][-1]) == want
 
 
-def test_a_bad_import_is_refused_and_the_app_keeps_serving(client, store, tmp_path):
+def test_a_bad_import_is_refused_and_the_app_keeps_serving(client, app_store, tmp_path):
     import html
     import json
 
@@ -152,7 +180,7 @@ def test_a_bad_import_is_refused_and_the_app_keeps_serving(client, store, tmp_pa
     from sessions.export import export_session
 
     call(client, "c c d")
-    doc = export_session(store, store.list_sessions(search="c c d")[0]["id"])
+    doc = export_session(app_store, app_store.list_sessions(search="c c d")[0]["id"])
     finished = next(e for e in doc["runs"][0]["events"] if e["type"] == "finished")
     finished["metrics"]["tokens_per_s"] = "<img src=x onerror=alert(1)>"
     crafted = tmp_path / "crafted.json"
@@ -164,7 +192,7 @@ def test_a_bad_import_is_refused_and_the_app_keeps_serving(client, store, tmp_pa
     assert content(final[0][-1])
 
 
-def test_a_browser_id_owns_its_runs_across_page_loads(client, store):
+def test_a_browser_id_owns_its_runs_across_page_loads(client, app_store):
     """Two page loads of one browser are two Gradio sessions with the same stored id: both see its runs."""
     from gradio_client import Client
 
@@ -174,7 +202,7 @@ def test_a_browser_id_owns_its_runs_across_page_loads(client, store):
     a = ARGS | {"max_new": 8}
     client.submit("g g h", [], a["method"], a["max_new"], a["temperature"], a["top_p"], a["gamma"], a["branches"],
                   a["epsilon"], a["hrad"], a["seed"], False, mine, api_name="/generate").result()
-    assert [s["prompt"] for s in store.list_sessions(owner=mine, include_shared=False)] == ["g g h"]
+    assert [s["prompt"] for s in app_store.list_sessions(owner=mine, include_shared=False)] == ["g g h"]
     for page in (client, Client(client.src, verbose=False)):
         _, _, status = page.predict("g g h", "", mine, api_name="/search")
         assert "1 session" in status

@@ -1,34 +1,44 @@
-"""End to end in a real browser: headless Chromium (Debian's package) driven by Playwright loads
-the page, sends a prompt, waits for streamed tokens and checks that the branch tree, the timeline
-and the metric panel rendered. Saves a screenshot to artifacts/. Fails (never skips) in CI when
-the browser is missing."""
+"""End to end in a real browser: headless Chromium (Debian's package) driven by Playwright, on tiny models.
+It asserts what a person sees: streamed tokens, the branch tree of a chosen step (its node count and the
+survivor's highlight), the step navigator moving tree and timeline together, the race streaming in both
+columns before the end with the identity check, and Replay re-rendering and racing stored runs.
+Saves screenshots to artifacts/. Fails (never skips) in CI when the browser is missing."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import time
 from pathlib import Path
 
 import pytest
 
-from app.ui import build_app, css_paths
+from app.tree import build_tree, step_events
+from app.ui import css_paths
+from engine.events import BranchResolved, StepStarted
 
-from .conftest import free_port
+from .conftest import serve_app
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+PROMPT = "a b c d"
+# One sample of a race as the page shows it: per column its label, "n/N tokens" and how much text it shows.
+RACE_JS = """(root) => { const w = document.querySelector(root + ' .race-wrap'); if (!w) return null;
+  return {done: w.dataset.done === 'true', cols: [...w.querySelectorAll('.race-col')].map(c => ({
+    label: c.dataset.label, count: c.querySelector('.race-count').innerText,
+    text: c.querySelector('.race-text').innerText.length, speed: c.querySelector('.race-speed').innerText}))}; }"""
 
 
 @pytest.fixture(scope="module")
-def app_url(tiny_engine):
-    demo = build_app(lambda: tiny_engine)
-    port = free_port()
-    demo.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
-                        css_paths=css_paths())
-    yield f"http://127.0.0.1:{port}/"
+def app_url(tiny_engine, app_store):
+    demo, url = serve_app(tiny_engine, app_store, css_paths=css_paths())
+    yield url
     demo.close()
 
 
-def test_live_view_in_chromium(app_url):
+@pytest.fixture(scope="module")
+def page(app_url):
+    """One page for the module: its browser id owns the runs it makes, so Replay finds them."""
     if CHROMIUM is None:
         if os.environ.get("CI"):
             pytest.fail("chromium is not installed: `make test` installs it when run as root (apt-get install chromium)")
@@ -44,17 +54,144 @@ def test_live_view_in_chromium(app_url):
         page.goto(app_url, wait_until="load")
         page.wait_for_selector("#prompt textarea", timeout=60_000)
         page.get_by_label("Chat template (off: raw text, e.g. code completion)").uncheck()  # tiny models: raw text
-        page.locator("#prompt textarea").fill("a b c d")
-        page.locator("#generate").click()
-        page.wait_for_selector("#token-view .tok", timeout=60_000)  # streamed tokens arrived
-        page.wait_for_selector("#metric-panel table.metric-panel", timeout=60_000)
-        page.wait_for_selector("#timeline-plot .js-plotly-plot", timeout=60_000)
-        page.wait_for_selector("#tree-plot .js-plotly-plot", timeout=60_000)
-        page.wait_for_function("document.querySelector('#metric-panel').innerText.includes('tokens per s')")
-        assert page.locator("#token-view .tok").count() > 3
-        assert page.locator("#notices .notice-error").count() == 0, page.locator("#notices").inner_text()
-        assert "acceptance rate" in page.locator("#metric-panel").inner_text()
-        assert page.locator("#timeline-plot .bars .point, #timeline-plot path.bar, #timeline-plot .trace.bars").count() > 0
-        page.screenshot(path=str(ARTIFACTS / "app_live.png"), full_page=True)
+        yield page
         browser.close()
+
+
+def shown_step(page, root: str) -> int | None:
+    step = page.locator(f"{root} .tree-view").get_attribute("data-step")
+    return int(step) if step else None
+
+
+def wait_for_step(page, root: str, step: int) -> None:
+    page.wait_for_function(f"document.querySelector('{root} .tree-view')?.dataset.step === '{step}'",
+                           timeout=30_000)
+
+
+def watch_race(page, root: str) -> list[dict]:
+    """Sample the race columns until the race is over."""
+    samples, deadline = [], time.time() + 120
+    page.wait_for_selector(f"{root} .race-wrap", timeout=120_000)
+    while time.time() < deadline:
+        sample = page.evaluate(RACE_JS, root)
+        if sample:
+            samples.append(sample)
+            if sample["done"]:
+                break
+        time.sleep(0.15)
+    return samples
+
+
+def assert_both_columns_streamed(samples: list[dict], labels: list[str]) -> None:
+    assert samples and samples[-1]["done"], "the race never finished"
+    assert [c["label"] for c in samples[-1]["cols"]] == labels
+    for i, label in enumerate(labels):
+        partial = []
+        for s in samples:
+            shown, total = map(int, re.match(r"(\d+)/(\d+)", s["cols"][i]["count"]).groups())
+            if not s["done"] and 0 < shown < total:
+                partial.append((shown, s["cols"][i]["text"]))
+        # text grew in this column while the race was still on: two partial states, the later one longer
+        assert len(set(partial)) >= 2 and partial[-1][1] > partial[0][1], (label, partial)
+        final = samples[-1]["cols"][i]
+        shown, total = map(int, re.match(r"(\d+)/(\d+)", final["count"]).groups())
+        assert shown == total > 0 and "tokens/s" in final["speed"]
+
+
+def test_live_view_in_chromium(page):
+    page.get_by_role("tab", name="Live").click()
+    page.locator("#prompt textarea").fill(PROMPT)
+    page.locator("#generate").click()
+    page.wait_for_selector("#token-view .tok", timeout=60_000)  # streamed tokens arrived
+    page.wait_for_selector("#metric-panel table.metric-panel", timeout=60_000)
+    page.wait_for_selector("#timeline-plot .js-plotly-plot", timeout=60_000)
+    page.wait_for_selector("#tree-view svg.branch-tree", timeout=60_000)
+    page.wait_for_function("document.querySelector('#metric-panel').innerText.includes('tokens per s')")
+    assert page.locator("#token-view .tok").count() > 3
+    assert page.locator("#notices .notice-error").count() == 0, page.locator("#notices").inner_text()
+    assert "acceptance rate" in page.locator("#metric-panel").inner_text()
+    assert "tokens per target forward" in page.locator("#glance").inner_text()
+    assert page.locator("#timeline-plot .bars .point, #timeline-plot path.bar, #timeline-plot .trace.bars").count() > 0
+    # rolled-back text hides behind per-step markers: closed until clicked or "show all rollbacks"
+    markers = page.locator("#token-view details.rb")
+    assert markers.count() > 0 and page.locator("#token-view details.rb[open]").count() == 0
+    assert not markers.first.locator(".tok-rollback").is_visible()
+    markers.first.locator("summary").click()
+    assert markers.first.locator(".tok-rollback").is_visible()
+    page.get_by_label("Show all rollbacks (else click a ↶ marker)").check()
+    page.wait_for_function("document.querySelectorAll('#token-view details.rb:not([open])').length === 0")
+    page.get_by_label("Show all rollbacks (else click a ↶ marker)").uncheck()
+    page.screenshot(path=str(ARTIFACTS / "app_live.png"), full_page=True)
     assert (ARTIFACTS / "app_live.png").stat().st_size > 10_000
+
+
+def test_tree_and_step_navigator_in_chromium(page, app_store):
+    session = app_store.list_sessions(search=PROMPT)[0]
+    events = app_store.load_run_events(app_store.get_session(session["id"])["runs"][0]["id"])
+    steps = sorted({e.step for e in events if isinstance(e, BranchResolved)}) or [2]
+    step = next((s for s in steps if s > 1), steps[0])  # a step with a fork, where there is one
+    page.wait_for_selector("#step-strip .step-mark", timeout=30_000)
+    page.locator(f'#step-strip .step-mark[data-step="{step}"]').click()  # a marker under the timeline
+    wait_for_step(page, "#tree-view", step)
+    tree = build_tree(step_events(events, step))
+    nodes = list(tree.walk())
+    assert page.locator("#tree-view svg g.node").count() == len(nodes)
+    assert page.locator("#tree-view svg g.node.survivor").count() == sum(n.survivor for n in nodes)
+    assert page.locator("#tree-view svg path.edge.survivor").count() == sum(n.survivor for n in nodes) - 1
+    fork = next((e for e in events if isinstance(e, BranchResolved) and e.step == step), None)
+    if fork is not None and fork.survivor >= 0:  # the winning candidate carries the survivor's highlight
+        winner = page.locator("#tree-view svg g.node.survivor", has_text=fork.pieces[fork.survivor])
+        assert winner.count() >= 1
+    assert page.locator("#step-slider input[type=number]").input_value() == str(step)
+    assert page.locator(f'#step-strip .step-mark.selected[data-step="{step}"]').count() == 1
+    page.wait_for_function(f"[...document.querySelectorAll('#timeline-plot .annotation-text')]"
+                           f".some(a => a.textContent === 'step {step}')", timeout=30_000)  # the timeline follows
+    page.locator("#step-next").click()
+    wait_for_step(page, "#tree-view", step + 1)
+    page.locator("#step-prev").click()
+    wait_for_step(page, "#tree-view", step)
+    last = max(e.step for e in events if isinstance(e, StepStarted))
+    page.locator(f'#step-strip .step-mark[data-step="{last}"]').click()
+    wait_for_step(page, "#tree-view", last)
+    page.locator("#step-next").click()  # past the end: clamped, with a notice
+    page.wait_for_selector("#step-notice .notice", timeout=30_000)
+    assert "there is no step" in page.locator("#step-notice").inner_text() and shown_step(page, "#tree-view") == last
+
+
+def test_race_in_chromium(page):
+    page.get_by_role("tab", name="Compare").click()
+    methods = page.locator("#compare-methods")
+    for name in ("sd", "pearl", "specbranch"):
+        methods.get_by_label(name).uncheck()
+    page.locator("#compare").click()  # one method: no race
+    page.wait_for_function("document.querySelector('#compare-notice').innerText.includes('needs two')",
+                           timeout=30_000)
+    methods.get_by_label("specbranch").check()
+    page.locator("#compare").click()
+    samples = watch_race(page, "#compare-race")
+    assert_both_columns_streamed(samples, ["ar", "specbranch"])
+    page.wait_for_selector("#compare-table .identical", timeout=60_000)
+    assert "identical output at temperature 0" in page.locator("#compare-table .identical-yes").inner_text()
+    assert page.locator("#compare-table table.compare-table tr").count() == 3  # the final speedup table
+    page.wait_for_selector("#compare-timeline .js-plotly-plot", timeout=60_000)
+    page.screenshot(path=str(ARTIFACTS / "app_compare.png"), full_page=True)
+
+
+def test_replay_in_chromium(page):
+    page.get_by_role("tab", name="Replay").click()
+    page.locator("#replay-search textarea, #replay-search input").first.fill("Explain how a hash map")
+    page.locator("#replay-find").click()
+    page.wait_for_function("document.querySelector('#replay-status').innerText.includes('1 session')",
+                           timeout=30_000)
+    page.locator("#replay-open").click()
+    page.wait_for_selector("#replay-tree-view svg.branch-tree", timeout=60_000)
+    page.wait_for_selector("#replay-step-strip .step-mark", timeout=30_000)
+    page.locator('#replay-step-strip .step-mark[data-step="2"]').click()
+    wait_for_step(page, "#replay-tree-view", 2)
+    assert page.locator("#replay-tree-view svg g.node").count() >= 2
+    page.get_by_text("Compare and race stored runs").click()
+    page.locator("#replay-race-btn").click()
+    samples = watch_race(page, "#replay-race")
+    assert_both_columns_streamed(samples, ["ar", "specbranch"])
+    page.wait_for_selector("#replay-compare-table .identical-yes", timeout=60_000)
+    page.screenshot(path=str(ARTIFACTS / "app_replay.png"), full_page=True)

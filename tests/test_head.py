@@ -12,7 +12,7 @@ import torch
 from engine.__main__ import main
 from engine.config import GenerationConfig, SpecBranchError
 from engine.engine import Engine
-from engine.head import FeatureHead, HeadCache, HeadLM, save_head
+from engine.head import FeatureHead, HeadLM, save_head
 from engine.head_distill import losses, unrolled_outputs
 from engine.models import LM, load_model, load_pair
 

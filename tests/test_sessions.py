@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from app.figures import cumulative_figure, timeline_figure, tree_figure
+from app.figures import cumulative_figure, timeline_figure
+from app.tree import tree_html
 from app.views import metric_panel, token_view
 from engine.config import GenerationConfig
 from engine.events import Finished, TokensEmitted
@@ -112,7 +113,7 @@ def test_replay_matches_live(recorded, method):
     assert token_view(events) == token_view(live)
     assert metric_panel(events) == metric_panel(live)
     for step in replay_steps(events):
-        assert tree_figure(events, step).to_json() == tree_figure(live, step).to_json()
+        assert tree_html(events, step) == tree_html(live, step)
 
 
 @pytest.mark.parametrize("method", list(CONFIGS))
@@ -125,7 +126,7 @@ def test_any_step_re_renders_from_its_prefix(recorded, method):
         prefix = events_up_to_step(events, step)
         assert events[:len(prefix)] == prefix and len(prefix) > len(previous)
         assert not any(getattr(e, "step", -1) == step for e in events[len(prefix):])  # the whole step is in
-        assert tree_figure(prefix, step).to_json() == tree_figure(events, step).to_json()
+        assert tree_html(prefix, step) == tree_html(events, step)
         previous = prefix
     assert isinstance(events_up_to_step(events, 0)[-1], TokensEmitted)  # prefill and its first token
     assert events_up_to_step(events, steps[-1]) == events  # the last step runs through Finished

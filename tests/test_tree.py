@@ -1,0 +1,122 @@
+"""The branch tree (app/tree.py) on constructed event lists: verdicts, the survivor, hover numbers, a layout
+whose label boxes never overlap, and escaping. No model is needed."""
+from __future__ import annotations
+
+import itertools
+import re
+
+from app.tree import CELL_PX, PAD_X, boxes_overlap, build_tree, cells, layout, tree_svg, visible
+from engine.events import BranchResolved, DraftProposed, Rollback, StepStarted, TokensEmitted, Verified
+
+START = 10  # committed tokens when the step begins
+
+
+def verdicts(root) -> list[tuple[str, str, bool]]:
+    return [(n.text, n.verdict, n.survivor) for n in root.walk()]
+
+
+def node_count(svg: str) -> int:
+    return len(re.findall(r'<g class="node ', svg))
+
+
+def linear_rejection():
+    return [StepStarted(1, START, 0.0),
+            DraftProposed(1, [1, 2, 3, 4], ["a", "b", "c", "d"], [0.9, 0.8, 0.7, 0.6], parent_position=START),
+            Verified(1, 4, 2, [0.95, 0.5, 0.1], [0.9, 0.8, 0.7], [0.2, 0.4, 0.9], 9, "correction", 0.6,
+                     tokens=[1, 2, 3, 4], pieces=["a", "b", "c", "d"]),
+            Rollback(1, "draft", [3, 4], ["c", "d"], "rejected"),
+            TokensEmitted(1, [1, 2, 9], ["a", "b", "X"], ["accepted", "accepted", "correction"], "abX")]
+
+
+def fork(survivor: int, rescued: bool, tried: int):
+    """A verified path of one token, then a fork of 3 candidates, each with a branch of 2 tokens."""
+    branches = [[20 + b, 30 + b] for b in range(3)]
+    pieces = [[f"x{b}", f"y{b}"] for b in range(3)]
+    token = [11, 12, 13][survivor] if survivor >= 0 else 99
+    losers = [t for b in range(3) if b != survivor for t in [11 + b, *branches[b]]]
+    kinds = ["accepted", ("rescued" if rescued else "accepted") if survivor >= 0 else "correction"]
+    return [StepStarted(2, START, 0.0),
+            DraftProposed(2, [11, 12, 13], ["c1", "c2", "c3"], [0.5, 0.3, 0.1], parent_position=START + 1,
+                          kind="candidates"),
+            *[DraftProposed(2, [branches[b][j]], [pieces[b][j]], [0.7], branch=b + 1,
+                            parent_position=START + 2 + j, kind="branch") for j in range(2) for b in range(3)],
+            Verified(2, 1, 1, [0.9], [0.8], [0.1], -1, "", 0.0, tokens=[5], pieces=["p"]),
+            BranchResolved(2, START + 1, [11, 12, 13], ["c1", "c2", "c3"], [0.5, 0.3, 0.1], [0.2, 0.6, 0.1],
+                           [0.9, 0.3, 0.95][:tried], "without_replacement", branches, pieces, survivor, token, rescued),
+            Rollback(2, "draft", losers, ["?"] * len(losers), "losing branches"),
+            TokensEmitted(2, [5, token], ["p", "Z" if survivor < 0 else f"c{survivor + 1}"], kinds, "")]
+
+
+def test_a_linear_rejection():
+    root = build_tree(linear_rejection(), "the prefix")
+    assert verdicts(root) == [("the prefix", "prefix", True), ("a", "accepted", True), ("b", "accepted", True),
+                              ("c", "rejected", False), ("d", "unverified", False), ("X", "correction", True)]
+    svg = tree_svg(linear_rejection(), "the prefix")
+    assert node_count(svg) == 6
+    assert svg.count('class="node v-accepted survivor"') == 2 and svg.count("v-rejected") == 1
+    # hover numbers where the events carry them: p, q, p/q and u for verified tokens
+    assert "p=0.950 q=0.900 p/q=1.056 u=0.200" in svg and "p=0.100 q=0.700 p/q=0.143 u=0.900" in svg
+    assert "drawn with probability 0.600" in svg
+    assert svg.count('class="edge survivor"') == 3  # prefix → a → b → X, highlighted end to end
+
+
+def test_a_fork_of_three_where_candidate_two_wins():
+    root = build_tree(fork(survivor=1, rescued=True, tried=2))
+    got = verdicts(root)
+    assert got[:2] == [("", "prefix", True), ("p", "accepted", True)]
+    by_text = {text: (verdict, survivor) for text, verdict, survivor in got}
+    assert by_text["c1"] == ("rejected", False)
+    assert by_text["c2"] == ("rescued", True)  # survived, and it was not the draft's first choice
+    assert by_text["c3"] == ("unverified", False)  # never tried: an earlier candidate survived
+    assert by_text["x1"] == by_text["y1"] == ("unverified", True)  # the surviving branch: next step's path
+    assert by_text["x0"] == by_text["y2"] == ("unverified", False)
+    survivors = [text for text, _, survivor in got if survivor]
+    assert survivors == ["", "p", "c2", "x1", "y1"]
+    svg = tree_svg(fork(survivor=1, rescued=True, tried=2))
+    assert node_count(svg) == 2 + 3 * 3
+    assert svg.count('class="edge survivor"') == 4
+    assert "candidate 2 of 3 (without_replacement): survived" in svg and "p=0.600 q=0.300 p/q=2.000 u=0.300" in svg
+    assert "+" not in "".join(text for text, _, _ in got)  # every rolled-back token is placed: no summary node
+
+
+def test_a_fork_where_every_candidate_loses():
+    root = build_tree(fork(survivor=-1, rescued=False, tried=3))
+    path = root.children[0]
+    assert [(c.text, c.verdict, c.survivor) for c in path.children] == [
+        ("c1", "rejected", False), ("c2", "rejected", False), ("c3", "rejected", False), ("Z", "correction", True)]
+    assert all(not n.survivor for c in path.children[:3] for n in c.walk())
+
+
+def test_depth_16_by_k_6_labels_never_overlap_or_clip():
+    words = ["a", " the", "\n\n", "переменная", "東京タワー", "🙂🙂", "x" * 40, "\t", "<img>", "ok"]
+    path = [words[i % len(words)] for i in range(10)]
+    k, depth = 6, 5
+    branches = [[words[(b + j) % len(words)] for j in range(depth)] for b in range(k)]
+    events = [StepStarted(3, START, 0.0),
+              Verified(3, 10, 10, [0.9] * 10, [0.8] * 10, [-1.0] * 10, -1, "", 0.0, tokens=list(range(10)),
+                       pieces=path),
+              BranchResolved(3, START + 10, list(range(k)), [f"cand{'≈' * b}" for b in range(k)], [0.1] * k,
+                             [0.1] * k, [0.5] * k, "topk", [list(range(depth))] * k, branches, 3, 3, True),
+              TokensEmitted(3, list(range(11)), path + ["cand≈≈≈"], ["accepted"] * 10 + ["rescued"], "")]
+    prefix = "a long committed prefix " * 5
+    boxes = layout(build_tree(events, prefix))
+    assert max(b.depth for b in boxes) == 16 and len(boxes) == 1 + 10 + k * (1 + depth)
+    for a, b in itertools.combinations(boxes, 2):
+        assert not boxes_overlap(a, b), (a.label, b.label)
+    for b in boxes:  # the label's text fits its box (the SVG also pins the text to that width)
+        assert cells(b.label) * CELL_PX <= b.w - 2 * PAD_X + 1e-6
+    svg = tree_svg(events, prefix)
+    width, height = map(float, re.search(r'width="([\d.]+)" height="([\d.]+)"', svg).groups())
+    assert all(b.x + b.w <= width and b.y + b.h <= height for b in boxes)  # nothing is clipped by the canvas
+
+
+def test_token_text_is_escaped_and_whitespace_visible():
+    hostile = '<img src=x onerror="alert(1)">'
+    events = linear_rejection()
+    events[1] = DraftProposed(1, [1, 2, 3, 4], [hostile, " b\n", "c", "d"], [0.9] * 4, parent_position=START)
+    events[2] = Verified(1, 4, 2, [0.9, 0.9, 0.1], [0.9] * 3, [-1.0] * 3, 9, "correction", 0.6, tokens=[1, 2, 3, 4],
+                         pieces=[hostile, " b\n", "c", "d"])
+    svg = tree_svg(events, prefix="</svg><script>alert(2)</script>")
+    assert "<img" not in svg and "<script" not in svg and "onerror=\"" not in svg
+    assert "&lt;img␣src=x␣onerror=&quot;alert(1)&quot;&gt;" in svg  # shown as text (spaces made visible)
+    assert "␣b⏎" in svg and visible(" \t\r\x00") == "␣⇥␍\\x00"
