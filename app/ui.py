@@ -57,6 +57,10 @@ Hover a node for p, q, p/q and u. Pick a step with ◀ ▶, the slider, or a mar
 """
 
 
+# The Live and Compare defaults, chosen by the bench on data/tuning_prompts.jsonl (docs/RESULTS.md §0)
+DEFAULTS = {"gamma": 6, "epsilon": 0.5, "draft_stop": 0.0}
+
+
 def examples() -> list[list]:
     from engine.datasets import benchmark_prompts
 
@@ -66,7 +70,8 @@ def examples() -> list[list]:
     return out
 
 
-def make_config(method, max_new, temperature, top_p, gamma, branches, epsilon, hrad, seed) -> GenerationConfig:
+def make_config(method, max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, hrad,
+                seed) -> GenerationConfig:
     """Build and validate settings from the controls; raises SpecBranchError with the reason."""
     def number(value, name, cast):
         try:
@@ -77,7 +82,7 @@ def make_config(method, max_new, temperature, top_p, gamma, branches, epsilon, h
                             temperature=number(temperature, "temperature", float),
                             top_p=number(top_p, "top-p", float), gamma=number(gamma, "γ", int),
                             branches=number(branches, "branches k", int), epsilon=number(epsilon, "ε", float),
-                            hrad=bool(hrad), seed=number(seed, "seed", int)).validate()
+                            draft_stop=number(draft_stop, "draft stop", float), hrad=bool(hrad), seed=number(seed, "seed", int)).validate()
 
 
 def message_text(message: dict) -> str:
@@ -149,12 +154,12 @@ def build_app(get_engine, get_store=None) -> gr.Blocks:
         pair = engine.pair
         return stored_ar_speed(store, owner, prompt, (pair.target.name, pair.draft.name if pair.draft else None))
 
-    def generate(prompt, history, method, max_new, temperature, top_p, gamma, branches, epsilon, hrad, seed, chat,
+    def generate(prompt, history, method, max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, hrad, seed, chat,
                  browser_id=None, show_rollbacks=False, request: gr.Request = None):
         history = list(history or [])
         events: list[Event] = []
         try:
-            cfg = make_config(method, max_new, temperature, top_p, gamma, branches, epsilon, hrad, seed)
+            cfg = make_config(method, max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, hrad, seed)
             if not prompt or not prompt.strip():
                 raise SpecBranchError("the prompt is empty")
             engine = get_engine()
@@ -213,7 +218,7 @@ def build_app(get_engine, get_store=None) -> gr.Blocks:
     def rerender_tokens(show_rollbacks, events):
         return token_view(events or [], bool(show_rollbacks))
 
-    def compare(prompt, methods, max_new, temperature, top_p, gamma, branches, epsilon, hrad, seed, chat,
+    def compare(prompt, methods, max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, hrad, seed, chat,
                 browser_id=None, request: gr.Request = None):
         """Run each chosen method once, one after another (clean timings); the race then replays them."""
         try:
@@ -222,7 +227,7 @@ def build_app(get_engine, get_store=None) -> gr.Blocks:
                 return
             if not prompt or not prompt.strip():
                 raise SpecBranchError("the prompt is empty")
-            cfgs = [make_config(m, max_new, temperature, top_p, gamma, branches, epsilon, hrad, seed) for m in methods]
+            cfgs = [make_config(m, max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, hrad, seed) for m in methods]
             engine = get_engine()
             ids = engine.encode(prompt, bool(chat))
             engine.check_prompt(ids)
@@ -266,9 +271,13 @@ def build_app(get_engine, get_store=None) -> gr.Blocks:
                                         elem_id="max-new")
                     temperature = gr.Slider(0, 2, value=0, step=0.05, label="Temperature (0 = greedy, ≥ 0)")
                     top_p = gr.Slider(0.01, 1, value=1, step=0.01, label="Top-p, in (0, 1]")
-                    gamma = gr.Slider(1, 16, value=6, step=1, label="γ: draft steps per round (1–16)")
+                    gamma = gr.Slider(1, 16, value=DEFAULTS["gamma"], step=1,
+                                      label="γ: SD block length; PEARL/SpecBranch: tokens verified per round (1–16)")
                     branches = gr.Slider(1, 6, value=3, step=1, label="k: most branches at a branch point (1–6)")
-                    epsilon = gr.Slider(0, 1, value=0.5, step=0.05, label="ε: branch below this draft confidence [0, 1]")
+                    epsilon = gr.Slider(0, 1, value=DEFAULTS["epsilon"], step=0.05,
+                                        label="ε: branch below this draft confidence [0, 1]")
+                    draft_stop = gr.Slider(0, 1, value=DEFAULTS["draft_stop"], step=0.05,
+                                           label="Draft stop: end a round's drafting below this confidence (0 = off)")
                     hrad = gr.Checkbox(True, label="H-RAD (classifier places branch points)")
                     seed = gr.Number(0, precision=0, label="Seed (integer)")
                     chat = gr.Checkbox(True, label="Chat template (off: raw text, e.g. code completion)")
@@ -314,7 +323,7 @@ def build_app(get_engine, get_store=None) -> gr.Blocks:
         with gr.Tab("How to read this"):
             gr.Markdown(TEACHING)
 
-        controls = [max_new, temperature, top_p, gamma, branches, epsilon, hrad, seed, chat]
+        controls = [max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, hrad, seed, chat]
         views = [tokens, metrics, notices, glance, tree, timeline, nav.strip, acceptance, cumulative]
         outputs = [chatbot, *views, nav.slider, nav.notice, events_state]
         demo.load(browser_identity, browser, browser, api_visibility="private")

@@ -20,13 +20,18 @@ def client(tiny_engine, app_store):
 
 
 ARGS = dict(history=[], method="specbranch", max_new=24, temperature=0, top_p=1, gamma=3, branches=3, epsilon=1.0,
-            hrad=True, seed=0, chat=False)
+            draft_stop=0.0, hrad=True, seed=0, chat=False)
+CONTROLS = ("max_new", "temperature", "top_p", "gamma", "branches", "epsilon", "draft_stop", "hrad", "seed", "chat")
+
+
+def controls(a: dict) -> list:
+    """The Live tab's controls, in the order /generate takes them."""
+    return [a[k] for k in CONTROLS]
 
 
 def call(client, prompt, **overrides):
     a = {**ARGS, **overrides}
-    job = client.submit(prompt, a["history"], a["method"], a["max_new"], a["temperature"], a["top_p"], a["gamma"],
-                        a["branches"], a["epsilon"], a["hrad"], a["seed"], a["chat"], api_name="/generate")
+    job = client.submit(prompt, a["history"], a["method"], *controls(a), api_name="/generate")
     updates = list(job)
     return updates, job.outputs()[-1]
 
@@ -75,13 +80,14 @@ def test_out_of_range_controls_are_refused_and_the_app_keeps_serving(client, ove
     (dict(max_new="zero"), "max new tokens must be a number"),
     (dict(epsilon="2"), "epsilon must be in [0, 1]"),
     (dict(branches="0"), "branches must be an integer >= 1"),
+    (dict(draft_stop="1.5"), "draft-stop must be in [0, 1]"),
 ])
 def test_settings_validation_messages(args, message):
     from app.ui import make_config
     from engine.config import SpecBranchError
 
-    base = dict(method="specbranch", max_new=8, temperature=0, top_p=1, gamma=3, branches=3, epsilon=0.5, hrad=True,
-                seed=0)
+    base = dict(method="specbranch", max_new=8, temperature=0, top_p=1, gamma=3, branches=3, epsilon=0.5,
+                draft_stop=0.0, hrad=True, seed=0)
     with pytest.raises(SpecBranchError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         make_config(**{**base, **args})
 
@@ -159,8 +165,7 @@ def test_two_browser_sessions_each_see_their_own_stream(client, tiny_engine):
 
     other = Client(client.src, verbose=False)
     a = ARGS | {"max_new": 16}
-    jobs = [c.submit(p, [], a["method"], a["max_new"], a["temperature"], a["top_p"], a["gamma"], a["branches"],
-                     a["epsilon"], a["hrad"], a["seed"], False, api_name="/generate")
+    jobs = [c.submit(p, [], a["method"], *controls(a | {"chat": False}), api_name="/generate")
             for c, p in ((client, "a b a b"), (other, "h g f e"))]
     finals = [job.result() for job in jobs]
     assert [m["role"] for m in finals[0][0]] == ["user", "assistant"]  # only its own turn
@@ -200,8 +205,7 @@ def test_a_browser_id_owns_its_runs_across_page_loads(client, app_store):
 
     mine = browser_identity(None)
     a = ARGS | {"max_new": 8}
-    client.submit("g g h", [], a["method"], a["max_new"], a["temperature"], a["top_p"], a["gamma"], a["branches"],
-                  a["epsilon"], a["hrad"], a["seed"], False, mine, api_name="/generate").result()
+    client.submit("g g h", [], a["method"], *controls(a | {"chat": False}), mine, api_name="/generate").result()
     assert [s["prompt"] for s in app_store.list_sessions(owner=mine, include_shared=False)] == ["g g h"]
     for page in (client, Client(client.src, verbose=False)):
         _, _, status = page.predict("g g h", "", mine, api_name="/search")
