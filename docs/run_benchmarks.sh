@@ -37,7 +37,7 @@ if [[ ${HEAD_TRAIN:-0} == 1 ]]; then
 fi
 
 # 6. defaults, chosen on data/tuning_prompts.jsonl (benchmark split, none of the reported prompts)
-for g in 3 4 6; do
+for g in 2 3 4; do
   for s in 0 0.3; do
     $PY -m engine bench --methods ar,pearl,specbranch --draft embedded-head --dataset data/tuning_prompts.jsonl \
         --max-new-tokens $TOK --temperature 0 --gamma $g --draft-stop $s --json docs/tune-head-g$g-s$s.json
