@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 from transformers import DynamicCache
 
 from .config import SpecBranchError
+from .lm_head import HeadMatmul
 
 HEAD_KEY = "specbranch_head"
 
@@ -179,7 +180,7 @@ class HeadLM:
         self.vocab_size = target_lm.vocab_size
         self.head_ids = head_ids
         weight = target_lm.model.get_output_embeddings().weight
-        self._head = weight[head_ids].to(self.device, self.dtype).contiguous()
+        self._head = HeadMatmul(weight[head_ids].to(self.device, self.dtype))
         self._embed = target_lm.model.get_input_embeddings()
 
     @property
@@ -221,7 +222,7 @@ class HeadLM:
             outs.append(hidden)
             done += n
         hidden = torch.cat(outs, dim=1)
-        sub = (hidden @ self._head.T).float()  # [B, T, |subset|]
+        sub = self._head(hidden).float()  # [B, T, |subset|]
         logits = sub.new_full((b, t, self.vocab_size), float("-inf"))
         logits[..., self.head_ids] = sub
         return logits

@@ -27,6 +27,7 @@ from . import cache as kv
 from .config import SpecBranchError
 from .drafts import draft_from_target, is_specbranch_draft, load_draft_dir, place
 from .head import FeatureHead, HeadLM, is_head_dir, load_head_dir
+from .lm_head import HeadMatmul
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DRAFTS_DIR = Path(__file__).resolve().parent / "drafts"
@@ -137,6 +138,10 @@ def load_model(spec: str, device: torch.device, dtype: torch.dtype, trust_remote
     return model.to(device).eval(), tokenizer
 
 
+# CausalLMs whose logits are exactly lm_head(last hidden state): no softcap, scale or bias after it
+PLAIN_HEAD = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+
+
 @dataclass
 class LM:
     """A causal LM with its tokenizer, used by the decoders through `forward` only."""
@@ -147,8 +152,12 @@ class LM:
     head_ids: torch.Tensor | None = None  # reduced LM head (FR-Spec): logits only for these ids, -inf elsewhere
 
     def __post_init__(self):
+        head = self.model.get_output_embeddings()
+        self._head = None
         if self.head_ids is not None:  # the rows of the (shared, frozen) head that the draft computes
-            self._head = self.model.get_output_embeddings().weight[self.head_ids].contiguous()
+            self._head = HeadMatmul(head.weight[self.head_ids])
+        elif type(self.model).__name__ in PLAIN_HEAD and getattr(head, "bias", None) is None:
+            self._head = HeadMatmul(head.weight)
 
     @property
     def device(self) -> torch.device:
@@ -167,7 +176,7 @@ class LM:
         With hidden_states and/or features: Out(logits, per-layer hidden states, post-norm last hidden state
         [B, T, H]). The features come from the same pass (a draft head reads them; no second forward)."""
         input_ids = input_ids.to(self.device)
-        if self.head_ids is None and not features:
+        if self._head is None:  # a model whose logits are more than a matmul of its last state (or unknown)
             out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True,
                              output_hidden_states=hidden_states)
             logits = out.logits[..., : self.vocab_size].float()
@@ -175,10 +184,10 @@ class LM:
         out = self.model.base_model(input_ids=input_ids, past_key_values=cache, use_cache=True,
                                     output_hidden_states=hidden_states)
         last = out.last_hidden_state
-        if self.head_ids is None:  # what the CausalLM computes after its base model (Llama family)
-            logits = self.model.get_output_embeddings()(last)[..., : self.vocab_size].float()
+        if self.head_ids is None:  # what the CausalLM computes after its base model
+            logits = self._head(last)[..., : self.vocab_size].float()
         else:
-            sub = (last @ self._head.T).float()  # [B, T, |subset|]
+            sub = self._head(last).float()  # [B, T, |subset|]
             logits = sub.new_full((*sub.shape[:2], self.vocab_size), float("-inf"))
             logits[..., self.head_ids] = sub
         if hidden_states or features:
