@@ -58,7 +58,7 @@ Hover a node for p, q, p/q and u. Pick a step with ◀ ▶, the slider, or a mar
 
 
 # The Live and Compare defaults, chosen by the bench on data/tuning_prompts.jsonl (docs/RESULTS.md §0)
-DEFAULTS = {"gamma": 6, "epsilon": 0.5, "draft_stop": 0.0}
+DEFAULTS = {"gamma": 3, "epsilon": 0.5, "draft_stop": 0.3}
 
 
 def examples() -> list[list]:

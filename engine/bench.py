@@ -36,7 +36,10 @@ def aggregate(runs: list[dict]) -> dict:
         "decode_s": round(decode_s, 3),
         "tokens_per_s": round(after_prefill / decode_s, 3) if decode_s else 0.0,
         "acceptance_rate": round(tot["accepted_tokens"] / tot["verified_tokens"], 4) if tot["verified_tokens"] else None,
-        "mean_accepted_length": round(tot["new_tokens"] / tot["target_forwards"], 4) if tot["target_forwards"] else None,
+        # τ needs every run's target forwards; hf-assisted's are invisible to us (its runs report None)
+        "mean_accepted_length": (round(tot["new_tokens"] / tot["target_forwards"], 4)
+                                 if tot["target_forwards"] and all(r.get("mean_accepted_length") is not None
+                                                                   for r in runs) else None),
         # the two rollback figures (engine.metrics.draft_waste) of finished runs, pooled as ratios of sums
         "path_rollback_rate": ratio(tot["path_rolled_back_tokens"], tot["path_drafted_tokens"]),
         "wasted_draft_rate": ratio(tot["wasted_draft_tokens"], tot["drafted_tokens"]),

@@ -281,6 +281,19 @@ def split_by_prompt(rows: list[dict], val_fraction: float, seed: int):
     return train, val
 
 
+def capped_rows(rows: list[dict], max_tokens: int, seed: int) -> list[int]:
+    """Indices of a seeded random subset of rows holding about `max_tokens` response tokens (whole rows)."""
+    order = list(range(len(rows)))
+    random.Random(seed).shuffle(order)
+    kept, n = [], 0
+    for i in order:
+        if n >= max_tokens:
+            break
+        kept.append(i)
+        n += len(rows[i]["response_ids"])
+    return kept
+
+
 def writable_dir(path: Path, what: str) -> Path:
     """Create `path` and prove a file can be written there, before any slow stage runs."""
     try:
@@ -348,14 +361,7 @@ def run_distill(args) -> dict:
                         args.top_k, args.label_batch_size)
     train_labels, val_labels = labels[: len(train_rows)], labels[len(train_rows):]
     if args.max_tokens:  # a data-size curve: fewer training rows, the same held-out rows and labels
-        order = list(range(len(train_rows)))
-        random.Random(args.seed).shuffle(order)
-        kept, n = [], 0
-        for i in order:
-            if n >= args.max_tokens:
-                break
-            kept.append(i)
-            n += len(train_rows[i]["response_ids"])
+        kept = capped_rows(train_rows, args.max_tokens, args.seed)
         train_rows, train_labels = [train_rows[i] for i in kept], [train_labels[i] for i in kept]
     n_tokens = sum(len(r["response_ids"]) for r in train_rows)
     print(f"distill: {len(train_rows)} training rows ({n_tokens} response tokens), {len(val_rows)} held-out rows")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 import time
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from .distill import batches, frequent_vocab, split_by_prompt
+from .distill import batches, capped_rows, frequent_vocab, split_by_prompt
 from .head import FeatureHead, save_head
 
 CHUNK_ROWS = 256
@@ -193,15 +192,8 @@ def run_head_distill(args, target, rows: list[dict], work: Path) -> dict:
     ordered = train_rows + val_rows
     feats = extract_features(target, ordered, work, args.label_batch_size)
     train_feats, val_feats = feats[: len(train_rows)], feats[len(train_rows):]
-    if args.max_tokens:
-        order = list(range(len(train_rows)))
-        random.Random(args.seed).shuffle(order)
-        kept, n = [], 0
-        for i in order:
-            if n >= args.max_tokens:
-                break
-            kept.append(i)
-            n += len(train_rows[i]["response_ids"])
+    if args.max_tokens:  # a data-size curve: fewer training rows, the same held-out rows
+        kept = capped_rows(train_rows, args.max_tokens, args.seed)
         train_rows, train_feats = [train_rows[i] for i in kept], [train_feats[i] for i in kept]
     n_tokens = sum(len(r["response_ids"]) for r in train_rows)
     print(f"distill --kind head: {len(train_rows)} training rows ({n_tokens} response tokens), {len(val_rows)} held out")

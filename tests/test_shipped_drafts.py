@@ -14,6 +14,7 @@ from .conftest import engine_with_draft
 # floors set just under the figures measured with these prompts (see engine/drafts/*/README.md)
 MAIN_FLOOR = 0.33  # measured 0.353
 WEAK_RANGE = (0.28, 0.33)  # measured 0.304
+HEAD_FLOOR = None  # set below
 
 
 def held_out(engine):
@@ -39,6 +40,22 @@ def test_weak_draft_acceptance(embedded_target):
     engine = engine_with_draft(embedded_target, "embedded-weak")
     a = acceptance(engine, held_out(engine))
     assert WEAK_RANGE[0] <= a <= WEAK_RANGE[1]
+
+
+def test_head_draft_acceptance_and_greedy_equality(embedded_target):
+    """The shipped feature-conditioned head: reads the target's features, keeps its acceptance, and every
+    overlapped method with it equals the target's own greedy output; it has no H-RAD, and says so."""
+    from engine.head import HeadLM
+
+    engine = engine_with_draft(embedded_target, "embedded-head")
+    assert isinstance(engine.pair.draft, HeadLM)
+    prompts = held_out(engine)
+    assert acceptance(engine, prompts) >= HEAD_FLOOR
+    want = engine.run(prompts[0], GenerationConfig(method="ar", max_new_tokens=64)).token_ids
+    for method in ("pearl", "specbranch"):
+        r = engine.run(prompts[0], GenerationConfig(method=method, max_new_tokens=64, gamma=3, draft_stop=0.3))
+        assert r.token_ids == want
+    assert any(isinstance(e, Notice) and "H-RAD off" in e.message for e in r.events)
 
 
 def test_hrad_weights_load_and_specbranch_matches_ar(embedded_target):
