@@ -217,6 +217,15 @@ def evaluate(draft, rows, labels, head, remap, batch_size) -> float:
     return agree / max(total, 1)
 
 
+def optimizer_step(loss: torch.Tensor, params, opt, sched) -> None:
+    """Backward, clip the gradient norm at 1, step the optimiser and the learning-rate schedule."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    sched.step()
+
+
 def train_draft(target, rows: list[dict], labels: list[dict], val_rows, val_labels, *, layers: int, vocab: int,
                 epochs: float, lr: float, batch_size: int, seed: int, log_path: Path, max_minutes: float | None):
     torch.manual_seed(seed)
@@ -244,11 +253,7 @@ def train_draft(target, rows: list[dict], labels: list[dict], val_rows, val_labe
         for chunk, ids, mask in batches(rows, batch_size, shuffle=True, seed=seed + epoch):
             loss, agree, total = kl_loss(draft_logits(draft, ids, mask, head), rows, chunk, labels, remap)
             epoch_losses.append(loss.item())
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            sched.step()
+            optimizer_step(loss, params, opt, sched)
             step += 1
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.3f}", agree=f"{agree / max(total, 1):.3f}")

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from .distill import batches, capped_rows, frequent_vocab, split_by_prompt
+from .distill import batches, capped_rows, frequent_vocab, optimizer_step, split_by_prompt
 from .head import FeatureHead, save_head
 
 CHUNK_ROWS = 256
@@ -158,11 +158,7 @@ def train_head(target, rows, feats, val_rows, val_feats, *, layers: int, vocab: 
             with autocast(device):
                 outs = unrolled_outputs(head, embed(ids).float(), f, steps)
                 loss, agree = losses(outs, f, m, sub_head, reg_weight)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            sched.step()
+            optimizer_step(loss, params, opt, sched)
             step += 1
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.3f}", d1=f"{agree[0][0] / max(agree[0][1], 1):.3f}")
