@@ -154,11 +154,12 @@ class HeadCache:
     def input_features(self, start: int, n: int) -> torch.Tensor:
         """f_{r-1} for rows r in [start, start + n): true where known, else predicted; [B, n, H]."""
         b, h = self.pred.shape[0], self.pred.shape[-1]
-        out = self.pred.new_zeros(b, n, h)
-        for i, r in enumerate(range(start, start + n)):
-            if r == 0:
-                continue
-            out[:, i] = self.true_feats[r - 1] if r - 1 < self.n_true else self.pred[:, r - 1]
+        out = self.pred.new_zeros(b, n, h)  # row 0 reads zeros
+        lo, hi = max(start, 1), min(start + n, self.n_true + 1)  # rows whose f_{r-1} the target computed
+        if hi > lo:
+            out[:, lo - start:hi - start] = self.true_feats[lo - 1:hi - 1]
+        for r in range(max(lo, hi), start + n):  # the rest read the head's own prediction
+            out[:, r - start] = self.pred[:, r - 1]
         return out
 
     def known_run(self, start: int, n: int) -> int:
