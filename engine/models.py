@@ -283,6 +283,10 @@ def pair_of(target: LM, draft_name: str, draft_model, draft_tok, head_ids) -> Mo
     """Wrap a loaded draft for the decoders: a head reads the target's features; an LM's logits are sliced
     to the vocabulary both models share."""
     if isinstance(draft_model, FeatureHead):
+        if target._head is None:  # its features would not be what its logits are computed from
+            raise SpecBranchError(f"a draft head needs a target whose logits are its LM head applied to its last "
+                                  f"hidden state ({', '.join(sorted(PLAIN_HEAD))}); {type(target.model).__name__} "
+                                  f"is not one")
         return ModelPair(target, HeadLM(draft_name, draft_model, target, head_ids, target.tokenizer))
     common = min(target.vocab_size, draft_model.get_output_embeddings().weight.shape[0])  # e.g. Qwen2.5 padding rows
     target = LM(target.name, target.model, target.tokenizer, common)
