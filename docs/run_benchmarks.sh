@@ -38,20 +38,20 @@ fi
 
 # 6. defaults, chosen on data/tuning_prompts.jsonl (benchmark split, none of the reported prompts)
 for g in 2 3 4; do
-  for s in 0 0.3; do
-    $PY -m engine bench --methods ar,pearl,specbranch --draft embedded-head --dataset data/tuning_prompts.jsonl \
-        --max-new-tokens $TOK --temperature 0 --gamma $g --draft-stop $s --json docs/tune-head-g$g-s$s.json
-  done
+  $PY -m engine bench --methods ar,pearl,specbranch,specbranch@embedded --draft embedded-head \
+      --dataset data/tuning_prompts.jsonl --max-new-tokens $TOK --temperature 0 --gamma $g --json docs/tune-head-g$g-s0.json
 done
+$PY -m engine bench --methods ar,pearl,specbranch,specbranch@embedded --draft embedded-head \
+    --dataset data/tuning_prompts.jsonl --max-new-tokens $TOK --temperature 0 --gamma 3 --draft-stop 0.3 \
+    --json docs/tune-head-g3-s0.3.json
 
-# 7. the head's acceptance on 30 benchmark prompts (SD, γ 4), as §1 does for the standalone drafts
-$PY -m engine bench --methods sd --draft embedded-head --dataset all --limit 10 --max-new-tokens $TOK \
-    --temperature 0 --gamma 4 --json docs/draft-embedded-head-t0-n10.json
+# 7. the head's acceptance (SD) is the sd row of step 8 (12 prompts, γ 3)
 
-# 8. every method at T=0 and T=1 with the head; standalone-draft peers in the same run
-$PY -m engine bench --draft embedded-head --methods ar,sd,pearl,specbranch,specbranch-no-branch,pearl@embedded,specbranch@embedded,hf-assisted@embedded \
-    --dataset all --limit $N --max-new-tokens $TOK --temperature 0 --gamma ${G:-4} --draft-stop ${S:-0} \
+# 8. every method at T=0 and T=1 with the defaults chosen in step 6 (γ 3, draft stop 0.3); standalone-draft
+#    peers in the same run (METHOD@DRAFT); then the forward costs and the modelled limit of each method
+$PY -m engine bench --draft embedded-head --methods ar,sd,pearl,specbranch,pearl@embedded,specbranch@embedded,hf-assisted@embedded \
+    --dataset all --limit $N --max-new-tokens $TOK --temperature 0 --gamma 3 --draft-stop 0.3 \
     --json docs/bench-cpu-head-t0.json
-$PY -m engine bench --draft embedded-head --methods ar,sd,pearl,specbranch --dataset all --limit $N \
-    --max-new-tokens $TOK --temperature 1 --gamma ${G:-4} --draft-stop ${S:-0} --json docs/bench-cpu-head-t1.json
-$PY -m engine costs --draft embedded-head --bench docs/bench-cpu-head-t0.json --json docs/costs-cpu-head.json
+$PY -m engine bench --draft embedded-head --methods ar,pearl,specbranch,specbranch@embedded --dataset all --limit $N \
+    --max-new-tokens $TOK --temperature 1 --gamma 3 --draft-stop 0.3 --json docs/bench-cpu-head-t1.json
+$PY -m engine costs --draft embedded-head --reps 30 --bench docs/bench-cpu-head-t0.json --json docs/costs-cpu-head.json
