@@ -112,17 +112,14 @@ async def prefill(state: RunState, events: list[Event]) -> None:
     target's first token. A head draft waits for the target's features instead (its first step feeds them)."""
     prompt = state.tokens
     jobs = [forward(state, state.pair.target, state.target_worker, state.target_cache, prompt, PREFILL, events,
-                    features=state.head_draft)]
+                    features=True)]
     if state.pair.draft is not None and not state.head_draft:
         jobs.append(forward(state, state.pair.draft, state.draft_worker, state.draft_cache, prompt, PREFILL, events))
     out = (await asyncio.gather(*jobs))[0]
-    logits = out.logits if state.head_draft else out
-    if state.head_draft:
-        share_features(state, 0, out.features, len(prompt))
+    share_features(state, 0, out.features, len(prompt))
     state.prefill_s = state.now()
     state.decode_start = state.prefill_s
-    p = state.probs(logits[-1])
-    token = sample(p, state.generator)
+    token = sample(state.probs(out.logits[-1]), state.generator)
     events.append(emit(state, [token], [TARGET]))
 
 
@@ -159,9 +156,8 @@ async def verify_and_commit(state: RunState, tokens: list[int], q_rows: torch.Te
     start = kv.cache_length(state.target_cache)
     feed = state.tokens[start:] + tokens
     out = await forward(state, state.pair.target, state.target_worker, state.target_cache, feed, VERIFY, events,
-                        features=state.head_draft)
-    logits = out.logits if state.head_draft else out
-    p_rows = state.probs(logits[-(len(tokens) + 1):])  # p at the positions predicting x_1..x_g and the bonus
+                        features=True)
+    p_rows = state.probs(out.logits[-(len(tokens) + 1):])  # p at the positions predicting x_1..x_g and the bonus
     verdict = verify_block(tokens, q_rows, p_rows, state.generator, state.cfg.greedy)
     n = verdict.accepted
     events.append(Verified(state.step, len(tokens), n, verdict.p, verdict.q, verdict.u, verdict.next_token,
@@ -169,7 +165,7 @@ async def verify_and_commit(state: RunState, tokens: list[int], q_rows: torch.Te
                            pieces=state.pieces(tokens)))
     keep = len(state.tokens) + n
     kv.rollback(state.target_cache, keep)
-    share_features(state, start, out.features if state.head_draft else None, keep)
+    share_features(state, start, out.features, keep)
     crop_draft(state, keep)
     if n < len(tokens):
         rejected = tokens[n:]

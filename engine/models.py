@@ -180,7 +180,7 @@ class LM:
             out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True,
                              output_hidden_states=hidden_states)
             logits = out.logits[..., : self.vocab_size].float()
-            return Out(logits, out.hidden_states) if hidden_states else logits
+            return Out(logits, out.hidden_states if hidden_states else None) if hidden_states or features else logits
         out = self.model.base_model(input_ids=input_ids, past_key_values=cache, use_cache=True,
                                     output_hidden_states=hidden_states)
         last = out.last_hidden_state

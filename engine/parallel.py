@@ -278,8 +278,7 @@ def parallel_decode(state: RunState, policy: Policy):
         feed = state.tokens[len(state.target_seq):] + spec.path[:n_path]
         need_hidden = policy.hrad is not None or state.hrad_samples is not None
         target_job = asyncio.ensure_future(forward(state, state.pair.target, state.target_worker, state.target_cache,
-                                                   feed, VERIFY, events, hidden_states=need_hidden,
-                                                   features=state.head_draft))
+                                                   feed, VERIFY, events, hidden_states=need_hidden, features=True))
         state.target_seq = state.target_seq + feed
         try:  # the draft drafts ahead while the target verifies
             await draft_until_verdict(state, spec, ds, policy, target_job, events)
@@ -287,8 +286,6 @@ def parallel_decode(state: RunState, policy: Policy):
         except BaseException:
             target_job.cancel()
             raise
-        logits, hidden, feats = (out.logits, out.hidden_states, out.features) if (need_hidden or state.head_draft) \
-            else (out, None, None)
-        spec = await verify_round(state, spec, n_path, logits, hidden, feats, ds, policy, events)
+        spec = await verify_round(state, spec, n_path, out.logits, out.hidden_states, out.features, ds, policy, events)
 
     return step_loop(state, step)
