@@ -41,7 +41,7 @@ class RunState:
     target_cache: object = None
     draft_cache: object = None
     budget: int = 0  # max new tokens, capped by the context length
-    hrad_samples: list | None = None  # when set: (emitted index, H-RAD features) pairs are collected here
+    hrad_samples: list | None = None  # when set: (emitted index, H-RAD features, draft confidence) are collected here
 
     def __post_init__(self):
         self.generator.manual_seed(self.cfg.seed)
