@@ -164,6 +164,7 @@ class StepFacts:
     emitted_pieces: list[str]
     emitted_kinds: list[str]
     dropped: int  # draft tokens rolled back in this step
+    branch_verdict: Verified | None = None  # the target's verdict on the first branch, when it was fed through
 
     @classmethod
     def of(cls, step_events: list[Event]) -> "StepFacts":
@@ -174,7 +175,8 @@ class StepFacts:
                    first(step_events, BranchResolved),
                    [e for e in step_events if isinstance(e, DraftProposed)],
                    [p for e in emitted for p in e.pieces], [k for e in emitted for k in e.kinds],
-                   sum(len(e.tokens) for e in step_events if isinstance(e, Rollback) and e.model == "draft"))
+                   sum(len(e.tokens) for e in step_events if isinstance(e, Rollback) and e.model == "draft"),
+                   next((e for e in step_events if isinstance(e, Verified) and e.branch == 1), None))
 
     def index(self, parent_position: int) -> int | None:
         """A drafted token's place after the committed prefix (0: the first speculative position)."""
@@ -231,7 +233,10 @@ def add_target_token(parent: Node, facts: StepFacts) -> None:
     v = facts.verdict
     if v is None or v.next_token < 0 or len(facts.emitted_pieces) <= v.accepted:
         return
-    piece = facts.emitted_pieces[v.accepted]
+    add_target_node(parent, facts.emitted_pieces[v.accepted], v)
+
+
+def add_target_node(parent: Node, piece: str, v: Verified) -> None:
     kind = v.next_kind if v.next_kind in ("correction", "bonus") else "correction"
     what = ("correction: drawn from the residual max(0, p - q)" if kind == "correction"
             else "bonus: every draft token was accepted")
@@ -248,6 +253,12 @@ def branch_q(facts: StepFacts, branch: int, fork_at: int | None) -> dict[int, fl
             if at is not None and d.q:
                 out[at - fork_at - 1] = d.q[0]
     return out
+
+
+def add_branch_target_token(parent: Node, facts: StepFacts, v: Verified) -> None:
+    """The target's own token after the accepted part of the first branch (the step's last committed token)."""
+    if v.next_token >= 0 and facts.emitted_pieces:
+        add_target_node(parent, facts.emitted_pieces[-1], v)
 
 
 def add_resolved_fork(parent: Node, facts: StepFacts) -> None:
@@ -268,11 +279,24 @@ def add_resolved_fork(parent: Node, facts: StepFacts) -> None:
             verdict, what = "unverified", f"{name}: not tried, an earlier candidate survived"
         node = parent.add(Node(piece, verdict, hover(piece, what, pqu(p, q, u)), survivor=b == f.survivor))
         qs = branch_q(facts, b + 1, at)
+        judged = facts.branch_verdict if b == f.survivor == 0 else None  # the first branch, fed to the target
+        candidate = node
         for j, token_piece in enumerate(f.branch_pieces[b] if b < len(f.branch_pieces) else []):
-            what = ("its branch: the next path, verified in a later step" if b == f.survivor
-                    else "on a losing branch: rolled back, never verified")
-            node = node.add(Node(token_piece, "unverified", hover(token_piece, what, pqu(None, qs.get(j))),
-                                 survivor=b == f.survivor))
+            verdict, what, numbers = "unverified", ("its branch: the next path, verified in a later step"
+                                                    if b == f.survivor else
+                                                    "on a losing branch: rolled back, never verified"), pqu(None, qs.get(j))
+            if judged is not None and j < judged.drafted:
+                numbers = pqu(judged.p[j], judged.q[j], judged.u[j])
+                verdict, what = (("accepted", "its branch, verified in this step along with the path")
+                                 if j < judged.accepted else ("rejected", "its branch: rejected in this step"))
+            elif judged is not None and judged.accepted < judged.drafted:
+                what = "its branch, drafted after a rejection: rolled back, never verified"
+            survives = b == f.survivor and (judged is None or j < judged.accepted or judged.accepted == judged.drafted)
+            node = node.add(Node(token_piece, verdict, hover(token_piece, what, numbers), survivor=survives))
+            if judged is not None and j + 1 == judged.accepted:
+                add_branch_target_token(node, facts, judged)
+        if judged is not None and judged.accepted == 0:
+            add_branch_target_token(candidate, facts, judged)
     if f.survivor < 0 and facts.emitted_pieces:
         piece = facts.emitted_pieces[-1]
         what = "no candidate survived: the target's token from the residual"

@@ -44,8 +44,9 @@ bubbles shrink. But a rejection throws away everything drafted after it (the ↶
 
 **SpecBranch.** Where a rejection is likely (the draft is unsure, or the H-RAD classifier reading the
 target's hidden state says so), the draft forks *k branches* from its top candidates and drafts them
-all at once. If the target's token matches any branch, that branch's tokens are already drafted and
-survive (purple *rescued* tokens); only the other branches are rolled back.
+all at once. The target verifies along the draft's first choice, through the branch point, so a fork
+never shortens a round; if the target's token is another candidate instead, that branch's tokens are
+already drafted and survive (purple *rescued* tokens); only the other branches are rolled back.
 
 **The charts.** *Branch tree*: one step, left to right: the committed prefix, the drafted path, the fork
 with its k candidates and each branch. Green accepted, purple rescued, red rejected, orange the target's

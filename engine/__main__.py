@@ -33,6 +33,9 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--branches", type=int, default=3, help="specbranch: most candidates at a branch point")
     p.add_argument("--epsilon", type=float, default=0.5, help="specbranch: confidence threshold for branching, [0, 1]")
     p.add_argument("--no-hrad", dest="hrad", action="store_false", help="specbranch: confidence only, no H-RAD")
+    p.add_argument("--branch-costs", action="store_true",
+                   help="specbranch: fork only where the measured forward costs say a fork pays (measured once "
+                        "per engine: a draft step on 1..k rows against a target step)")
 
 
 def add_record_arguments(p: argparse.ArgumentParser) -> None:
@@ -79,7 +82,8 @@ class SessionLog:
 def config_from(args, method: str) -> GenerationConfig:
     return GenerationConfig(method=method, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed, gamma=args.gamma, draft_stop=args.draft_stop,
-                            branches=args.branches, epsilon=args.epsilon, hrad=args.hrad).validate()
+                            branches=args.branches, epsilon=args.epsilon, hrad=args.hrad,
+                            branch_costs=args.branch_costs).validate()
 
 
 def build_engine(args, need_draft: bool):
@@ -165,6 +169,12 @@ def cmd_bench(args) -> None:
     run_bench([(label, engines[d], m) for label, m, d in entries], args, SessionLog(args, engine))
 
 
+def cmd_summarize(args) -> None:
+    from .bench import run_summary
+
+    run_summary(args)
+
+
 def cmd_train_hrad(args) -> None:
     from .hrad import run_train_hrad
 
@@ -213,6 +223,12 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--warmup", type=int, default=1, help="untimed warm-up generations per method")
     add_record_arguments(b)
     b.set_defaults(func=cmd_bench)
+
+    s = sub.add_parser("summarize", help="mean ± sd of several bench reports (one per seed) per method")
+    s.add_argument("reports", nargs="+", help="bench JSON files (python -m engine bench --json)")
+    s.add_argument("--dataset", default="all", help="which dataset's figures (default: all pooled)")
+    s.add_argument("--json", dest="json_out", help="write the summary to this JSON file")
+    s.set_defaults(func=cmd_summarize)
 
     d = sub.add_parser("distill", help="train a draft for a target by self-distillation")
     from .distill import add_arguments

@@ -26,6 +26,7 @@ class GenerationConfig:
     branches: int = 3  # specbranch: most candidates at a branch point (k_max)
     epsilon: float = 0.5  # specbranch: branch at the first draft token with confidence below this
     hrad: bool = True  # specbranch: let the H-RAD classifier place branch points (when weights exist)
+    branch_costs: bool = False  # specbranch: fork only where the measured costs say it pays (else the paper's k rule)
 
     @property
     def greedy(self) -> bool:

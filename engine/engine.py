@@ -14,13 +14,14 @@ from typing import AsyncIterator
 from .ar import autoregressive_decode
 from .assisted import assisted_decode
 from .config import GenerationConfig, SpecBranchError
+from .costs import measure
 from .decoding import RunState
 from .events import Event, Finished, Notice, RunStarted, TimingSpan, TokensEmitted
 from .hrad import find_hrad
 from .metrics import compute_metrics
 from .models import ModelPair
 from .runtime import Worker, new_event_loop
-from .parallel import Policy, parallel_decode
+from .parallel import BranchCosts, Policy, parallel_decode
 from .sd import speculative_decode
 
 NEEDS_DRAFT = {"sd", "pearl", "specbranch", "specbranch-no-branch", "specbranch-no-hrad", "specbranch-fixed",
@@ -46,6 +47,7 @@ class Engine:
         # waits for _busy happen here, one at a time (so in order), never on a loop's own executor: see _take_busy
         self._busy_waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-lock")
         self.hrad, self.hrad_notice = find_hrad(pair)  # H-RAD classifier, when trained weights fit this pair
+        self._branch_costs: BranchCosts | None = None
 
     def encode(self, prompt: str, chat: bool, history: list[dict] | None = None) -> list[int]:
         """Token ids of a prompt: raw text, or one user turn (after `history`) in the chat template."""
@@ -146,7 +148,17 @@ class Engine:
         if cfg.method == "specbranch-fixed":
             return Policy(max_branches=cfg.branches, fixed_at=max(0, cfg.gamma // 2 - 1))
         use_hrad = cfg.hrad and cfg.method == "specbranch"
-        return Policy(max_branches=cfg.branches, epsilon=cfg.epsilon, hrad=self.hrad if use_hrad else None)
+        return Policy(max_branches=cfg.branches, epsilon=cfg.epsilon, hrad=self.hrad if use_hrad else None,
+                      costs=self.branch_costs(cfg.branches) if cfg.branch_costs and cfg.branches > 1 else None)
+
+    def branch_costs(self, max_rows: int) -> BranchCosts:
+        """What a fork costs on this machine, measured once per engine on the draft worker's thread (so with
+        the workers' thread count): a draft step on 1..max_rows rows and a target step, 128 tokens in."""
+        if self._branch_costs is None or max(self._branch_costs.draft_ms) < max_rows:
+            context = min(128, self.pair.target.context_length // 2)
+            costs = self.draft_worker.executor.submit(measure, self.pair, context, 1, max_rows, 5).result()
+            self._branch_costs = BranchCosts(costs["draft_ms_by_rows"], costs["target_ms_by_tokens"][1])
+        return self._branch_costs
 
     def decoder(self, state: RunState):
         method = state.cfg.method

@@ -94,6 +94,7 @@ class BranchResolved(Event):
     survivor: int  # index of the surviving candidate, -1 if none
     token: int  # the committed token (survivor, or a sample from the final residual)
     rescued: bool  # a candidate other than the draft's first choice survived
+    depth: int = -1  # draft tokens on the path before the branch point when it was forked (-1: not recorded)
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ class Fork:
     q: torch.Tensor  # the draft row [V] the candidates were drawn from
     candidates: list[int]
     scheme: str
+    depth: int = 0  # path tokens before the branch point when it was forked
     branches: list[list[int]] = field(default_factory=list)
     branch_q: list[list[torch.Tensor]] = field(default_factory=list)
 
@@ -55,6 +56,23 @@ class Speculation:
         return self.path + extra
 
 
+@dataclass(frozen=True)
+class BranchCosts:
+    """Measured forward costs that decide whether a fork pays (Engine.branch_costs): draft_ms[k] is one draft
+    step on k cache rows, target_ms one target step."""
+    draft_ms: dict[int, float]
+    target_ms: float
+
+    def net_gain_ms(self, k: int, alternatives: float, steps: int) -> float:
+        """Expected ms a fork of k candidates saves: a rescue saves the target round that would otherwise
+        restart from the correction, and the draft's own mass on candidates 2..k (`alternatives`) is its
+        estimate that one of them is the target's token. It costs the draft time that no longer hides behind
+        the target: `steps` branch steps on k rows instead of 1, beyond one target step."""
+        def overrun(rows):
+            return max(0.0, steps * self.draft_ms[rows] - self.target_ms)
+        return alternatives * self.target_ms - (overrun(k) - overrun(1))
+
+
 @dataclass
 class Policy:
     """Where to branch and how wide. max_branches = 1 gives PEARL."""
@@ -62,22 +80,31 @@ class Policy:
     epsilon: float = 0.5  # branch at the first token whose draft confidence is below this
     hrad: object | None = None  # engine.hrad.HRAD, or None for confidence only
     fixed_at: int | None = None  # ablation: always branch after this many linear draft steps of a round
+    costs: BranchCosts | None = None  # measured costs: fork only where it pays (None: the paper's k rule alone)
 
-    def branch_width(self, confidence: float, fresh: bool, hrad_class: int | None, linear_steps: int = 0) -> int:
-        """How many candidates to fork at this draft position (1 = no fork).
-        `fresh`: the first draft step after a verdict, where H-RAD's prediction applies."""
+    def branch_width(self, top: list[float], fresh: bool, hrad_class: int | None, linear_steps: int = 0,
+                     steps_left: int = 1) -> int:
+        """How many candidates to fork at this draft position (1 = no fork). `top`: the draft's largest
+        (untempered) probabilities here, best first; `fresh`: the first draft step after a verdict, where
+        H-RAD's prediction applies; `steps_left`: branch steps the depth cap leaves after this one."""
         if self.max_branches <= 1:
             return 1
         if self.fixed_at is not None:
             return self.max_branches if linear_steps == self.fixed_at else 1
+        confidence = top[0]
         if hrad_class == ALL_ACCEPTED:
             return 1
         if hrad_class == REJECT_AT_ONCE and fresh:
-            return self.max_branches
-        if confidence >= self.epsilon:
+            k = self.max_branches
+        elif confidence >= self.epsilon:
             return 1
-        # the paper's k = k_max (1 - q(x_b)), at least 2 where we do branch
-        return min(self.max_branches, max(2, math.ceil(self.max_branches * (1 - confidence))))
+        else:  # the paper's k = k_max (1 - q(x_b)), at least 2 where we do branch
+            k = min(self.max_branches, max(2, math.ceil(self.max_branches * (1 - confidence))))
+        if self.costs is None:
+            return k
+        gains = {w: self.costs.net_gain_ms(w, sum(top[1:w]), steps_left) for w in range(2, k + 1)}
+        best = max(gains, key=gains.get)
+        return best if gains[best] > 0 else 1
 
 
 @dataclass
@@ -85,6 +112,7 @@ class DraftState:
     rows: list[list[int]]  # the tokens each row of the draft cache holds (k rows while forked)
     fresh: bool = True  # no draft step yet since the last verdict
     hrad_class: int | None = None
+    hrad_features: torch.Tensor | None = None  # the target's state at the last verdict, read at the next draft step
     linear_steps: int = 0  # linear draft steps since the last verdict
     confidence: float = 1.0  # the draft's (untempered) confidence in the token it drafted last
 
@@ -99,7 +127,11 @@ async def draft_step(state: RunState, spec: Speculation, ds: DraftState, policy:
         ds.rows[0] = seq
         raw = logits[-1].float().softmax(-1)  # confidence is read from the untempered distribution
         q = state.probs(logits[-1])
-        k = policy.branch_width(float(raw.max()), ds.fresh, ds.hrad_class, ds.linear_steps)
+        if ds.hrad_features is not None:
+            hrad_predict(state, ds, policy, float(raw.max()))
+        top = raw.topk(min(policy.max_branches, raw.shape[-1])).values.tolist()
+        k = policy.branch_width(top, ds.fresh, ds.hrad_class, ds.linear_steps,
+                                steps_left=2 * state.cfg.gamma - len(spec.path) - 1)
         ds.fresh = False
         ds.linear_steps += 1
         if k > 1:
@@ -108,7 +140,7 @@ async def draft_step(state: RunState, spec: Speculation, ds: DraftState, policy:
             scheme, row = (TOPK, raw) if state.cfg.greedy else (NO_REPLACEMENT, q)
             cands = draw_candidates(row, k, scheme, state.draft_generator)
             if len(cands) > 1:
-                spec.fork = Fork(row, cands, scheme, [[] for _ in cands], [[] for _ in cands])
+                spec.fork = Fork(row, cands, scheme, len(spec.path), [[] for _ in cands], [[] for _ in cands])
                 events.append(DraftProposed(state.step, cands, state.pieces(cands), [float(q[c]) for c in cands],
                                             parent_position=len(seq), top=[top_alternatives(q)], kind="candidates"))
                 return
@@ -166,61 +198,96 @@ def sync_draft(state: RunState, ds: DraftState, spec: Speculation) -> None:
     ds.rows = [row[:keep] for row in ds.rows]
 
 
-async def verify_round(state: RunState, spec: Speculation, n_path: int, logits: torch.Tensor, hidden, feats,
-                       ds: DraftState, policy: Policy, events: list[Event]) -> Speculation:
-    """Apply the target's verdict on path[:n_path] and the node right after it; returns what stays speculative."""
-    p_rows = state.probs(logits[-(n_path + 1):])  # rows for path[0..n_path) and the position after
-    linear_next = len(spec.path) > n_path
-    checked = spec.path[: n_path + 1] if linear_next else spec.path[:n_path]
-    q_rows = torch.stack(spec.path_q[: len(checked)]) if checked else p_rows[:0]
-    verdict = verify_block(checked, q_rows, p_rows[: len(checked)] if (linear_next or spec.fork) else p_rows,
+def line_of(spec: Speculation) -> list[int]:
+    """The speculation read along its first branch: what the target is fed to verify. The first candidate
+    is the draft's own choice at the branch point, so when it is right the round goes on past the fork
+    as PEARL would, and when it is wrong another candidate may still be rescued from the same row."""
+    if spec.fork is None:
+        return spec.path
+    return spec.path + [spec.fork.candidates[0]] + spec.fork.branches[0]
+
+
+def check_line(state: RunState, tokens: list[int], qs: list[torch.Tensor], rows: torch.Tensor, ends: bool,
+               branch: int, events: list[Event]):
+    """Verify a linear run of draft tokens against the target rows that reach it (row i judges tokens[i]).
+    `ends`: nothing is drafted after the run, so one spare row draws the bonus token."""
+    checked = tokens[: len(rows)]
+    use = rows if ends and len(rows) > len(checked) else rows[: len(checked)]
+    verdict = verify_block(checked, torch.stack(qs[: len(checked)]) if checked else rows[:0], use,
                            state.generator, state.cfg.greedy)
-    n = verdict.accepted
-    events.append(Verified(state.step, len(checked), n, verdict.p, verdict.q, verdict.u,
+    events.append(Verified(state.step, len(checked), verdict.accepted, verdict.p, verdict.q, verdict.u,
                            -1 if verdict.next_token is None else verdict.next_token,
                            "" if verdict.next_token is None else (BONUS if verdict.bonus else CORRECTION),
-                           verdict.next_p, tokens=list(checked), pieces=state.pieces(checked)))
-    kinds = [ACCEPTED] * n
-    if verdict.next_token is not None:  # a rejection, or a bonus with nothing drafted beyond the path
-        dropped = spec.tokens()[n:]
-        if dropped:
-            events.append(Rollback(state.step, "draft", dropped, state.pieces(dropped),
-                                   "rejected" if not verdict.bonus else "superseded"))
-        events.append(emit(state, checked[:n] + [verdict.next_token],
-                           kinds + [BONUS if verdict.bonus else CORRECTION]))
-        collapse_draft(state, ds, 0)
-        new = Speculation()
-    elif linear_next:  # the whole path and the next drafted token were accepted: the rest stays pending
-        events.append(emit(state, checked, kinds))
-        new = Speculation(spec.path[n:], spec.path_q[n:], spec.fork)
-    else:  # path accepted and a branch point follows: pick a branch with the multi-candidate rule
-        fork = spec.fork
-        cv = verify_candidates(p_rows[-1], fork.q, fork.candidates, fork.scheme, state.generator, state.cfg.greedy)
-        position = len(state.tokens) + n
-        rescued = cv.index is not None and cv.index > 0
-        events.append(BranchResolved(
-            state.step, position, fork.candidates, state.pieces(fork.candidates),
-            [float(fork.q[c]) for c in fork.candidates], cv.p, cv.u, fork.scheme, [list(b) for b in fork.branches],
-            [state.pieces(b) for b in fork.branches], -1 if cv.index is None else cv.index, cv.token, rescued))
-        losers = [i for i in range(len(fork.candidates)) if i != cv.index]
-        dropped = [t for i in losers for t in [fork.candidates[i], *fork.branches[i]]]
-        if dropped:
-            events.append(Rollback(state.step, "draft", dropped, state.pieces(dropped),
-                                   "losing branches" if cv.index is not None else "all branches rejected"))
-        kind = (RESCUED if rescued else ACCEPTED) if cv.index is not None else CORRECTION
-        events.append(emit(state, checked + [cv.token], kinds + [kind]))
-        if cv.index is None:
-            collapse_draft(state, ds, 0)
-            new = Speculation()
-        else:
-            collapse_draft(state, ds, cv.index)
-            new = Speculation(fork.branches[cv.index], fork.branch_q[cv.index])
+                           verdict.next_p, branch=branch, tokens=list(checked), pieces=state.pieces(checked)))
+    return verdict
+
+
+@dataclass
+class Outcome:
+    """What a verdict commits, what stays speculative, and what the draft loses."""
+    tokens: list[int]
+    kinds: list[str]
+    pending: Speculation
+    dropped: list[int] = field(default_factory=list)
+    why: str = ""
+    row: int = 0  # the draft cache row to keep: the surviving branch's, when a fork was resolved
+
+
+def resolve(state: RunState, spec: Speculation, rows: torch.Tensor, events: list[Event]) -> Outcome:
+    """The verdict on the speculation. rows [n_fed + 1, V]: the target's rows for line_of(spec)[0..n_fed]."""
+    verdict = check_line(state, spec.path, spec.path_q, rows, spec.fork is None, 0, events)
+    n, path = verdict.accepted, spec.path
+    if verdict.next_token is not None:  # a rejection on the path, or a bonus after it
+        kind = BONUS if verdict.bonus else CORRECTION
+        return Outcome(path[:n] + [verdict.next_token], [ACCEPTED] * n + [kind], Speculation(), spec.tokens()[n:],
+                       "superseded" if verdict.bonus else "rejected")
+    if spec.fork is None or len(rows) <= len(path):  # the path holds up; the rest waits for the next round
+        return Outcome(path[:n], [ACCEPTED] * n, Speculation(path[n:], spec.path_q[n:], spec.fork))
+    fork = spec.fork  # the path was accepted and a target row reaches the branch point
+    cv = verify_candidates(rows[len(path)], fork.q, fork.candidates, fork.scheme, state.generator, state.cfg.greedy)
+    rescued = cv.index is not None and cv.index > 0
+    events.append(BranchResolved(
+        state.step, len(state.tokens) + n, fork.candidates, state.pieces(fork.candidates),
+        [float(fork.q[c]) for c in fork.candidates], cv.p, cv.u, fork.scheme, [list(b) for b in fork.branches],
+        [state.pieces(b) for b in fork.branches], -1 if cv.index is None else cv.index, cv.token, rescued, fork.depth))
+    losers = [t for i, (c, b) in enumerate(zip(fork.candidates, fork.branches)) if i != cv.index for t in [c, *b]]
+    tokens, kinds = path + [cv.token], [ACCEPTED] * n + [(RESCUED if rescued else ACCEPTED) if cv.index is not None
+                                                          else CORRECTION]
+    if cv.index is None:
+        return Outcome(tokens, kinds, Speculation(), losers, "all branches rejected")
+    branch, branch_q = fork.branches[cv.index], fork.branch_q[cv.index]
+    why = "losing branches"
+    if cv.index == 0 and len(rows) > len(path) + 1:  # the target was fed the first branch: judge it now
+        verdict = check_line(state, branch, branch_q, rows[len(path) + 1:], True, 1, events)
+        m = verdict.accepted
+        tokens, kinds = tokens + branch[:m], kinds + [ACCEPTED] * m
+        if verdict.next_token is not None:
+            losers += branch[m:]
+            why = "rejected on the first branch, and the losing branches"
+            return Outcome(tokens + [verdict.next_token], kinds + [BONUS if verdict.bonus else CORRECTION],
+                           Speculation(), losers, why)
+        branch, branch_q = branch[m:], branch_q[m:]
+    return Outcome(tokens, kinds, Speculation(branch, branch_q), losers, why, cv.index)
+
+
+async def verify_round(state: RunState, spec: Speculation, n_fed: int, logits: torch.Tensor, hidden, feats,
+                       ds: DraftState, policy: Policy, events: list[Event]) -> Speculation:
+    """Apply the target's verdict on line_of(spec)[:n_fed] and the node right after it; returns what stays
+    speculative. Both caches are rolled back to what still hangs off the committed tokens."""
+    out = resolve(state, spec, state.probs(logits[-(n_fed + 1):]), events)
+    if out.dropped:
+        events.append(Rollback(state.step, "draft", out.dropped, state.pieces(out.dropped), out.why))
+    if out.tokens:
+        events.append(emit(state, out.tokens, out.kinds))
+    new = out.pending
+    if new.fork is None:
+        collapse_draft(state, ds, out.row)
     # target: keep only the committed part of what it was fed; a head draft gets its features
     kept = common_prefix(state.target_seq, state.tokens)
     share_features(state, len(state.target_seq) - logits.shape[0], feats, kept)
-    ds.hrad_class = None
+    ds.hrad_class, ds.hrad_features = None, None
     if hidden is not None and not new.path and new.fork is None and not state.finish_reason:
-        hrad_features(state, hidden, kept - (len(state.target_seq) - logits.shape[0]) - 1, ds, policy)
+        ds.hrad_features = hrad_features(state, hidden, kept - (len(state.target_seq) - logits.shape[0]) - 1)
     removed = state.target_seq[kept:]
     kv.rollback(state.target_cache, kept)
     state.target_seq = state.target_seq[:kept]
@@ -233,17 +300,22 @@ async def verify_round(state: RunState, spec: Speculation, n_path: int, logits: 
     return new
 
 
-def hrad_features(state: RunState, hidden, position: int, ds: DraftState, policy: Policy) -> None:
-    """The draft starts afresh: read the target's state at the last verified position and let H-RAD
-    choose how to draft (and/or log the features for training H-RAD)."""
+def hrad_features(state: RunState, hidden, position: int) -> torch.Tensor:
+    """The draft starts afresh: the target's state at the last verified position, for H-RAD."""
     target = state.pair.target
     with torch.inference_mode():
         emb = target.model.get_input_embeddings()(torch.tensor([state.tokens[-1]], device=target.device))[0]
-    feats = hrad.features(hidden, position, emb)
+    return hrad.features(hidden, position, emb)
+
+
+def hrad_predict(state: RunState, ds: DraftState, policy: Policy, confidence: float) -> None:
+    """At the first draft step after a verdict: let H-RAD choose how to draft from the target's state
+    and the draft's confidence (and/or log both for training H-RAD)."""
     if policy.hrad is not None:
-        ds.hrad_class = policy.hrad.predict(feats)
-    if state.hrad_samples is not None:
-        state.hrad_samples.append((state.emitted - 1, feats))
+        ds.hrad_class = policy.hrad.predict(ds.hrad_features, confidence)
+    if state.hrad_samples is not None:  # nothing is emitted between the verdict and this step
+        state.hrad_samples.append((state.emitted - 1, ds.hrad_features, confidence))
+    ds.hrad_features = None
 
 
 def depth(spec: Speculation) -> int:
@@ -273,9 +345,11 @@ def parallel_decode(state: RunState, policy: Policy):
 
     async def step(events):
         nonlocal spec
-        # verify at most one block of γ (the rest waits for the next round), never past the token budget
-        n_path = min(len(spec.path), state.cfg.gamma, max(state.remaining - 1, 0))
-        feed = state.tokens[len(state.target_seq):] + spec.path[:n_path]
+        # verify at most one block of γ along the first branch (the rest waits for the next round), never
+        # past the token budget
+        line = line_of(spec)
+        n_fed = min(len(line), state.cfg.gamma, max(state.remaining - 1, 0))
+        feed = state.tokens[len(state.target_seq):] + line[:n_fed]
         need_hidden = policy.hrad is not None or state.hrad_samples is not None
         target_job = asyncio.ensure_future(forward(state, state.pair.target, state.target_worker, state.target_cache,
                                                    feed, VERIFY, events, hidden_states=need_hidden, features=True))
@@ -286,6 +360,6 @@ def parallel_decode(state: RunState, policy: Policy):
         except BaseException:
             target_job.cancel()
             raise
-        spec = await verify_round(state, spec, n_path, out.logits, out.hidden_states, out.features, ds, policy, events)
+        spec = await verify_round(state, spec, n_fed, out.logits, out.hidden_states, out.features, ds, policy, events)
 
     return step_loop(state, step)

@@ -79,6 +79,25 @@ def test_a_fork_of_three_where_candidate_two_wins():
     assert "+" not in "".join(text for text, _, _ in got)  # every rolled-back token is placed: no summary node
 
 
+def test_the_first_branch_verified_in_the_same_step():
+    """Candidate 1 survives and its branch was fed to the target too: x0 accepted, y0 rejected, then the
+    target's correction after x0, all in this step."""
+    events = fork(survivor=0, rescued=False, tried=1)
+    events.insert(-2, Verified(2, 2, 1, [0.9, 0.05], [0.7, 0.7], [0.3, 0.8], 77, "correction", 0.4, branch=1,
+                               tokens=[20, 30], pieces=["x0", "y0"]))
+    events[-1] = TokensEmitted(2, [5, 11, 20, 77], ["p", "c1", "x0", "W"],
+                               ["accepted", "accepted", "accepted", "correction"], "")
+    got = verdicts(build_tree(events))
+    by_text = {text: (verdict, survivor) for text, verdict, survivor in got}
+    assert by_text["c1"] == ("accepted", True)
+    assert by_text["x0"] == ("accepted", True) and by_text["y0"] == ("rejected", False)
+    assert by_text["W"] == ("correction", True)
+    assert [text for text, _, survivor in got if survivor] == ["", "p", "c1", "x0", "W"]
+    svg = tree_svg(events)
+    assert "its branch, verified in this step along with the path" in svg
+    assert "p=0.050 q=0.700 p/q=0.071 u=0.800" in svg
+
+
 def test_a_fork_where_every_candidate_loses():
     root = build_tree(fork(survivor=-1, rescued=False, tried=3))
     path = root.children[0]

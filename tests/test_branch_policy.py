@@ -1,0 +1,100 @@
+"""SpecBranch's verdict through a branch point (the target verifies along the first branch, and a rescue
+still comes from the same row), and the policy that forks only where the measured costs say it pays."""
+from __future__ import annotations
+
+import torch
+
+from engine.config import GenerationConfig
+from engine.decoding import RunState
+from engine.events import ACCEPTED, BONUS, CORRECTION, RESCUED, BranchResolved, Verified
+from engine.parallel import BranchCosts, Fork, Policy, Speculation, line_of, resolve
+from engine.sampling import TOPK
+
+V = 10
+
+
+def one_hot_rows(tokens: list[int]) -> torch.Tensor:
+    """Greedy target rows: row i puts all its mass on tokens[i]."""
+    rows = torch.zeros(len(tokens), V, dtype=torch.float64)
+    rows[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
+    return rows
+
+
+def greedy_state(tiny_engine) -> RunState:
+    return RunState(tiny_engine.pair, GenerationConfig(method="specbranch", temperature=0.0), None, None,
+                    tokens=[2, 3], prompt_len=2, eos_ids=set())
+
+
+def forked(path: list[int], candidates: list[int], branches: list[list[int]]) -> Speculation:
+    q = torch.full((V,), 1.0 / V, dtype=torch.float64)
+    fork = Fork(q, candidates, TOPK, len(path), [list(b) for b in branches], [[q] * len(b) for b in branches])
+    return Speculation(list(path), [q] * len(path), fork)
+
+
+def test_line_reads_the_first_branch():
+    spec = forked([4], [5, 6], [[7, 8], [9]])
+    assert line_of(spec) == [4, 5, 7, 8]
+    assert line_of(Speculation([4, 5])) == [4, 5]
+
+
+def test_first_candidate_right_goes_on_along_its_branch(tiny_engine):
+    """The target was fed path + candidate 0 + its branch: one round commits past the branch point."""
+    state, events = greedy_state(tiny_engine), []
+    spec = forked([4], [5, 6], [[7, 8], [9]])
+    # rows judge 4, the branch point, 7, 8; the target wants 4, 5, 7 and then 3 instead of 8
+    out = resolve(state, spec, one_hot_rows([4, 5, 7, 3]), events)
+    assert out.tokens == [4, 5, 7, 3]
+    assert out.kinds == [ACCEPTED, ACCEPTED, ACCEPTED, CORRECTION]
+    assert sorted(out.dropped) == [6, 8, 9] and out.pending.path == [] and out.pending.fork is None
+    verdicts = [e for e in events if isinstance(e, Verified)]
+    assert [(v.branch, v.drafted, v.accepted) for v in verdicts] == [(0, 1, 1), (1, 2, 1)]
+    fork = next(e for e in events if isinstance(e, BranchResolved))
+    assert fork.survivor == 0 and not fork.rescued and fork.depth == 1
+
+
+def test_whole_first_branch_accepted_draws_a_bonus(tiny_engine):
+    state, events = greedy_state(tiny_engine), []
+    out = resolve(state, forked([], [5, 6], [[7], []]), one_hot_rows([5, 7, 1]), events)
+    assert out.tokens == [5, 7, 1] and out.kinds == [ACCEPTED, ACCEPTED, BONUS]
+    assert out.dropped == [6]
+
+
+def test_fed_part_of_the_branch_accepted_rest_stays_pending(tiny_engine):
+    state, events = greedy_state(tiny_engine), []
+    # fed: 5 (the branch point) and 7; the row after 7 judges 8; 9 was drafted beyond what was fed
+    out = resolve(state, forked([], [5, 6], [[7, 8, 9], [2]]), one_hot_rows([5, 7, 8]), events)
+    assert out.tokens == [5, 7, 8] and out.pending.path == [9] and out.row == 0
+
+
+def test_rescue_from_the_same_row(tiny_engine):
+    """Candidate 0 is wrong: the target's token is candidate 1, whose branch becomes the next path."""
+    state, events = greedy_state(tiny_engine), []
+    out = resolve(state, forked([4], [5, 6], [[7, 8], [9, 2]]), one_hot_rows([4, 6, 7, 8]), events)
+    assert out.tokens == [4, 6] and out.kinds == [ACCEPTED, RESCUED]
+    assert out.pending.path == [9, 2] and out.row == 1
+    assert sorted(out.dropped) == [5, 7, 8]
+    assert [e.branch for e in events if isinstance(e, Verified)] == [0]  # the fed first branch is moot
+
+
+def test_costs_decide_whether_a_fork_pays():
+    cheap = BranchCosts({1: 10.0, 2: 11.0, 3: 12.0}, target_ms=60.0)
+    # 5 branch steps: 1 row takes 50 ms (hidden), 3 rows 60 ms (hidden): only the rescue chance counts
+    assert cheap.net_gain_ms(3, 0.3, steps=5) == 0.3 * 60.0
+    # 8 steps: 80 vs 96 ms of draft time, 20 and 36 beyond the target step: the fork costs 16 ms
+    assert abs(cheap.net_gain_ms(3, 0.3, steps=8) - (18.0 - 16.0)) < 1e-9
+    policy = Policy(max_branches=3, epsilon=0.5, costs=cheap)
+    top = [0.3, 0.25, 0.2]
+    assert policy.branch_width(top, fresh=False, hrad_class=None, steps_left=5) == 3
+    dear = BranchCosts({1: 10.0, 2: 40.0, 3: 70.0}, target_ms=60.0)
+    assert Policy(max_branches=3, epsilon=0.5, costs=dear).branch_width(top, False, None, steps_left=5) == 1
+    assert Policy(max_branches=3, epsilon=0.5).branch_width(top, False, None, steps_left=5) == 3  # paper's rule
+    assert policy.branch_width([0.9, 0.05, 0.01], False, None, steps_left=5) == 1  # confident: no fork
+
+
+def test_engine_measures_branch_costs(tiny_engine):
+    costs = tiny_engine.branch_costs(3)
+    assert sorted(costs.draft_ms) == [1, 2, 3]
+    assert costs.target_ms > 0 and all(ms > 0 for ms in costs.draft_ms.values())
+    assert tiny_engine.policy(GenerationConfig(method="specbranch", branches=3, branch_costs=True)).costs is costs
+    assert tiny_engine.policy(GenerationConfig(method="specbranch", branches=3)).costs is None  # the paper's rule
+    assert tiny_engine.policy(GenerationConfig(method="pearl")).costs is None
