@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import platform
+import statistics
 import sys
 import time
 
@@ -52,7 +53,23 @@ def aggregate(runs: list[dict]) -> dict:
         "per_position_acceptance": pooled_positions(runs),
         "branch_points": sum(r.get("branch_points", 0) for r in runs),
         "branch_rescues": sum(r.get("branch_rescues", 0) for r in runs),
+        **pooled_branch_counts(runs),
     }
+
+
+def pooled_branch_counts(runs: list[dict]) -> dict:
+    """engine.metrics.branch_counts summed over runs."""
+    by_k: dict[str, list[int]] = {}
+    by_depth: list[list[int]] = []
+    for r in runs:
+        for k, (rescued, n) in (r.get("rescues_by_k") or {}).items():
+            c = by_k.setdefault(k, [0, 0])
+            c[0], c[1] = c[0] + rescued, c[1] + n
+        for d, (rescued, n) in enumerate(r.get("rescues_by_depth") or []):
+            by_depth += [[0, 0] for _ in range(d + 1 - len(by_depth))]
+            by_depth[d][0] += rescued
+            by_depth[d][1] += n
+    return {"rescues_by_k": dict(sorted(by_k.items(), key=lambda kv: int(kv[0]))), "rescues_by_depth": by_depth}
 
 
 def pooled_positions(runs: list[dict]) -> list[float | None]:
@@ -111,7 +128,8 @@ def run_bench(entries: list[tuple[str, object, str]], args, log=None) -> dict:
         "pair": {"target": engine.pair.target.name, "draft": engine.pair.draft.name if engine.pair.draft else None},
         "drafts": {label: eng.pair.draft.name if eng.pair.draft else None for label, eng, _ in entries},
         "settings": {k: getattr(args, k) for k in ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "gamma",
-                                                     "draft_stop", "branches", "epsilon", "hrad", "limit", "dataset")},
+                                                     "draft_stop", "branches", "epsilon", "hrad", "branch_costs", "limit",
+                                                     "dataset")},
         "identical_to_ar": ({m: f"{n}/{len(encoded)}" for m, n in outputs_match.items()}
                             if args.temperature == 0 and "ar" in methods else None),
         "results": results,
@@ -137,3 +155,55 @@ def format_table(report: dict) -> str:
     if report.get("identical_to_ar"):
         lines.append("identical to ar (greedy): " + ", ".join(f"{m} {v}" for m, v in report["identical_to_ar"].items()))
     return "\n".join(lines)
+
+
+SPREAD_KEYS = ("tokens_per_s", "speedup_vs_ar", "acceptance_rate", "mean_accepted_length", "path_rollback_rate",
+               "wasted_draft_rate", "branch_rescues", "overlap", "target_idle_fraction")
+
+
+def summarize_runs(reports: list[dict], dataset: str = "all") -> dict:
+    """Several bench reports of the same methods (one per seed): mean and sample standard deviation of each
+    figure per method, over the reports that have it."""
+    methods = [m for m in reports[0]["results"] if all(m in r["results"] for r in reports)]
+    out = {}
+    for m in methods:
+        row = {}
+        for key in SPREAD_KEYS:
+            vals = [r["results"][m][dataset].get(key) for r in reports]
+            vals = [v for v in vals if v is not None]
+            row[key] = ({"mean": round(statistics.fmean(vals), 4),
+                         "sd": round(statistics.stdev(vals), 4) if len(vals) > 1 else 0.0, "n": len(vals)}
+                        if vals else None)
+        out[m] = row
+    return {"runs": [{"command": r["command"], "seed": r["settings"]["seed"],
+                      "temperature": r["settings"]["temperature"]} for r in reports],
+            "dataset": dataset, "methods": out}
+
+
+def format_spread_table(summary: dict) -> str:
+    head = ["method", "tok/s", "speedup", "α", "τ", "path rollback", "wasted draft", "rescues", "overlap", "idle T"]
+    lines = [" | ".join(head), " | ".join("---" for _ in head)]
+    for m, row in summary["methods"].items():
+        cells = [f"{row[k]['mean']:.3g} ± {row[k]['sd']:.2g}" if row[k] else "" for k in SPREAD_KEYS]
+        lines.append(" | ".join([m] + cells))
+    return "\n".join(lines)
+
+
+def run_summary(args) -> dict:
+    from .config import SpecBranchError
+
+    reports = []
+    for path in args.reports:
+        try:
+            with open(path) as f:
+                reports.append(json.load(f))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise SpecBranchError(f"cannot read bench report {path}: {exc}") from None
+        if not isinstance(reports[-1], dict) or "results" not in reports[-1]:
+            raise SpecBranchError(f"{path} is not a bench report (no 'results')")
+    summary = summarize_runs(reports, args.dataset)
+    print(format_spread_table(summary))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(summary, f, indent=2)
+    return summary

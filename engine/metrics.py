@@ -82,13 +82,23 @@ def compute_metrics(events: list[Event]) -> dict:
     opaque = any(s.kind == "assisted_generate" for s in spans)  # hf-assisted: its forwards are not visible
     draft_forwards = sum(1 for s in spans if s.worker == "draft" and s.kind != "prefill")
 
-    longest = max((v.drafted for v in verified), default=0)
-    reached, passed = [0] * longest, [0] * longest
+    # per position: a verdict on the first branch (branch=1, fed through an accepted branch point) goes on
+    # from the step's path verdict: its tokens sit after the path and the branch point (which passed)
+    offsets, base = [], {}
     for v in verified:
+        if v.branch == 0:
+            base[v.step] = v.drafted
+        offsets.append(0 if v.branch == 0 else base.get(v.step, 0) + 1)
+    longest = max((o + v.drafted for o, v in zip(offsets, verified)), default=0)
+    reached, passed = [0] * longest, [0] * longest
+    for o, v in zip(offsets, verified):
+        if o:
+            reached[o - 1] += 1
+            passed[o - 1] += 1
         for i in range(v.drafted):
             if i <= v.accepted:
-                reached[i] += 1
-                passed[i] += i < v.accepted
+                reached[o + i] += 1
+                passed[o + i] += i < v.accepted
 
     window_start, window_end = prefill_end, prefill_end + decode_s
     busy = {w: busy_intervals(spans, w, window_start, window_end) for w in ("target", "draft")}
@@ -123,9 +133,25 @@ def compute_metrics(events: list[Event]) -> dict:
         "branch_points": len(forks),
         "branch_rescues": sum(f.rescued for f in forks),
         "rescue_rate": round(sum(f.rescued for f in forks) / len(forks), 6) if forks else None,
+        **branch_counts(forks),
         "target_forward_ms": mean_ms("target", ("decode", "verify")),
         "draft_forward_ms": mean_ms("draft", ("draft", "branch_draft")),
     }
+
+
+def branch_counts(forks: list[BranchResolved]) -> dict:
+    """[rescues, branch points] by k (how many candidates) and by depth (path tokens before the branch point
+    when it was forked; 0 = at the first draft token after the committed ones): where forking pays."""
+    by_k: dict[str, list[int]] = {}
+    depth = max((f.depth for f in forks), default=-1) + 1
+    by_depth = [[0, 0] for _ in range(depth)]
+    for f in forks:
+        counts = by_k.setdefault(str(len(f.candidates)), [0, 0])
+        counts[0], counts[1] = counts[0] + f.rescued, counts[1] + 1
+        if f.depth >= 0:
+            by_depth[f.depth][0] += f.rescued
+            by_depth[f.depth][1] += 1
+    return {"rescues_by_k": dict(sorted(by_k.items(), key=lambda kv: int(kv[0]))), "rescues_by_depth": by_depth}
 
 
 def draft_waste(events: list[Event]) -> dict:

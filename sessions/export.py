@@ -37,6 +37,7 @@ METRIC_FIELDS = {"new_tokens": int, "tokens_per_s": float, "prefill_s": float, "
                  "accepted_length_histogram": dict[str, int], "target_idle_fraction": float,
                  "draft_idle_fraction": float | None, "overlap": float, "host_overhead_ms_per_step": float | None,
                  "branch_points": int, "branch_rescues": int, "rescue_rate": float | None,
+                 "rescues_by_k": dict[str, list[int]], "rescues_by_depth": list[list[int]],
                  "target_forward_ms": float | None, "draft_forward_ms": float | None,
                  # written by earlier versions (one rollback figure); replay recomputes both figures from events
                  "rollback_rate": float | None, "rolled_back_tokens": int}

@@ -46,6 +46,30 @@ def test_bench_writes_speedups(capsys, tiny_dirs, tmp_path):
     assert "speedup" in capsys.readouterr().out
 
 
+def test_summarize_gives_mean_and_spread_over_seeds(capsys, tiny_dirs, tmp_path):
+    prompts = tmp_path / "b.jsonl"
+    prompts.write_text('{"prompt": "a b", "chat": false}\n')
+    outs = []
+    for seed in (0, 1):
+        outs.append(tmp_path / f"s{seed}.json")
+        assert main(["bench", "--methods", "ar,specbranch", "--target", str(tiny_dirs["target"]), "--draft",
+                     str(tiny_dirs["draft"]), "--device", "cpu", "--dataset", str(prompts), "--max-new-tokens", "8",
+                     "--temperature", "1", "--seed", str(seed), "--json", str(outs[-1])]) == 0
+    summary_path = tmp_path / "summary.json"
+    assert main(["summarize", *map(str, outs), "--json", str(summary_path)]) == 0
+    summary = json.loads(summary_path.read_text())
+    reports = [json.loads(o.read_text()) for o in outs]
+    tps = [r["results"]["specbranch"]["all"]["tokens_per_s"] for r in reports]
+    row = summary["methods"]["specbranch"]["tokens_per_s"]
+    assert row["n"] == 2 and abs(row["mean"] - sum(tps) / 2) < 1e-3
+    assert abs(row["sd"] - abs(tps[0] - tps[1]) / 2 ** 0.5) < 1e-3
+    assert [r["seed"] for r in summary["runs"]] == [0, 1]
+    assert "± " in capsys.readouterr().out
+    (tmp_path / "bad.json").write_text("[1]")
+    assert main(["summarize", str(tmp_path / "bad.json")]) == 2
+    assert "not a bench report" in capsys.readouterr().err
+
+
 def test_event_stream_is_complete_and_round_trips(tiny_engine):
     r = tiny_engine.run([2, 3, 4], GenerationConfig(method="sd", max_new_tokens=20, gamma=3, temperature=1.0, seed=3))
     kinds = {type(e) for e in r.events}
