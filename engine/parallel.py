@@ -141,6 +141,9 @@ async def draft_step(state: RunState, spec: Speculation, ds: DraftState, policy:
             cands = draw_candidates(row, k, scheme, state.draft_generator)
             if len(cands) > 1:
                 spec.fork = Fork(row, cands, scheme, len(spec.path), [[] for _ in cands], [[] for _ in cands])
+                # the draft is as sure as the mass its candidates cover: a fork hedges an unsure token, so the
+                # draft-stop rule must not end the round before the branches are drafted
+                ds.confidence = float(raw[cands].sum())
                 events.append(DraftProposed(state.step, cands, state.pieces(cands), [float(q[c]) for c in cands],
                                             parent_position=len(seq), top=[top_alternatives(q)], kind="candidates"))
                 return

@@ -98,3 +98,27 @@ def test_engine_measures_branch_costs(tiny_engine):
     assert tiny_engine.policy(GenerationConfig(method="specbranch", branches=3, branch_costs=True)).costs is costs
     assert tiny_engine.policy(GenerationConfig(method="specbranch", branches=3)).costs is None  # the paper's rule
     assert tiny_engine.policy(GenerationConfig(method="pearl")).costs is None
+
+
+def test_a_fork_keeps_drafting_its_branches(tiny_engine):
+    """The draft-stop rule reads the mass the fork's candidates cover, not the confidence left over from
+    the last token of the previous round: an unsure token is what a fork hedges, so its branches get drafted."""
+    import asyncio
+
+    from engine.parallel import DraftState, draft_until_verdict
+
+    async def fork_and_draft():
+        cfg = GenerationConfig(method="specbranch", gamma=3, draft_stop=0.3, epsilon=1.0)
+        state = RunState(tiny_engine.pair, cfg, tiny_engine.target_worker, tiny_engine.draft_worker,
+                         tokens=[2, 3, 4], prompt_len=3, eos_ids=set())
+        ds = DraftState(rows=[[]], confidence=0.01)  # the previous round ended on an unsure token
+        spec, verdict_pending = Speculation(), asyncio.get_running_loop().create_future()
+        await draft_until_verdict(state, spec, ds, Policy(max_branches=3, epsilon=1.0), verdict_pending, [])
+        return spec
+
+    spec = asyncio.run(fork_and_draft())
+    fork = spec.fork
+    assert fork is not None and fork.depth == 0
+    covered = float(fork.q[fork.candidates].sum())
+    assert covered >= 0.3  # the tiny draft is peaky enough: the candidates cover more than the stop threshold
+    assert all(len(b) >= 1 for b in fork.branches)
