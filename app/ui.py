@@ -59,7 +59,11 @@ Hover a node for p, q, p/q and u. Pick a step with ◀ ▶, the slider, or a mar
 
 
 # The Live and Compare defaults, chosen by the bench on data/tuning_prompts.jsonl (docs/RESULTS.md §0)
-DEFAULTS = {"gamma": 3, "epsilon": 0.5, "draft_stop": 0.3}
+DEFAULTS = {"gamma": 3, "epsilon": 0.5, "draft_stop": 0.3, "hrad": False}
+# H-RAD ships off: on held-out prompts it placed branch points no better than the draft's confidence alone
+# (classification and speed, docs/RESULTS.md §0b); the checkbox says so where the user decides
+HRAD_LABEL = ("H-RAD (classifier places branch points). Off by default: on held-out prompts it was no faster "
+              "than confidence only (docs/RESULTS.md §0b)")
 
 
 def examples() -> list[list]:
@@ -279,7 +283,7 @@ def build_app(get_engine, get_store=None) -> gr.Blocks:
                                         label="ε: branch below this draft confidence [0, 1]")
                     draft_stop = gr.Slider(0, 1, value=DEFAULTS["draft_stop"], step=0.05,
                                            label="Draft stop: end a round's drafting below this confidence (0 = off)")
-                    hrad = gr.Checkbox(True, label="H-RAD (classifier places branch points)")
+                    hrad = gr.Checkbox(DEFAULTS["hrad"], label=HRAD_LABEL, elem_id="hrad")
                     seed = gr.Number(0, precision=0, label="Seed (integer)")
                     chat = gr.Checkbox(True, label="Chat template (off: raw text, e.g. code completion)")
                 with gr.Column(scale=2):

@@ -32,7 +32,10 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
                    help="pearl, specbranch: end a round's drafting after a token drawn with confidence below this")
     p.add_argument("--branches", type=int, default=3, help="specbranch: most candidates at a branch point")
     p.add_argument("--epsilon", type=float, default=0.5, help="specbranch: confidence threshold for branching, [0, 1]")
-    p.add_argument("--no-hrad", dest="hrad", action="store_false", help="specbranch: confidence only, no H-RAD")
+    p.add_argument("--hrad", dest="hrad", action="store_true",
+                   help="specbranch: let H-RAD place branch points (off by default: on held-out prompts it did not "
+                        "beat confidence only, docs/RESULTS.md §0b)")
+    p.add_argument("--no-hrad", dest="hrad", action="store_false", help="specbranch: confidence only (the default)")
     p.add_argument("--branch-costs", action="store_true",
                    help="specbranch: fork only where the measured forward costs say a fork pays (measured once "
                         "per engine: a draft step on 1..k rows against a target step)")

@@ -25,7 +25,7 @@ class GenerationConfig:
     draft_stop: float = 0.0  # pearl, specbranch: stop drafting a round after a token drawn with confidence below this
     branches: int = 3  # specbranch: most candidates at a branch point (k_max)
     epsilon: float = 0.5  # specbranch: branch at the first draft token with confidence below this
-    hrad: bool = True  # specbranch: let the H-RAD classifier place branch points (when weights exist)
+    hrad: bool = False  # specbranch: let the H-RAD classifier place branch points (off by default: docs/RESULTS.md §0b)
     branch_costs: bool = False  # specbranch: fork only where the measured costs say it pays (else the paper's k rule)
 
     @property

@@ -67,7 +67,7 @@ def test_slow_draft_is_flagged(tmp_path, tiny_dirs):
 
 
 def test_hrad_missing_gives_visible_notice(tiny_engine):
-    r = tiny_engine.run([2, 3], GenerationConfig(method="specbranch", max_new_tokens=4))
+    r = tiny_engine.run([2, 3], GenerationConfig(method="specbranch", max_new_tokens=4, hrad=True))
     assert any(isinstance(e, Notice) and "H-RAD off" in e.message for e in r.events)
 
 

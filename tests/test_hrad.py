@@ -125,7 +125,7 @@ def test_weights_for_another_pair_are_refused_with_a_notice(tiny_dirs, tiny_engi
     try:
         assert engine.hrad is None
         assert "another draft: num_hidden_layers 6 (this draft: 2)" in engine.hrad_notice
-        r = engine.run(PROMPT, GenerationConfig(method="specbranch", max_new_tokens=6))
+        r = engine.run(PROMPT, GenerationConfig(method="specbranch", max_new_tokens=6, hrad=True))
         notices = [e.message for e in r.events if isinstance(e, Notice)]
         assert any("H-RAD off" in m and "another draft" in m for m in notices)
     finally:
@@ -175,6 +175,6 @@ def test_train_hrad_end_to_end_loads_and_stays_lossless(tiny_dirs, tiny_engine, 
         assert engine.hrad is not None, engine.hrad_notice
         for p in prompts[:3]:
             want = engine.run(p, GenerationConfig(method="ar", max_new_tokens=25)).token_ids
-            assert engine.run(p, GenerationConfig(method="specbranch", max_new_tokens=25, gamma=3)).token_ids == want
+            assert engine.run(p, GenerationConfig(method="specbranch", max_new_tokens=25, gamma=3, hrad=True)).token_ids == want
     finally:
         engine.close()

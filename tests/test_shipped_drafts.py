@@ -63,6 +63,6 @@ def test_hrad_weights_load_and_specbranch_matches_ar(embedded_target):
     assert engine.hrad is not None, engine.hrad_notice
     ids = held_out(engine)[0]
     want = engine.run(ids, GenerationConfig(method="ar", max_new_tokens=64)).token_ids
-    r = engine.run(ids, GenerationConfig(method="specbranch", max_new_tokens=64, gamma=6))
+    r = engine.run(ids, GenerationConfig(method="specbranch", max_new_tokens=64, gamma=6, hrad=True))
     assert r.token_ids == want
     assert not any(isinstance(e, Notice) and "H-RAD off" in e.message for e in r.events)
