@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
-# Issue 13: the ablation table (docs/RESULTS.md §0b) and the poorly aligned regime, 3 seeds each.
-# CPU, 2 cores, 1 torch thread per worker; run from the repository root after `make install`.
+# Issue 13: the ablation table (docs/RESULTS.md §0b), the poorly aligned regime, the cost of a k-row draft
+# step, and the measured-cost branch policy. CPU, 2 cores, 1 torch thread per worker; run from the
+# repository root after `make install`. Each bench writes docs/<name>.json; `summarize` pools the seeds.
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
 N=${N:-2}        # prompts per dataset (MT-Bench, GSM8K, HumanEval benchmark split)
-TOK=${TOK:-96}
+TOK=${TOK:-64}
 COMMON="--gamma 3 --draft-stop 0.3 --epsilon 0.5 --branches 3"
 
-# 1. every method and ablation, T=0 and T=1, seeds 0-2 (at T=0 the seed changes nothing but the clock)
+# 1. every method and ablation, T=0 and T=1, seeds 0-2 (at T=0 the seed changes nothing but the clock);
+#    --hrad: the specbranch row uses H-RAD (off by default), specbranch-no-hrad is confidence only
 for t in 0 1; do
   for s in 0 1 2; do
     $PY -m engine bench --methods ar,sd,pearl,specbranch,specbranch-no-branch,specbranch-no-hrad,specbranch-fixed,hf-assisted \
-        --draft embedded --dataset all --limit $N --max-new-tokens $TOK --temperature $t --seed $s $COMMON \
+        --draft embedded --dataset all --limit $N --max-new-tokens $TOK --temperature $t --seed $s $COMMON --hrad \
         --json docs/ablation-t$t-s$s.json
   done
   $PY -m engine summarize docs/ablation-t$t-s{0,1,2}.json --json docs/ablation-t$t.json
@@ -19,8 +21,15 @@ done
 
 # 2. the poorly aligned regime: the weak draft on prompts in languages the 135M target barely knows
 for s in 0 1 2; do
-  $PY -m engine bench --methods ar,sd,pearl,specbranch,specbranch-no-hrad --draft embedded-weak \
-      --dataset data/foreign_prompts.jsonl --max-new-tokens 64 --temperature 0 --seed $s $COMMON \
+  $PY -m engine bench --methods ar,sd,pearl,specbranch --draft embedded-weak \
+      --dataset data/foreign_prompts.jsonl --max-new-tokens $TOK --temperature 0 --seed $s $COMMON \
       --json docs/weak-foreign-s$s.json
 done
 $PY -m engine summarize docs/weak-foreign-s{0,1,2}.json --json docs/weak-foreign.json
+
+# 3. what a k-row draft step costs against a 1-row step (and the target's forwards)
+$PY -m engine costs --draft embedded --max-rows 3 --max-tokens 4 --json docs/costs-cpu-draft.json
+
+# 4. the measured-cost branch policy (--branch-costs) against PEARL and the paper's k rule, same prompts
+$PY -m engine bench --methods ar,pearl,specbranch-no-hrad --draft embedded --dataset all --limit $N \
+    --max-new-tokens $TOK --temperature 0 $COMMON --branch-costs --json docs/branch-costs-t0.json
