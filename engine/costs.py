@@ -3,7 +3,8 @@
 Two parts, both written to one JSON:
   forwards   median ms of the target fed 1..8 tokens, and of the draft fed 1 token on 1..k rows (a branch
              step), each on a cache already holding `--context` tokens, one model at a time, `--threads`
-             torch threads (the engine's workers use 1 each)
+             torch threads (the engine's workers use 1 each); and the target's 1-token step while the draft
+             steps on 1..k rows beside it (Engine.branch_costs: what a fork's rows cost the target)
   model      for each method of a bench JSON (`python -m engine bench --json`), the speedup it would reach if
              nothing but the forwards cost time, next to the measured one:
                ar           1
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import threading
 import time
 
 import torch
@@ -36,42 +38,55 @@ def median_ms(fn, reps: int) -> float:
     return round(1000 * statistics.median(times), 3)
 
 
+def step_of(lm, context: int, w: int, per_row: bool, features: dict | None):
+    """A forward to time: `w` new tokens, or (per_row) 1 token on each of `w` cache rows (a branch step), on a
+    cache holding `context` tokens; each call rolls the cache back to the context."""
+    vocab = min(lm.vocab_size, 1000)  # ordinary tokens, whatever the model
+    cache = lm.new_cache()
+    if features is not None:  # a head drafts on the target's features of the context
+        cache.set_target_features(0, features["feats"][:context])
+    lm.forward(torch.randint(0, vocab, (1, context)), cache)
+    if per_row:
+        cache.batch_repeat_interleave(w)
+    x = torch.randint(0, vocab, (w, 1) if per_row else (1, w))
+
+    def step():
+        lm.forward(x, cache)
+        kv.rollback(cache, context)
+    return step
+
+
 def forward_costs(lm, context: int, widths: list[int], per_row: bool = False, reps: int = 15,
                   features: dict | None = None) -> dict[int, float]:
     """ms of one forward of `w` new tokens, or (per_row) of 1 token on each of `w` cache rows (a branch step)."""
-    vocab = min(lm.vocab_size, 1000)  # ordinary tokens, whatever the model
-    prompt = torch.randint(0, vocab, (1, context))
-    out = {}
-    for w in widths:
-        cache = lm.new_cache()
-        if features is not None:  # a head drafts on the target's features of the context
-            cache.set_target_features(0, features["feats"][:context])
-        lm.forward(prompt, cache)
-        if per_row:
-            cache.batch_repeat_interleave(w)
-            x = torch.randint(0, vocab, (w, 1))
-        else:
-            x = torch.randint(0, vocab, (1, w))
+    return {w: median_ms(step_of(lm, context, w, per_row, features), reps) for w in widths}
 
-        def step(cache=cache, x=x):
-            lm.forward(x, cache)
-            kv.rollback(cache, context)
 
-        out[w] = median_ms(step, reps)
-    return out
+def busy_draft(lm, context: int, rows: int, stop: threading.Event, features: dict | None = None) -> int:
+    """Keep the draft stepping on `rows` cache rows until `stop` is set: the load a fork puts beside the
+    target (run it on the draft's thread while timing the target on its own). Returns the steps taken."""
+    step, n = step_of(lm, context, rows, True, features), 0
+    while not stop.is_set():
+        step()
+        n += 1
+    return n
+
+
+def draft_features(pair, context: int) -> dict | None:
+    """The target's features of a random context, for a draft head to draft on (None for other drafts)."""
+    if not getattr(pair.draft, "reads_target_features", False):
+        return None
+    ids = torch.randint(0, min(pair.target.vocab_size, 1000), (1, context))
+    with torch.inference_mode():
+        return {"feats": pair.target.forward(ids, pair.target.new_cache(), features=True).features[0]}
 
 
 def measure(pair, context: int = 200, max_tokens: int = 8, max_rows: int = 4, reps: int = 15) -> dict:
     target = forward_costs(pair.target, context, list(range(1, max_tokens + 1)), reps=reps)
     result = {"context": context, "target_ms_by_tokens": target}
     if pair.draft is not None:
-        extra = None
-        if getattr(pair.draft, "reads_target_features", False):
-            ids = torch.randint(0, min(pair.target.vocab_size, 1000), (1, context))
-            with torch.inference_mode():
-                extra = {"feats": pair.target.forward(ids, pair.target.new_cache(), features=True).features[0]}
         result["draft_ms_by_rows"] = forward_costs(pair.draft, context, list(range(1, max_rows + 1)), per_row=True,
-                                                   reps=reps, features=extra)
+                                                   reps=reps, features=draft_features(pair, context))
         result["c"] = round(target[1] / result["draft_ms_by_rows"][1], 2)
     return result
 
@@ -123,6 +138,8 @@ def run_costs(engine, args) -> dict:
     out = {"forwards": measure(engine.pair, args.context, args.max_tokens, args.max_rows, args.reps),
            "pair": {"target": engine.pair.target.name, "draft": engine.pair.draft.name if engine.pair.draft else None},
            "threads": args.threads}
+    if engine.pair.draft is not None:  # what a fork's k rows do to the target step beside them
+        out["forwards"]["target_ms_beside_draft_rows"] = engine.branch_costs(args.max_rows).target_busy_ms
     print(json.dumps(out["forwards"]))
     if args.bench:
         with open(args.bench) as f:

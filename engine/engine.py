@@ -14,7 +14,7 @@ from typing import AsyncIterator
 from .ar import autoregressive_decode
 from .assisted import assisted_decode
 from .config import GenerationConfig, SpecBranchError
-from .costs import measure
+from .costs import busy_draft, draft_features, forward_costs, measure
 from .decoding import RunState
 from .events import Event, Finished, Notice, RunStarted, TimingSpan, TokensEmitted
 from .hrad import find_hrad
@@ -152,12 +152,22 @@ class Engine:
                       costs=self.branch_costs(cfg.branches) if cfg.branch_costs and cfg.branches > 1 else None)
 
     def branch_costs(self, max_rows: int) -> BranchCosts:
-        """What a fork costs on this machine, measured once per engine on the draft worker's thread (so with
-        the workers' thread count): a draft step on 1..max_rows rows and a target step, 128 tokens in."""
+        """What a fork costs on this machine, measured once per engine on the workers' own threads (so with
+        their thread count), 128 tokens in: a draft step on 1..max_rows rows and a target step, each alone,
+        then the target step again while the draft steps on k rows beside it."""
         if self._branch_costs is None or max(self._branch_costs.draft_ms) < max_rows:
             context = min(128, self.pair.target.context_length // 2)
-            costs = self.draft_worker.executor.submit(measure, self.pair, context, 1, max_rows, 5).result()
-            self._branch_costs = BranchCosts(costs["draft_ms_by_rows"], costs["target_ms_by_tokens"][1])
+            alone = self.draft_worker.executor.submit(measure, self.pair, context, 1, max_rows, 5).result()
+            feats = draft_features(self.pair, context)
+            busy = {}
+            for rows in range(1, max_rows + 1):
+                stop = threading.Event()
+                loop = self.draft_worker.executor.submit(busy_draft, self.pair.draft, context, rows, stop, feats)
+                busy[rows] = self.target_worker.executor.submit(
+                    forward_costs, self.pair.target, context, [1], False, 5).result()[1]
+                stop.set()
+                loop.result()
+            self._branch_costs = BranchCosts(alone["draft_ms_by_rows"], alone["target_ms_by_tokens"][1], busy)
         return self._branch_costs
 
     def decoder(self, state: RunState):

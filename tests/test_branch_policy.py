@@ -77,7 +77,7 @@ def test_rescue_from_the_same_row(tiny_engine):
 
 
 def test_costs_decide_whether_a_fork_pays():
-    cheap = BranchCosts({1: 10.0, 2: 11.0, 3: 12.0}, target_ms=60.0)
+    cheap = BranchCosts({1: 10.0, 2: 11.0, 3: 12.0}, target_ms=60.0, target_busy_ms={1: 60.0, 2: 60.0, 3: 60.0})
     # 5 branch steps: 1 row takes 50 ms (hidden), 3 rows 60 ms (hidden): only the rescue chance counts
     assert cheap.net_gain_ms(3, 0.3, steps=5) == 0.3 * 60.0
     # 8 steps: 80 vs 96 ms of draft time, 20 and 36 beyond the target step: the fork costs 16 ms
@@ -85,16 +85,20 @@ def test_costs_decide_whether_a_fork_pays():
     policy = Policy(max_branches=3, epsilon=0.5, costs=cheap)
     top = [0.3, 0.25, 0.2]
     assert policy.branch_width(top, fresh=False, hrad_class=None, steps_left=5) == 3
-    dear = BranchCosts({1: 10.0, 2: 40.0, 3: 70.0}, target_ms=60.0)
+    dear = BranchCosts({1: 10.0, 2: 40.0, 3: 70.0}, target_ms=60.0, target_busy_ms={1: 60.0, 2: 60.0, 3: 60.0})
     assert Policy(max_branches=3, epsilon=0.5, costs=dear).branch_width(top, False, None, steps_left=5) == 1
+    # cheap draft steps, but k rows slow the target step beside them (shared cores): 2 rows cost 10 ms of
+    # target time, 3 rows 30 ms; gains 0.25·60 - 10 = 5 and 0.45·60 - 30 = -3: fork 2 wide
+    crowded = BranchCosts({1: 10.0, 2: 11.0, 3: 12.0}, 60.0, {1: 62.0, 2: 72.0, 3: 92.0})
+    assert Policy(max_branches=3, epsilon=0.5, costs=crowded).branch_width(top, False, None, steps_left=5) == 2
     assert Policy(max_branches=3, epsilon=0.5).branch_width(top, False, None, steps_left=5) == 3  # paper's rule
     assert policy.branch_width([0.9, 0.05, 0.01], False, None, steps_left=5) == 1  # confident: no fork
 
 
 def test_engine_measures_branch_costs(tiny_engine):
     costs = tiny_engine.branch_costs(3)
-    assert sorted(costs.draft_ms) == [1, 2, 3]
-    assert costs.target_ms > 0 and all(ms > 0 for ms in costs.draft_ms.values())
+    assert sorted(costs.draft_ms) == sorted(costs.target_busy_ms) == [1, 2, 3]
+    assert costs.target_ms > 0 and all(ms > 0 for ms in [*costs.draft_ms.values(), *costs.target_busy_ms.values()])
     assert tiny_engine.policy(GenerationConfig(method="specbranch", branches=3, branch_costs=True)).costs is costs
     assert tiny_engine.policy(GenerationConfig(method="specbranch", branches=3)).costs is None  # the paper's rule
     assert tiny_engine.policy(GenerationConfig(method="pearl")).costs is None

@@ -47,4 +47,6 @@ def test_costs_command_on_a_tiny_pair(tiny_dirs, tmp_path):
     forwards = result["forwards"]
     assert sorted(forwards["target_ms_by_tokens"]) == ["1", "2", "3"] and sorted(forwards["draft_ms_by_rows"]) == ["1", "2"]
     assert all(v > 0 for v in forwards["target_ms_by_tokens"].values()) and forwards["c"] > 0
+    assert sorted(forwards["target_ms_beside_draft_rows"]) == ["1", "2"]
+    assert all(v > 0 for v in forwards["target_ms_beside_draft_rows"].values())
     assert result["model"]["all"]["pearl"]["modelled"] == pytest.approx(2.0 * 50 / 60, abs=1e-3)
