@@ -55,3 +55,6 @@ $PY -m engine bench --draft embedded-head --methods ar,sd,pearl,specbranch,pearl
 $PY -m engine bench --draft embedded-head --methods ar,pearl,specbranch,specbranch@embedded --dataset all --limit $N \
     --max-new-tokens $TOK --temperature 1 --gamma 3 --draft-stop 0.3 --json docs/bench-cpu-head-t1.json
 $PY -m engine costs --draft embedded-head --reps 30 --bench docs/bench-cpu-head-t0.json --json docs/costs-cpu-head.json
+
+# 9. issue 13: the ablation (3 seeds, T=0 and T=1), the poorly aligned regime, k-row costs and the
+#    measured-cost branch policy: docs/run_ablation.sh (docs/RESULTS.md §0b)
