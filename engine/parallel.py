@@ -1,19 +1,22 @@
 """Parallel speculative decoding: PEARL and SpecBranch on one overlapped loop.
 
 Each round two jobs run at the same time, each on its own worker thread:
-  target  verifies the next block of the pending path: one forward over [unfed committed tokens,
-          path[:γ]]
+  target  verifies the next block of the pending speculation read along its first branch (line_of):
+          one forward over [unfed committed tokens, (path + candidate 1 + its branch)[:γ]]
   draft   drafts on beyond everything pending until the verdict lands (at least one step; at most
           2γ deep; ending early after a token it is unsure of, --draft-stop): linearly, or, once the
           policy expects a rejection, as k branches from k candidates, all in one batched forward a step
-When both are done, the verdict: commit the accepted prefix of the path, then resolve the next
-draft node with the target's last row (a linear token by the ordinary rule, a branch point by the
-multi-candidate rule), and roll back whatever no longer hangs off the committed tokens.
+When both are done, the verdict (`resolve`): commit the accepted prefix of the path; at a branch point the
+target's row picks a candidate by the multi-candidate rule (whose first step is the ordinary rule for
+candidate 1, so feeding candidate 1's branch is exact); if candidate 1 survived, its fed branch is judged
+in the same pass; the next drafted token is judged by the last row. Then roll back whatever no longer
+hangs off the committed tokens.
 
 PEARL is this loop with no branches: an empty path is its pre-verify mode (the target scores the
 first drafted token's position while the draft drafts), a non-empty path its post-verify mode.
 SpecBranch branches where the policy says: at the first low-confidence token (q < ε), or where
-H-RAD predicts a rejection; k adapts to the draft's confidence, up to --branches.
+H-RAD predicts a rejection; k adapts to the draft's confidence, up to --branches; with measured costs
+(--branch-costs) only where the fork's expected saving exceeds what its k rows cost.
 """
 from __future__ import annotations
 
