@@ -38,7 +38,7 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-hrad", dest="hrad", action="store_false", help="specbranch: confidence only (the default)")
     p.add_argument("--branch-costs", action="store_true",
                    help="specbranch: fork only where the measured forward costs say a fork pays (measured once "
-                        "per engine: a draft step on 1..k rows against a target step)")
+                        "per engine: a draft step on 1..k rows, a target step alone and beside k draft rows)")
 
 
 def add_record_arguments(p: argparse.ArgumentParser) -> None:
