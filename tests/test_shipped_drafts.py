@@ -53,9 +53,11 @@ def test_head_draft_acceptance_and_greedy_equality(embedded_target):
     assert acceptance(engine, prompts) >= HEAD_FLOOR
     want = engine.run(prompts[0], GenerationConfig(method="ar", max_new_tokens=64)).token_ids
     for method in ("pearl", "specbranch"):
-        r = engine.run(prompts[0], GenerationConfig(method=method, max_new_tokens=64, gamma=3, draft_stop=0.3))
+        r = engine.run(prompts[0], GenerationConfig(method=method, max_new_tokens=64, gamma=3, draft_stop=0.3,
+                                                    hrad=True))
         assert r.token_ids == want
-    assert any(isinstance(e, Notice) and "H-RAD off" in e.message for e in r.events)
+    assert any(isinstance(e, Notice) and "H-RAD off (a draft head has no H-RAD classifier)" in e.message
+               for e in r.events)
 
 
 def test_hrad_weights_load_and_specbranch_matches_ar(embedded_target):
