@@ -336,10 +336,12 @@ async def draft_until_verdict(state: RunState, spec: Speculation, ds: DraftState
                               target_job: asyncio.Future, events: list[Event]) -> None:
     """Draft while the target verifies: at least one step, then on until the verdict lands, the speculation
     reaches the depth cap (2γ: one block of γ under verification, one block ahead of it, as in PEARL's
-    post-verify mode), or the draft's confidence in its last token falls below cfg.draft_stop (it would
-    likely be rejected: drafting on wastes draft time, and verifying it wastes target time)."""
+    post-verify mode; never beyond the tokens the run may still emit), or the draft's confidence in its last
+    token falls below cfg.draft_stop (it would likely be rejected: drafting on wastes draft time, and
+    verifying it wastes target time)."""
     steps = 0
-    while depth(spec) < 2 * state.cfg.gamma and (steps == 0 or not target_job.done()):
+    cap = min(2 * state.cfg.gamma, state.remaining)  # never past the token budget, so never past the context
+    while depth(spec) < cap and (steps == 0 or not target_job.done()):
         await draft_step(state, spec, ds, policy, events)
         steps += 1
         if ds.confidence < state.cfg.draft_stop:

@@ -126,3 +126,22 @@ def test_a_fork_keeps_drafting_its_branches(tiny_engine):
     covered = float(fork.q[fork.candidates].sum())
     assert covered >= 0.3  # the tiny draft is peaky enough: the candidates cover more than the stop threshold
     assert all(len(b) >= 1 for b in fork.branches)
+
+
+def test_drafting_stops_at_the_token_budget(tiny_engine):
+    """However long the verdict takes, the draft never drafts past what the run may still emit (so never
+    past the context: a head's cache has exactly that many rows)."""
+    import asyncio
+
+    from engine.parallel import DraftState, depth, draft_until_verdict
+
+    async def draft_long():
+        cfg = GenerationConfig(method="specbranch", gamma=4, max_new_tokens=3, epsilon=1.0)
+        state = RunState(tiny_engine.pair, cfg, tiny_engine.target_worker, tiny_engine.draft_worker,
+                         tokens=[2, 3, 4], prompt_len=3, eos_ids=set())
+        spec = Speculation()
+        await draft_until_verdict(state, spec, DraftState(rows=[[]]), Policy(max_branches=3, epsilon=1.0),
+                                  asyncio.get_running_loop().create_future(), [])
+        return spec
+
+    assert depth(asyncio.run(draft_long())) == 3  # the budget, not 2γ = 8
