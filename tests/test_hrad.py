@@ -17,8 +17,6 @@ from engine.hrad import (HRAD, Sample, evaluate, forced_samples, macro_f1, pair_
                          split_by_prompt, train_classifier)
 from engine.models import load_pair
 
-from .conftest import make_tiny_model
-
 PROMPT = [2, 3, 4]
 
 
