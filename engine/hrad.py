@@ -74,24 +74,6 @@ class Sample:
     label: int
 
 
-def labelled_samples(raw: list[tuple[int, torch.Tensor, float]], kinds: list[str], horizon: int,
-                     prompt: int = 0) -> list[Sample]:
-    """Label each (emitted index of the last committed token, features, confidence) with the class of the
-    run of draft tokens accepted right after it. Runs cut short by the end of the output (shorter than
-    the horizon) are dropped as unknown."""
-    out = []
-    for index, feats, confidence in raw:
-        run = 0
-        for k in kinds[index + 1:]:
-            if k not in ("accepted", "rescued"):
-                break
-            run += 1
-        if index + 1 + run >= len(kinds) and run < horizon:
-            continue
-        out.append(Sample(prompt, feats, confidence, label(run, horizon)))
-    return out
-
-
 def pair_signature(pair) -> dict:
     """What an H-RAD classifier depends on: the target's features and the draft's confidence."""
     def sig(lm):
@@ -285,10 +267,10 @@ def training_rows(corpora: list[Path], limit: int, seed: int) -> list[dict]:
     return picked[:limit]
 
 
-def save_samples(path: Path, sets: dict[str, list[Sample]], done: int) -> None:
-    """Collected samples as plain tensors (`done`: how many training prompts they come from)."""
+def save_samples(path: Path, sets: dict[str, list[Sample]]) -> None:
+    """Collected samples as plain tensors."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    blob = {"done": done}
+    blob = {}
     for name, rows in sets.items():
         blob[name] = {"prompt": torch.tensor([s.prompt for s in rows], dtype=torch.long),
                       "features": torch.stack([s.features for s in rows]).half() if rows else torch.zeros(0),
@@ -297,12 +279,11 @@ def save_samples(path: Path, sets: dict[str, list[Sample]], done: int) -> None:
     torch.save(blob, path)
 
 
-def load_samples(path: Path) -> tuple[dict[str, list[Sample]], int]:
+def load_samples(path: Path) -> dict[str, list[Sample]]:
     blob = torch.load(path)
-    sets = {name: [Sample(int(p), f.float(), float(c), int(y)) for p, f, c, y in
+    return {name: [Sample(int(p), f.float(), float(c), int(y)) for p, f, c, y in
                    zip(t["prompt"], t["features"], t["confidence"], t["label"])]
-            for name, t in blob.items() if name != "done"}
-    return sets, blob["done"]
+            for name, t in blob.items() if isinstance(t, dict)}
 
 
 def run_train_hrad(args) -> dict:
@@ -330,7 +311,7 @@ def run_train_hrad(args) -> dict:
     engine = args.build_engine(args)
     samples_path = Path(args.samples)
     if samples_path.exists():  # reuse what was collected to try other classifier settings
-        sets, _ = load_samples(samples_path)
+        sets = load_samples(samples_path)
     else:
         train = [s for i, r in enumerate(tqdm(rows, desc="samples (training prompts)", unit="prompt"))
                  for s in forced_samples(engine.pair, r["prompt_ids"], r["response_ids"], args.horizon, i)]
@@ -340,7 +321,7 @@ def run_train_hrad(args) -> dict:
             reply = engine.run(ids, GenerationConfig(method="ar", max_new_tokens=args.max_new_tokens)).token_ids
             held_out += forced_samples(engine.pair, ids, reply, args.horizon, len(rows) + j)
         sets = {"train": train, "held_out": held_out}
-        save_samples(samples_path, sets, len(rows))
+        save_samples(samples_path, sets)
     if len({s.prompt for s in sets["train"]}) < 2:
         raise SpecBranchError(f"{len(sets['train'])} labelled samples from {len(rows)} prompts: too few to train "
                               "and validate by prompt (raise --limit)")

@@ -135,7 +135,9 @@ async def draft_step(state: RunState, spec: Speculation, ds: DraftState, policy:
         q = state.probs(logits[-1])
         if ds.hrad_features is not None:
             hrad_predict(state, ds, policy, float(raw.max()))
-        top = raw.topk(min(policy.max_branches, raw.shape[-1])).values.tolist()
+        # the largest probabilities, best first (PEARL never forks: its confidence is all it needs)
+        top = raw.topk(min(policy.max_branches, raw.shape[-1])).values.tolist() if policy.max_branches > 1 \
+            else [float(raw.max())]
         k = policy.branch_width(top, ds.fresh, ds.hrad_class, ds.linear_steps,
                                 steps_left=2 * state.cfg.gamma - len(spec.path) - 1)
         ds.fresh = False
