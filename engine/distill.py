@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from .config import SpecBranchError
-from .drafts import draft_from_target, save_draft
+from .drafts import draft_from_target, is_specbranch_draft, load_draft_dir, save_draft
 
 
 # ---------------------------------------------------------------- data
@@ -227,9 +227,10 @@ def optimizer_step(loss: torch.Tensor, params, opt, sched) -> None:
 
 
 def train_draft(target, rows: list[dict], labels: list[dict], val_rows, val_labels, *, layers: int, vocab: int,
-                epochs: float, lr: float, batch_size: int, seed: int, log_path: Path, max_minutes: float | None):
+                epochs: float, lr: float, batch_size: int, seed: int, log_path: Path, max_minutes: float | None,
+                init: Path | None = None):
     torch.manual_seed(seed)
-    draft = draft_from_target(target, layers).to(next(target.parameters()).device).train()
+    draft = initial_draft(target, layers, init).train()
     for module in (draft.model.embed_tokens, draft.lm_head):  # shared with the target: frozen
         module.requires_grad_(False)
     vocab_size = target.get_output_embeddings().weight.shape[0]
@@ -276,6 +277,15 @@ def train_draft(target, rows: list[dict], labels: list[dict], val_rows, val_labe
     return draft, subset, {"val_agreement": round(val, 4), "steps": step, "minutes": round((time.time() - start) / 60, 2)}
 
 
+def initial_draft(target, layers: int, init: Path | None):
+    """The target's first `layers` layers, or (init) a saved draft to go on training (more data, more epochs)."""
+    device = next(target.parameters()).device
+    if init is None:
+        return draft_from_target(target, layers).to(device)
+    draft, _ = load_draft_dir(init, target, torch.float32, device)  # its vocab subset is re-chosen from the rows
+    return draft
+
+
 def split_by_prompt(rows: list[dict], val_fraction: float, seed: int):
     """Hold out whole prompts (a prompt's greedy and sampled responses go to the same side)."""
     keys = sorted({tuple(r["prompt_ids"]) for r in rows})
@@ -320,6 +330,10 @@ def check_inputs(args) -> None:
             raise SpecBranchError(f"{path} holds no rows (the file is empty)")
     if args.kind == "head" and args.unroll < 1:
         raise SpecBranchError(f"--unroll must be >= 1, got {args.unroll}")
+    if args.init and args.kind == "head":
+        raise SpecBranchError("--init continues a standalone draft; a head starts from the target's last layer")
+    if args.init and not is_specbranch_draft(Path(args.init)):
+        raise SpecBranchError(f"--init {args.init}: not a draft directory (no config.json with a specbranch_draft entry)")
     if not (args.corpus or args.prompts or args.self_prompts):
         raise SpecBranchError("distill needs training data: give --corpus, --prompts or --self-prompts")
 
@@ -373,8 +387,9 @@ def run_distill(args) -> dict:
     draft, subset, summary = train_draft(
         target, train_rows, train_labels, val_rows, val_labels, layers=args.layers, vocab=args.vocab,
         epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, seed=args.seed,
-        log_path=work / "train_log.jsonl", max_minutes=args.max_minutes)
-    meta = {"target": args.target, "layers": args.layers, "vocab_subset_size": int(len(subset)),
+        log_path=work / "train_log.jsonl", max_minutes=args.max_minutes, init=Path(args.init) if args.init else None)
+    meta = {"target": args.target, "layers": draft.config.num_hidden_layers, "init": args.init,
+            "vocab_subset_size": int(len(subset)),
             "train_rows": len(train_rows), "train_response_tokens": n_tokens, "held_out_rows": len(val_rows),
             "epochs": args.epochs, "lr": args.lr, "batch_size": args.batch_size, "seed": args.seed,
             "top_k_labels": args.top_k, **summary}
@@ -401,6 +416,8 @@ def add_arguments(p) -> None:
                    help="standalone: the target's first N layers as a small LM; head: a feature-conditioned "
                         "draft head over the target's last hidden state (EAGLE-style)")
     p.add_argument("--layers", type=int, default=4, help="decoder layers (standalone draft or head)")
+    p.add_argument("--init", help="standalone: go on training this saved draft (its layers; --layers is ignored) "
+                                  "instead of starting from the target's first layers")
     p.add_argument("--unroll", type=int, default=3,
                    help="head: training-time-test steps (drafting depths trained on the head's own predictions)")
     p.add_argument("--vocab", type=int, default=8192, help="reduced LM-head size (FR-Spec); >= vocab means full")

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from engine.__main__ import main
 from engine.config import GenerationConfig
+from engine.distill import initial_draft
+from engine.drafts import draft_from_target, load_draft_dir
 from engine.engine import Engine
 from engine.models import load_pair
 
@@ -52,6 +56,20 @@ def test_distill_tiny_end_to_end(tmp_path):
     assert code == 0 and small["held_out_rows"] == card["held_out_rows"]
     assert 100 <= small["train_response_tokens"] < 100 + 25 < card["train_response_tokens"]
     assert labels[0].stat().st_mtime_ns == stamp  # labels reused, not recomputed
+    # --init goes on training the saved draft: it starts from its weights, not from the target's layers
+    start = initial_draft(engine.pair.target.model, 1, out).state_dict()
+    fresh = draft_from_target(engine.pair.target.model, 1).state_dict()
+    saved = load_draft_dir(out, engine.pair.target.model, torch.float32, torch.device("cpu"))[0].state_dict()
+    layer = "model.layers.0.mlp.down_proj.weight"
+    assert torch.equal(start[layer], saved[layer]) and not torch.allclose(start[layer], fresh[layer])
+    code = main(["distill", "--target", str(target), "--prompts", str(prompts), "--max-new-tokens", "24",
+                 "--init", str(out), "--vocab", "8", "--epochs", "1", "--lr", "1e-3", "--batch-size", "8",
+                 "--top-k", "4", "--val-fraction", "0.1", "--work-dir", str(tmp_path / "work"),
+                 "--out", str(tmp_path / "more"), "--device", "cpu"])
+    more = json.loads((tmp_path / "more" / "config.json").read_text())["specbranch_draft"]
+    first = json.loads((tmp_path / "more" / "training_log.jsonl").read_text().splitlines()[0])
+    assert code == 0 and more["init"] == str(out) and more["layers"] == 1
+    assert abs(first["val_agreement"] - card["val_agreement"]) <= 0.03  # where the first run ended
 
 
 TINY_CHAT = "{% for m in messages %}a {{ m['content'] }} <eos> {% endfor %}{% if add_generation_prompt %}b {% endif %}"
@@ -126,6 +144,7 @@ def test_distill_bad_input(tmp_path, capsys):
         (["--out", str(tmp_path / "d")], "needs training data"),
         (["--prompts", str(target / "config.json"), "--out", str(tmp_path / "d")], "not valid JSON"),
         (["--prompts", str(prompts), "--out", str(blocker / "draft")], "cannot write the draft"),
+        (["--prompts", str(prompts), "--init", str(tmp_path), "--out", str(tmp_path / "d")], "not a draft directory"),
     ]
     for extra, message in cases:
         assert main(base + extra) == 2
