@@ -23,6 +23,8 @@ class GenerationConfig:
     seed: int = 0
     gamma: int = 4  # draft block length (sd); depth cap of the speculation (pearl, specbranch)
     draft_stop: float = 0.0  # pearl, specbranch: stop drafting a round after a token drawn with confidence below this
+    feed_stop: float = 0.0  # pearl, specbranch: feed the target drafted tokens only while the draft's odds that all are
+    # accepted (the product of its confidences) stay at least this (0 = up to γ): a cheaper verify pass on a CPU
     branches: int = 3  # specbranch: most candidates at a branch point (k_max)
     epsilon: float = 0.5  # specbranch: branch at the first draft token with confidence below this
     hrad: bool = False  # specbranch: let the H-RAD classifier place branch points (off by default: docs/RESULTS.md §0b)
@@ -49,6 +51,8 @@ class GenerationConfig:
             raise SpecBranchError(f"branches must be an integer >= 1, got {self.branches!r}")
         if not (0.0 <= self.draft_stop <= 1.0):
             raise SpecBranchError(f"draft-stop must be in [0, 1] (0 = off), got {self.draft_stop!r}")
+        if not (0.0 <= self.feed_stop <= 1.0):
+            raise SpecBranchError(f"feed-stop must be in [0, 1] (0 = off), got {self.feed_stop!r}")
         if not (0.0 <= self.epsilon <= 1.0):
             raise SpecBranchError(f"epsilon must be in [0, 1], got {self.epsilon!r}")
         return self

@@ -45,6 +45,8 @@ class Fork:
     depth: int = 0  # path tokens before the branch point when it was forked
     branches: list[list[int]] = field(default_factory=list)
     branch_q: list[list[torch.Tensor]] = field(default_factory=list)
+    conf: list[float] = field(default_factory=list)  # the draft's untempered probability of each candidate
+    branch_conf: list[list[float]] = field(default_factory=list)  # ... of each branch token
 
 
 @dataclass
@@ -53,6 +55,7 @@ class Speculation:
     path: list[int] = field(default_factory=list)
     path_q: list[torch.Tensor] = field(default_factory=list)
     fork: Fork | None = None
+    path_conf: list[float] = field(default_factory=list)  # the draft's untempered probability of each path token
 
     def tokens(self) -> list[int]:
         extra = [] if self.fork is None else [t for c, b in zip(self.fork.candidates, self.fork.branches) for t in [c, *b]]
@@ -148,7 +151,8 @@ async def draft_step(state: RunState, spec: Speculation, ds: DraftState, policy:
             scheme, row = (TOPK, raw) if state.cfg.greedy else (NO_REPLACEMENT, q)
             cands = draw_candidates(row, k, scheme, state.draft_generator)
             if len(cands) > 1:
-                spec.fork = Fork(row, cands, scheme, len(spec.path), [[] for _ in cands], [[] for _ in cands])
+                spec.fork = Fork(row, cands, scheme, len(spec.path), [[] for _ in cands], [[] for _ in cands],
+                                 [float(raw[c]) for c in cands], [[] for _ in cands])
                 # the draft is as sure as the mass its candidates cover: a fork hedges an unsure token, so the
                 # draft-stop rule must not end the round before the branches are drafted
                 ds.confidence = float(raw[cands].sum())
@@ -159,6 +163,7 @@ async def draft_step(state: RunState, spec: Speculation, ds: DraftState, policy:
         ds.confidence = float(raw.max())
         spec.path.append(x)
         spec.path_q.append(q)
+        spec.path_conf.append(float(raw[x]))
         events.append(DraftProposed(state.step, [x], state.pieces([x]), [float(q[x])],
                                     parent_position=len(seq), top=[top_alternatives(q)]))
         return
@@ -172,13 +177,15 @@ async def draft_step(state: RunState, spec: Speculation, ds: DraftState, policy:
     logits, span = await state.draft_worker.run(draft.forward, x, cache, kind=BRANCH_DRAFT, step=state.step,
                                                 t0=state.t0, tokens=k)
     events.append(span)
-    ds.confidence = float(logits[:, -1].float().softmax(-1).amax(-1).max())  # the surest branch's
+    raw = logits[:, -1].float().softmax(-1)  # [k, V], untempered
+    ds.confidence = float(raw.amax(-1).max())  # the surest branch's
     for i in range(k):
         ds.rows[i] = ds.rows[i] + [last[i]]
         q = state.probs(logits[i, -1])
         t = sample(q, state.draft_generator)
         fork.branches[i].append(t)
         fork.branch_q[i].append(q)
+        fork.branch_conf[i].append(float(raw[i, t]))
         events.append(DraftProposed(state.step, [t], state.pieces([t]), [float(q[t])], branch=i + 1,
                                     parent_position=len(ds.rows[i]), top=[top_alternatives(q)], kind="branch"))
     ds.fresh = False
@@ -218,6 +225,32 @@ def line_of(spec: Speculation) -> list[int]:
     return spec.path + [spec.fork.candidates[0]] + spec.fork.branches[0]
 
 
+def line_confidence(spec: Speculation) -> list[float]:
+    """The draft's probability of each token of line_of(spec) (1.0 where none was recorded)."""
+    def padded(conf, tokens):
+        return list(conf[: len(tokens)]) + [1.0] * (len(tokens) - len(conf))
+    out = padded(spec.path_conf, spec.path)
+    if spec.fork is not None:
+        f = spec.fork
+        out += padded(f.conf[:1], f.candidates[:1]) + padded(f.branch_conf[0] if f.branch_conf else [], f.branches[0])
+    return out
+
+
+def feed_limit(confidences: list[float], stop: float) -> int:
+    """How many leading tokens of a line are worth feeding the target. Feeding token j only pays if tokens
+    1..j are all accepted (then its row yields one more token); the draft's odds of that are the product of
+    its confidences. Below `stop`, a longer verify pass costs more than it is expected to return (on a CPU
+    each extra token fed costs a share of a step; 0 feeds everything). Token j+1 is judged all the same, by
+    row j."""
+    odds, n = 1.0, 0
+    for c in confidences:
+        odds *= c
+        if odds < stop:
+            break
+        n += 1
+    return n
+
+
 def check_line(state: RunState, tokens: list[int], qs: list[torch.Tensor], rows: torch.Tensor, ends: bool,
                branch: int, events: list[Event]):
     """Verify a linear run of draft tokens against the target rows that reach it (row i judges tokens[i]).
@@ -253,7 +286,8 @@ def resolve(state: RunState, spec: Speculation, rows: torch.Tensor, events: list
         return Outcome(path[:n] + [verdict.next_token], [ACCEPTED] * n + [kind], Speculation(), spec.tokens()[n:],
                        "superseded" if verdict.bonus else "rejected")
     if spec.fork is None or len(rows) <= len(path):  # the path holds up; the rest waits for the next round
-        return Outcome(path[:n], [ACCEPTED] * n, Speculation(path[n:], spec.path_q[n:], spec.fork))
+        return Outcome(path[:n], [ACCEPTED] * n, Speculation(path[n:], spec.path_q[n:], spec.fork,
+                                                             spec.path_conf[n:]))
     fork = spec.fork  # the path was accepted and a target row reaches the branch point
     cv = verify_candidates(rows[len(path)], fork.q, fork.candidates, fork.scheme, state.generator, state.cfg.greedy)
     rescued = cv.index is not None and cv.index > 0
@@ -267,6 +301,7 @@ def resolve(state: RunState, spec: Speculation, rows: torch.Tensor, events: list
     if cv.index is None:
         return Outcome(tokens, kinds, Speculation(), losers, "all branches rejected")
     branch, branch_q = fork.branches[cv.index], fork.branch_q[cv.index]
+    branch_conf = fork.branch_conf[cv.index] if fork.branch_conf else []
     why = "losing branches"
     if cv.index == 0 and len(rows) > len(path) + 1:  # the target was fed the first branch: judge it now
         verdict = check_line(state, branch, branch_q, rows[len(path) + 1:], True, 1, events)
@@ -277,8 +312,8 @@ def resolve(state: RunState, spec: Speculation, rows: torch.Tensor, events: list
             why = "rejected on the first branch, and the losing branches"
             return Outcome(tokens + [verdict.next_token], kinds + [BONUS if verdict.bonus else CORRECTION],
                            Speculation(), losers, why)
-        branch, branch_q = branch[m:], branch_q[m:]
-    return Outcome(tokens, kinds, Speculation(branch, branch_q), losers, why, cv.index)
+        branch, branch_q, branch_conf = branch[m:], branch_q[m:], branch_conf[m:]
+    return Outcome(tokens, kinds, Speculation(branch, branch_q, None, branch_conf), losers, why, cv.index)
 
 
 async def verify_round(state: RunState, spec: Speculation, n_fed: int, logits: torch.Tensor, hidden, feats,
@@ -359,9 +394,10 @@ def parallel_decode(state: RunState, policy: Policy):
     async def step(events):
         nonlocal spec
         # verify at most one block of γ along the first branch (the rest waits for the next round), never
-        # past the token budget
+        # past the token budget, nor past where the draft's odds fall below cfg.feed_stop
         line = line_of(spec)
-        n_fed = min(len(line), state.cfg.gamma, max(state.remaining - 1, 0))
+        n_fed = min(len(line), state.cfg.gamma, max(state.remaining - 1, 0),
+                    feed_limit(line_confidence(spec), state.cfg.feed_stop))
         feed = state.tokens[len(state.target_seq):] + line[:n_fed]
         need_hidden = policy.hrad is not None or state.hrad_samples is not None
         target_job = asyncio.ensure_future(forward(state, state.pair.target, state.target_worker, state.target_cache,

@@ -6,8 +6,9 @@ import torch
 
 from engine.config import GenerationConfig
 from engine.decoding import RunState
-from engine.events import ACCEPTED, BONUS, CORRECTION, RESCUED, BranchResolved, Verified
-from engine.parallel import BranchCosts, Fork, Policy, Speculation, line_of, resolve
+from engine.events import ACCEPTED, BONUS, CORRECTION, RESCUED, VERIFY, BranchResolved, TimingSpan, Verified
+from engine.parallel import (BranchCosts, Fork, Policy, Speculation, feed_limit, line_confidence, line_of,
+                             resolve)
 from engine.sampling import TOPK
 
 V = 10
@@ -35,6 +36,37 @@ def test_line_reads_the_first_branch():
     spec = forked([4], [5, 6], [[7, 8], [9]])
     assert line_of(spec) == [4, 5, 7, 8]
     assert line_of(Speculation([4, 5])) == [4, 5]
+
+
+def test_feed_limit_follows_the_odds_along_the_first_branch():
+    """The line is fed while the product of the draft's confidences stays at or above the stop: through a
+    fork, the first candidate's probability counts, and so do its branch's tokens."""
+    q = torch.full((V,), 1.0 / V, dtype=torch.float64)
+    fork = Fork(q, [5, 6], TOPK, 1, [[7, 8], [9]], [[q, q], [q]], conf=[0.4, 0.3], branch_conf=[[0.9, 0.5], [0.8]])
+    spec = Speculation([4], [q], fork, path_conf=[0.9])
+    assert line_of(spec) == [4, 5, 7, 8]
+    confidences = line_confidence(spec)
+    assert confidences == [0.9, 0.4, 0.9, 0.5]
+    # odds along the line: 0.9, 0.36, 0.324, 0.162
+    assert [feed_limit(confidences, stop) for stop in (0.0, 0.2, 0.33, 0.5, 0.95)] == [4, 3, 2, 1, 0]
+    # a token with no recorded confidence is fed as before; a partly verified path keeps its own odds
+    assert line_confidence(Speculation([4, 5], [q, q])) == [1.0, 1.0]
+    assert feed_limit([0.5, 0.5], 0.3) == 1 and feed_limit([], 0.3) == 0
+
+
+def test_feed_stop_shortens_verify_passes_and_stays_greedy(tiny_engine):
+    """Through the engine: with a feed stop the target is fed fewer drafted tokens per verify pass, and the
+    output is still the target's own greedy output (the token after the fed ones is judged by the last row)."""
+    prompt = [2, 3, 4, 5]
+    want = tiny_engine.run(prompt, GenerationConfig(method="ar", max_new_tokens=40)).token_ids
+    fed = {}
+    for stop in (0.0, 0.6):
+        r = tiny_engine.run(prompt, GenerationConfig(method="specbranch", max_new_tokens=40, gamma=4, epsilon=0.7,
+                                                     feed_stop=stop))
+        assert r.token_ids == want
+        spans = [e for e in r.events if isinstance(e, TimingSpan) and e.kind == VERIFY]
+        fed[stop] = sum(e.tokens for e in spans) / len(spans)
+    assert fed[0.6] < fed[0.0]
 
 
 def test_first_candidate_right_goes_on_along_its_branch(tiny_engine):

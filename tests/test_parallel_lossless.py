@@ -18,6 +18,7 @@ N = 1500
 @pytest.mark.parametrize("method, extra", [
     ("pearl", dict(gamma=2)),
     ("specbranch", dict(gamma=3, branches=3, epsilon=1.0)),  # ε = 1: fork at every fresh draft step
+    ("specbranch", dict(gamma=3, branches=3, epsilon=1.0, feed_stop=0.5)),  # shorter verify passes
     ("specbranch", dict(gamma=2, branches=2, epsilon=1.0, top_k=5, top_p=0.9, temperature=0.8)),
 ])
 def test_sampled_first_tokens_follow_target(tiny_engine, method, extra):
@@ -61,6 +62,7 @@ def greedy_references(embedded_target):
 @pytest.mark.parametrize("method, extra", [
     ("pearl", dict(gamma=4)),
     ("specbranch", dict(gamma=4, branches=3, epsilon=0.9)),
+    ("specbranch", dict(gamma=4, branches=3, epsilon=0.9, feed_stop=0.4)),
 ])
 def test_greedy_equals_generate(embedded_target, greedy_references, method, extra):
     engine = engine_with_draft(embedded_target, "truncated:6")
@@ -83,7 +85,8 @@ def test_long_runs_to_the_context_end_match_ar(tiny_engine, method, gamma):
         want = tiny_engine.run(prompt, GenerationConfig(method="ar", max_new_tokens=100)).token_ids
         assert len(want) == 64 - len(prompt)
         for epsilon in (0.5, 0.7, 1.0):
-            cfg = dict(method=method, max_new_tokens=100, gamma=gamma, branches=3, epsilon=epsilon)
+            cfg = dict(method=method, max_new_tokens=100, gamma=gamma, branches=3, epsilon=epsilon,
+                       feed_stop=0.4 if epsilon == 0.7 else 0.0)
             assert tiny_engine.run(prompt, GenerationConfig(**cfg)).token_ids == want
             s = tiny_engine.run(prompt, GenerationConfig(**cfg, temperature=1.0, seed=int(epsilon * 10)))
             assert len(s.token_ids) == 64 - len(prompt) and s.finish_reason == "length"
