@@ -26,6 +26,14 @@ if [[ $STAGE == all || $STAGE == main ]]; then  # labels 18 min, then ~13 min an
   $PY -m engine distill $COMMON --layers 6 --epochs 3 --lr 1e-3 --out runs/drafts/main-v2
 fi
 
+if [[ $STAGE == v3 ]]; then  # the shipped draft now: main-v2 trained on, with self2 added (labels ~35 min, then
+  # ~20 min an epoch). It starts from main-v2 as committed at 75303b3 (engine/drafts/ holds v3 since).
+  mkdir -p runs/v2-init && git archive 75303b3 engine/drafts/smollm2-135m-draft | tar -x -C runs/v2-init
+  $PY -m engine distill $CORPORA --corpus data/self2_smollm2_135m.jsonl \
+      --init runs/v2-init/engine/drafts/smollm2-135m-draft --vocab 8192 --epochs 2 --lr 5e-4 --batch-size 16 \
+      --label-batch-size 16 --seed 0 --threads 2 --max-minutes 45 --work-dir runs/distill-v3 --out runs/draft-v3
+fi
+
 if [[ $STAGE == all || $STAGE == curve ]]; then  # data-size curve: 2 layers, 1 epoch, same held-out rows
   for n in 75000 150000 300000 0; do
     $PY -m engine distill $COMMON --layers 2 --epochs 1 --lr 1e-3 --max-tokens $n --out runs/drafts/curve-l2-$n
