@@ -59,7 +59,7 @@ Hover a node for p, q, p/q and u. Pick a step with ◀ ▶, the slider, or a mar
 
 
 # The Live and Compare defaults, chosen by the bench on data/tuning_prompts.jsonl (docs/RESULTS.md §0)
-DEFAULTS = {"gamma": 3, "epsilon": 0.5, "draft_stop": 0.3, "hrad": False}
+DEFAULTS = {"gamma": 3, "epsilon": 0.5, "draft_stop": 0.3, "feed_stop": 0.0, "hrad": False}
 # H-RAD ships off: on held-out prompts it placed branch points no better than the draft's confidence alone
 # (classification and speed, docs/RESULTS.md §0b); the checkbox says so where the user decides
 HRAD_LABEL = ("H-RAD (classifier places branch points). Off by default: on held-out prompts it was no faster "
@@ -75,7 +75,7 @@ def examples() -> list[list]:
     return out
 
 
-def make_config(method, max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, hrad,
+def make_config(method, max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, feed_stop, hrad,
                 seed) -> GenerationConfig:
     """Build and validate settings from the controls; raises SpecBranchError with the reason."""
     def number(value, name, cast):
@@ -87,7 +87,9 @@ def make_config(method, max_new, temperature, top_p, gamma, branches, epsilon, d
                             temperature=number(temperature, "temperature", float),
                             top_p=number(top_p, "top-p", float), gamma=number(gamma, "γ", int),
                             branches=number(branches, "branches k", int), epsilon=number(epsilon, "ε", float),
-                            draft_stop=number(draft_stop, "draft stop", float), hrad=bool(hrad), seed=number(seed, "seed", int)).validate()
+                            draft_stop=number(draft_stop, "draft stop", float),
+                            feed_stop=number(feed_stop, "feed stop", float), hrad=bool(hrad),
+                            seed=number(seed, "seed", int)).validate()
 
 
 def message_text(message: dict) -> str:
@@ -159,12 +161,14 @@ def build_app(get_engine, get_store=None) -> gr.Blocks:
         pair = engine.pair
         return stored_ar_speed(store, owner, prompt, (pair.target.name, pair.draft.name if pair.draft else None))
 
-    def generate(prompt, history, method, max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, hrad, seed, chat,
+    def generate(prompt, history, method, max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, feed_stop,
+                 hrad, seed, chat,
                  browser_id=None, show_rollbacks=False, request: gr.Request = None):
         history = list(history or [])
         events: list[Event] = []
         try:
-            cfg = make_config(method, max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, hrad, seed)
+            cfg = make_config(method, max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, feed_stop, hrad,
+                              seed)
             if not prompt or not prompt.strip():
                 raise SpecBranchError("the prompt is empty")
             engine = get_engine()
@@ -223,7 +227,8 @@ def build_app(get_engine, get_store=None) -> gr.Blocks:
     def rerender_tokens(show_rollbacks, events):
         return token_view(events or [], bool(show_rollbacks))
 
-    def compare(prompt, methods, max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, hrad, seed, chat,
+    def compare(prompt, methods, max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, feed_stop, hrad, seed,
+                chat,
                 browser_id=None, request: gr.Request = None):
         """Run each chosen method once, one after another (clean timings); the race then replays them."""
         try:
@@ -232,7 +237,8 @@ def build_app(get_engine, get_store=None) -> gr.Blocks:
                 return
             if not prompt or not prompt.strip():
                 raise SpecBranchError("the prompt is empty")
-            cfgs = [make_config(m, max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, hrad, seed) for m in methods]
+            cfgs = [make_config(m, max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, feed_stop, hrad, seed)
+                    for m in methods]
             engine = get_engine()
             ids = engine.encode(prompt, bool(chat))
             engine.check_prompt(ids)
@@ -283,6 +289,9 @@ def build_app(get_engine, get_store=None) -> gr.Blocks:
                                         label="ε: branch below this draft confidence [0, 1]")
                     draft_stop = gr.Slider(0, 1, value=DEFAULTS["draft_stop"], step=0.05,
                                            label="Draft stop: end a round's drafting below this confidence (0 = off)")
+                    feed_stop = gr.Slider(0, 1, value=DEFAULTS["feed_stop"], step=0.05,
+                                          label="Feed stop: verify drafted tokens only while the draft's odds that all "
+                                                "are accepted stay above this (0 = up to γ)")
                     hrad = gr.Checkbox(DEFAULTS["hrad"], label=HRAD_LABEL, elem_id="hrad")
                     seed = gr.Number(0, precision=0, label="Seed (integer)")
                     chat = gr.Checkbox(True, label="Chat template (off: raw text, e.g. code completion)")
@@ -328,7 +337,7 @@ def build_app(get_engine, get_store=None) -> gr.Blocks:
         with gr.Tab("How to read this"):
             gr.Markdown(TEACHING)
 
-        controls = [max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, hrad, seed, chat]
+        controls = [max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, feed_stop, hrad, seed, chat]
         views = [tokens, metrics, notices, glance, tree, timeline, nav.strip, acceptance, cumulative]
         outputs = [chatbot, *views, nav.slider, nav.notice, events_state]
         demo.load(browser_identity, browser, browser, api_visibility="private")
