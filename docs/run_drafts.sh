@@ -26,8 +26,9 @@ if [[ $STAGE == all || $STAGE == main ]]; then  # labels 18 min, then ~13 min an
   $PY -m engine distill $COMMON --layers 6 --epochs 3 --lr 1e-3 --out runs/drafts/main-v2
 fi
 
-if [[ $STAGE == v3 ]]; then  # the shipped draft now: main-v2 trained on, with self2 added (labels ~35 min, then
-  # ~20 min an epoch). It starts from main-v2 as committed at 75303b3 (engine/drafts/ holds v3 since).
+if [[ $STAGE == v3 ]]; then  # the next draft (not shipped yet): the shipped draft, trained on with self2 added.
+  # On this session's machine the labels of 971k tokens took 60 min and a training step 4-6 s (~40 min an
+  # epoch), so the run was stopped after 50 steps; the labels stay in runs/distill-v3 for the next run.
   mkdir -p runs/v2-init && git archive 75303b3 engine/drafts/smollm2-135m-draft | tar -x -C runs/v2-init
   $PY -m engine distill $CORPORA --corpus data/self2_smollm2_135m.jsonl \
       --init runs/v2-init/engine/drafts/smollm2-135m-draft --vocab 8192 --epochs 2 --lr 5e-4 --batch-size 16 \
