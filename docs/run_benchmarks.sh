@@ -58,3 +58,19 @@ $PY -m engine costs --draft embedded-head --reps 30 --bench docs/bench-cpu-head-
 
 # 9. issue 13: the ablation (3 seeds, T=0 and T=1), the poorly aligned regime, k-row costs and the
 #    measured-cost branch policy: docs/run_ablation.sh (docs/RESULTS.md §0b)
+
+# 10. where a verify pass's cost goes, the feed stop and measured-cost branching on the tuning prompts, and
+#     bfloat16 (docs/RESULTS.md §0c)
+PYTHONPATH=. $PY docs/profile_step.py
+for dt in float32 bfloat16; do
+  $PY -m engine costs --dtype $dt --draft embedded --max-tokens 8 --max-rows 1 --reps 15 --json docs/costs-cpu-$dt.json
+done
+$PY -m engine bench --dtype bfloat16 --methods ar,sd,pearl,specbranch --draft embedded --dataset all --limit 2 \
+    --max-new-tokens 64 --temperature 0 --gamma 3 --draft-stop 0.3 --epsilon 0.5 --branches 3 \
+    --json docs/bench-cpu-bf16-t0.json
+TUNE="--methods ar,pearl,specbranch --draft embedded --dataset data/tuning_prompts.jsonl --max-new-tokens 128 \
+      --temperature 0 --gamma 3 --draft-stop 0.3 --epsilon 0.5 --branches 3"
+for f in 0 0.2 0.35 0.5; do
+  $PY -m engine bench $TUNE --feed-stop $f --json docs/tune-feed-$f.json
+done
+$PY -m engine bench $TUNE --branch-costs --json docs/tune-branch-costs.json
