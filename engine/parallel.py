@@ -2,7 +2,8 @@
 
 Each round two jobs run at the same time, each on its own worker thread:
   target  verifies the next block of the pending speculation read along its first branch (line_of):
-          one forward over [unfed committed tokens, (path + candidate 1 + its branch)[:γ]]
+          one forward over [unfed committed tokens, (path + candidate 1 + its branch)[:γ]], cut where the
+          draft's odds that all of it is accepted fall below --feed-stop (feed_limit)
   draft   drafts on beyond everything pending until the verdict lands (at least one step; at most
           2γ deep; ending early after a token it is unsure of, --draft-stop): linearly, or, once the
           policy expects a rejection, as k branches from k candidates, all in one batched forward a step
