@@ -27,7 +27,7 @@ from . import cache as kv
 from .config import SpecBranchError
 from .drafts import draft_from_target, is_specbranch_draft, load_draft_dir, place
 from .head import FeatureHead, HeadLM, is_head_dir, load_head_dir
-from .lm_head import HeadMatmul
+from .lm_head import HeadMatmul, fast_linears
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DRAFTS_DIR = Path(__file__).resolve().parent / "drafts"
@@ -152,6 +152,7 @@ class LM:
     head_ids: torch.Tensor | None = None  # reduced LM head (FR-Spec): logits only for these ids, -inf elsewhere
 
     def __post_init__(self):
+        fast_linears(self.model)  # a decode step's one row and a verify pass's few rows, each in its fast layout
         head = self.model.get_output_embeddings()
         self._head = None
         if self.head_ids is not None:  # the rows of the (shared, frozen) head that the draft computes
