@@ -33,3 +33,13 @@ $PY -m engine costs --draft embedded --max-rows 3 --max-tokens 4 --json docs/cos
 # 4. the measured-cost branch policy (--branch-costs) against PEARL and the paper's k rule, same prompts
 $PY -m engine bench --methods ar,pearl,specbranch-no-hrad --draft embedded --dataset all --limit $N \
     --max-new-tokens $TOK --temperature 0 $COMMON --branch-costs --json docs/branch-costs-t0.json
+
+# 5. the engine as it is after the row-count layouts (docs/RESULTS.md §0c): ar, sd, pearl, specbranch (the
+#    defaults: no H-RAD, no feed stop) on the same prompts, T=0 and T=1, seeds 0-2
+for t in 0 1; do
+  for s in 0 1 2; do
+    $PY -m engine bench --methods ar,sd,pearl,specbranch --draft embedded --dataset all --limit $N \
+        --max-new-tokens $TOK --temperature $t --seed $s $COMMON --json docs/layouts-t$t-s$s.json
+  done
+  $PY -m engine summarize docs/layouts-t$t-s{0,1,2}.json --json docs/layouts-t$t.json
+done
