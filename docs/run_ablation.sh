@@ -35,8 +35,8 @@ $PY -m engine bench --methods ar,pearl,specbranch-no-hrad --draft embedded --dat
     --max-new-tokens $TOK --temperature 0 $COMMON --branch-costs --json docs/branch-costs-t0.json
 
 # 5. the engine as it is after the row-count layouts (docs/RESULTS.md §0c): ar, sd, pearl, specbranch (the
-#    defaults: no H-RAD, no feed stop) on the same prompts, T=0 and T=1, seeds 0-2
-for t in 0 1; do
+#    defaults: no H-RAD, no feed stop) on the same prompts, T=0, seeds 0-2 (T=1 not run yet)
+for t in 0; do
   for s in 0 1 2; do
     $PY -m engine bench --methods ar,sd,pearl,specbranch --draft embedded --dataset all --limit $N \
         --max-new-tokens $TOK --temperature $t --seed $s $COMMON --json docs/layouts-t$t-s$s.json

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-LAYER_MAX_ROWS = 6  # above this, F.linear is as fast for the decoder layers' small matrices
+LAYER_MAX_ROWS = 3  # from 4 rows F.linear was faster in the whole forward (docs/RESULTS.md §0c)
 COPY_BUDGET = 2 << 30  # bytes of transposed copies (the one-row layout) a model may add
 
 
