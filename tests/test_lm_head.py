@@ -1,5 +1,5 @@
-"""The CPU's row-count matmul layouts (engine/lm_head.py): the same product as F.linear for every row count,
-each layout taken where it should be, and fast_linears routes a model's linear layers through them without
+"""The CPU's row-count matmul layouts (engine/lm_head.py): the same product as F.linear for every row count, with
+and without the one-row copy and the row cap; fast_linears routes a model's linear layers through them without
 changing what the model computes (beyond float rounding) and without touching its LM head."""
 from __future__ import annotations
 
