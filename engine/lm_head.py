@@ -66,7 +66,8 @@ def fast_linears(model: torch.nn.Module) -> int:
     room = COPY_BUDGET
     for m in layers:
         size = m.weight.numel() * m.weight.element_size()
-        m.forward = HeadMatmul(m.weight, LAYER_MAX_ROWS, one_row=size <= room)
-        room -= size if size <= room else 0
+        one_row = size <= room
+        room -= size if one_row else 0
+        m.forward = HeadMatmul(m.weight, LAYER_MAX_ROWS, one_row)
         m._fast_layout = True
     return len(layers)
