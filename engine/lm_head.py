@@ -1,54 +1,74 @@
-"""Matmuls in the layout the CPU's BLAS runs fastest for the number of rows: the LM head, and (fast_linears)
-every bias-free linear layer of a float32 model on the CPU.
+"""Matmuls in the layout the CPU runs fastest for the number of rows: the LM head, and (fast_linears) every
+bias-free linear layer of a float32 model on the CPU.
 
-Measured on the 2-core machine (1 thread, fp32), for SmolLM2's 49,152 x 576 head (docs/RESULTS.md §0):
-  rows   F.linear(x, W)   x @ Wᵀ (Wᵀ stored contiguous)   (W @ xᵀ)ᵀ
-  1        11.5 ms          5.1 ms                          11.8 ms
-  2        24.6 ms         10.7 ms                           5.6 ms
-  3        37.2 ms         15.1 ms                           8.1 ms
-  4        18.5 ms         21.3 ms                           8.7 ms
-  8        20.4 ms         24.1 ms                          14.6 ms
-and for all 30 decoder layers' linears in turn, their weights streamed from memory as in a real step
-(docs/RESULTS.md §0c; medians of 21 passes):
-  rows   F.linear   x @ Wᵀ   (W @ xᵀ)ᵀ
-  1       51.9 ms   36.1 ms   44.5 ms
-  2       59.9      55.2      25.2
-  3       69.3      62.0      38.7
-  4       50.0      73.3      39.2
-  6       59.2      65.1      60.0
-  8       60.5      76.0     112.8
-A decode step feeds one row, a verify pass a few: each gets its fast layout. The product is the same up to
-float rounding (the summation order differs, as it already does between F.linear's own kernels).
+A decode step feeds one row, a verify pass (or a k-branch draft step) a few. On this CPU the BLAS behind F.linear
+is fast for one row only: 2-3 rows cost 1.5-2x one. oneDNN with the weight packed once for 4 rows
+(torch.ops.mkldnn, what torch.compile's CPU freezing uses) costs about what one row costs up to ~6 rows, and less
+than F.linear for a whole prefill. Its rows do not depend on how many rows are fed (bit for bit), so 2-3 rows are
+padded to 4, the cheaper kernel, without changing them. Whole target forward of the embedded target, 1 thread,
+interleaved medians (docs/RESULTS.md §0d):
+  tokens                     1     2     3     4     5     6     8
+  before (F.linear et al.)  56    84    98    81    92   102   103 ms
+  packed for 4 rows          -    69    58    56    55    56    69 ms
+One row keeps x @ Wᵀ with Wᵀ stored contiguous (a matrix-vector product that streams the weight once), which
+beats both. The product is the same up to float rounding (the summation order differs between kernels, as it
+already does between F.linear's own).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-LAYER_MAX_ROWS = 3  # from 4 rows F.linear was faster in the whole forward (docs/RESULTS.md §0c)
-COPY_BUDGET = 2 << 30  # bytes of transposed copies (the one-row layout) a model may add
+PACK_ROWS = 4  # oneDNN packs each weight for this many rows; fewer rows are padded to it
+LAYER_MAX_ROWS = 3  # without oneDNN: (W @ xᵀ)ᵀ up to this many rows, F.linear from there
+COPY_BUDGET = 2 << 30  # bytes of copies (packed and transposed layouts) fast_linears may add to a model
+
+
+def packed_weight(w: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's copy of a float32 CPU weight [N, K] packed for PACK_ROWS rows, or None where this torch has no
+    oneDNN (the caller then uses its other layouts)."""
+    if w.device.type != "cpu" or w.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS)
+    except (AttributeError, RuntimeError):  # an op this torch build lacks
+        return None
+
+
+def packed_matmul(flat: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """flat [R, K] @ Wᵀ through the packed weight; R < PACK_ROWS is padded with zero rows (which do not change
+    the real rows: tests/test_lm_head.py)."""
+    rows = flat.shape[0]
+    if rows < PACK_ROWS:
+        flat = torch.cat([flat, flat.new_zeros(PACK_ROWS - rows, flat.shape[1])])
+    return torch.ops.mkldnn._linear_pointwise(flat, packed, None, "none", [], "")[:rows]
 
 
 class HeadMatmul:
-    """out = x @ Wᵀ for x [..., H] and W [V, H] (no bias), in the fast layout for the number of rows; more than
-    `max_rows` rows (or a gradient to track) go through F.linear. `one_row=False` skips the transposed copy
-    that the one-row layout needs (one row then goes through F.linear as well)."""
+    """out = x @ Wᵀ for x [..., H] and W [V, H] (no bias), in the fast layout for the number of rows. A gradient
+    to track goes through F.linear. `one_row=False` skips the transposed copy the one-row layout needs, and
+    `packed=False` the oneDNN copy (each falls back to F.linear / (W @ xᵀ)ᵀ); `max_rows` caps (W @ xᵀ)ᵀ."""
 
-    def __init__(self, weight: torch.Tensor, max_rows: int | None = None, one_row: bool = True):
+    def __init__(self, weight: torch.Tensor, max_rows: int | None = None, one_row: bool = True, packed: bool = True):
         self.w = weight.detach()  # [V, H]
         self.cpu = self.w.device.type == "cpu"
         self.max_rows = max_rows
         self.wt = self.w.t().contiguous() if self.cpu and one_row else None  # [H, V]: the one-row layout (a copy)
+        self.packed = packed_weight(self.w) if packed else None  # the few-rows layout (a copy), or None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         flat = x.reshape(rows, x.shape[-1]).to(self.w.dtype)
         if not self.cpu:
             out = flat @ self.w.t()
-        elif (self.max_rows is not None and rows > self.max_rows) or (torch.is_grad_enabled() and x.requires_grad):
+        elif torch.is_grad_enabled() and x.requires_grad:
             out = F.linear(flat, self.w)
-        elif rows == 1:
-            out = flat @ self.wt if self.wt is not None else F.linear(flat, self.w)
+        elif rows == 1 and self.wt is not None:
+            out = flat @ self.wt
+        elif rows > 1 and self.packed is not None:
+            out = packed_matmul(flat, self.packed)
+        elif rows == 1 or (self.max_rows is not None and rows > self.max_rows):
+            out = F.linear(flat, self.w)
         else:
             out = (self.w @ flat.t()).t()
         return out.reshape(*x.shape[:-1], -1)
@@ -57,8 +77,8 @@ class HeadMatmul:
 def fast_linears(model: torch.nn.Module) -> int:
     """Route the bias-free linear layers of a float32 model on the CPU through HeadMatmul (a decode step's one
     row and a verify pass's few rows each in their fast layout); the LM head is left to the caller. Adds a
-    transposed copy of each weight for the one-row layout while they fit in COPY_BUDGET bytes. Idempotent.
-    Returns how many layers were routed."""
+    packed and a transposed copy of each weight while they fit in COPY_BUDGET bytes. Idempotent. Returns how
+    many layers were routed."""
     layers = [m for name, m in model.named_modules()
               if isinstance(m, torch.nn.Linear) and m.bias is None and "lm_head" not in name
               and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
@@ -66,8 +86,10 @@ def fast_linears(model: torch.nn.Module) -> int:
     room = COPY_BUDGET
     for m in layers:
         size = m.weight.numel() * m.weight.element_size()
+        packed = size <= room  # the few-rows copy first: verify passes gain most from it
+        room -= size if packed else 0
         one_row = size <= room
         room -= size if one_row else 0
-        m.forward = HeadMatmul(m.weight, LAYER_MAX_ROWS, one_row)
+        m.forward = HeadMatmul(m.weight, LAYER_MAX_ROWS, one_row, packed)
         m._fast_layout = True
     return len(layers)

@@ -1,22 +1,26 @@
 """The CPU's row-count matmul layouts (engine/lm_head.py): the same product as F.linear for every row count, with
-and without the one-row copy and the row cap; fast_linears routes a model's linear layers through them without
+and without the one-row copy, the packed copy and the row cap; the packed path's rows do not depend on how many
+rows are fed (so padding 2-3 rows to PACK_ROWS changes nothing); fast_linears routes a model's linear layers through them without
 changing what the model computes (beyond float rounding) and without touching its LM head."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from engine.config import GenerationConfig
-from engine.lm_head import LAYER_MAX_ROWS, HeadMatmul, fast_linears
+from engine.lm_head import LAYER_MAX_ROWS, PACK_ROWS, HeadMatmul, fast_linears, packed_matmul, packed_weight
 from engine.models import load_pair
 
 
 def test_every_row_count_gives_the_linear_product():
     torch.manual_seed(0)
     w = torch.randn(96, 40)
-    for max_rows, one_row in ((None, True), (LAYER_MAX_ROWS, True), (LAYER_MAX_ROWS, False)):
-        mm = HeadMatmul(w, max_rows, one_row)
+    for max_rows, one_row, packed in ((None, True, True), (LAYER_MAX_ROWS, True, False), (LAYER_MAX_ROWS, False, False),
+                                      (None, False, True)):
+        mm = HeadMatmul(w, max_rows, one_row, packed)
         assert (mm.wt is not None) == one_row
+        assert (mm.packed is not None) == (packed and torch.backends.mkldnn.is_available())
         for rows in (1, 2, 3, 4, 6, 8, 17):
             x = torch.randn(1, rows, 40)
             out = mm(x)
@@ -26,6 +30,23 @@ def test_every_row_count_gives_the_linear_product():
     x = torch.randn(2, 40, requires_grad=True)
     HeadMatmul(w, LAYER_MAX_ROWS)(x).sum().backward()
     torch.testing.assert_close(x.grad, w.sum(0).expand(2, 40))
+
+
+def test_packed_rows_do_not_depend_on_how_many_are_fed():
+    """A verify pass's row t must be what the packed kernel gives row t fed with any other rows: padding 2-3
+    rows to PACK_ROWS with zeros, or feeding a longer line, changes no bit of it."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no oneDNN: HeadMatmul uses its other layouts (the test above covers them)")
+    torch.manual_seed(1)
+    w = torch.randn(200, 64)
+    packed = packed_weight(w)
+    assert packed is not None
+    x = torch.randn(9, 64)
+    alone = torch.cat([packed_matmul(x[i:i + 1], packed) for i in range(9)])  # each row padded to PACK_ROWS
+    for rows in range(1, 10):
+        assert torch.equal(packed_matmul(x[:rows], packed), alone[:rows]), rows
+    torch.testing.assert_close(alone, F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert packed_matmul(x[:1], packed).shape == (1, 200) and PACK_ROWS > 1  # padding rows are cut off
 
 
 def test_fast_linears_routes_the_layers_not_the_head(tmp_path):
