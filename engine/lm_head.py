@@ -5,11 +5,11 @@ A decode step feeds one row, a verify pass (or a k-branch draft step) a few. On 
 is fast for one row only: 2-3 rows cost 1.5-2x one. oneDNN with the weight packed once for 4 rows
 (torch.ops.mkldnn, what torch.compile's CPU freezing uses) costs about what one row costs up to ~6 rows, and less
 than F.linear for a whole prefill. Its rows do not depend on how many rows are fed (bit for bit), so 2-3 rows are
-padded to 4, the cheaper kernel, without changing them. Whole target forward of the embedded target, 1 thread,
-interleaved medians (docs/RESULTS.md §0d):
-  tokens                     1     2     3     4     5     6     8
-  before (F.linear et al.)  56    84    98    81    92   102   103 ms
-  packed for 4 rows          -    69    58    56    55    56    69 ms
+padded to 4, the cheaper kernel, without changing them. Whole forward of the embedded target on a 200-token
+cache, 1 thread, interleaved medians (docs/ab_layouts.py, docs/RESULTS.md §0d):
+  tokens                       1      2      3      4      5      6      8
+  without the packed copies  59.3   87.0  100.3   91.2  112.4  112.9  115.3 ms
+  with them                  58.1   67.0   63.9   62.2   62.5   64.3   75.6 ms
 One row keeps x @ Wᵀ with Wᵀ stored contiguous (a matrix-vector product that streams the weight once), which
 beats both. The product is the same up to float rounding (the summation order differs between kernels, as it
 already does between F.linear's own).
