@@ -14,8 +14,10 @@ L is the label horizon (default 4).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import random
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -267,10 +269,21 @@ def training_rows(corpora: list[Path], limit: int, seed: int) -> list[dict]:
     return picked[:limit]
 
 
-def save_samples(path: Path, sets: dict[str, list[Sample]]) -> None:
-    """Collected samples as plain tensors."""
+def samples_key(pair, settings: dict) -> dict:
+    """What collected samples depend on: both models' weights (a digest) and the collection settings. Samples
+    collected with another draft (same shapes, other weights) must not be reused."""
+    digest = hashlib.sha256()
+    for lm in (pair.target, pair.draft):
+        for name, t in sorted(lm.model.state_dict().items()):
+            digest.update(name.encode())
+            digest.update(t.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy())
+    return {"weights_sha256": digest.hexdigest(), **settings}
+
+
+def save_samples(path: Path, sets: dict[str, list[Sample]], key: dict) -> None:
+    """Collected samples as plain tensors, with the key they were collected under."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    blob = {}
+    blob = {"key": json.dumps(key, sort_keys=True)}
     for name, rows in sets.items():
         blob[name] = {"prompt": torch.tensor([s.prompt for s in rows], dtype=torch.long),
                       "features": torch.stack([s.features for s in rows]).half() if rows else torch.zeros(0),
@@ -279,8 +292,12 @@ def save_samples(path: Path, sets: dict[str, list[Sample]]) -> None:
     torch.save(blob, path)
 
 
-def load_samples(path: Path) -> dict[str, list[Sample]]:
+def load_samples(path: Path, key: dict) -> dict[str, list[Sample]] | None:
+    """The samples saved at `path`, or None when they were collected under another key (other weights or
+    settings) or by an older version without one: the caller collects them anew."""
     blob = torch.load(path)
+    if blob.get("key") != json.dumps(key, sort_keys=True):
+        return None
     return {name: [Sample(int(p), f.float(), float(c), int(y)) for p, f, c, y in
                    zip(t["prompt"], t["features"], t["confidence"], t["label"])]
             for name, t in blob.items() if isinstance(t, dict)}
@@ -310,9 +327,15 @@ def run_train_hrad(args) -> dict:
         raise SpecBranchError(f"--out must name a .safetensors file, got {out}")
     engine = args.build_engine(args)
     samples_path = Path(args.samples)
-    if samples_path.exists():  # reuse what was collected to try other classifier settings
-        sets = load_samples(samples_path)
-    else:
+    key = samples_key(engine.pair, {"corpora": [str(c) for c in corpora], "limit": args.limit, "seed": args.seed,
+                                    "horizon": args.horizon, "held_out_limit": args.held_out_limit,
+                                    "max_new_tokens": args.max_new_tokens})
+    # reuse what was collected for this pair and these settings (to try other classifier settings)
+    sets = load_samples(samples_path, key) if samples_path.exists() else None
+    if sets is None and samples_path.exists():
+        print(f"train-hrad: the samples at {samples_path} were collected for other weights or settings; "
+              "collecting anew", file=sys.stderr)
+    if sets is None:
         train = [s for i, r in enumerate(tqdm(rows, desc="samples (training prompts)", unit="prompt"))
                  for s in forced_samples(engine.pair, r["prompt_ids"], r["response_ids"], args.horizon, i)]
         held_out = []
@@ -321,7 +344,7 @@ def run_train_hrad(args) -> dict:
             reply = engine.run(ids, GenerationConfig(method="ar", max_new_tokens=args.max_new_tokens)).token_ids
             held_out += forced_samples(engine.pair, ids, reply, args.horizon, len(rows) + j)
         sets = {"train": train, "held_out": held_out}
-        save_samples(samples_path, sets)
+        save_samples(samples_path, sets, key)
     if len({s.prompt for s in sets["train"]}) < 2:
         raise SpecBranchError(f"{len(sets['train'])} labelled samples from {len(rows)} prompts: too few to train "
                               "and validate by prompt (raise --limit)")

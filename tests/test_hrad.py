@@ -1,6 +1,7 @@
 """H-RAD on tiny random-weight models: its samples' features, confidences and labels against a
 response with known accepted runs, the features the engine reads at run time, training end to end,
-and the refusals (weights for another pair, no usable rows)."""
+and the refusals (weights for another pair, no usable rows); collected samples are reused only for the
+weights and settings they were collected with."""
 from __future__ import annotations
 
 import json
@@ -13,8 +14,8 @@ from engine.__main__ import main
 from engine.config import GenerationConfig
 from engine.engine import Engine
 from engine.events import Notice
-from engine.hrad import (HRAD, Sample, evaluate, forced_samples, macro_f1, pair_signature, save_hrad,
-                         split_by_prompt, train_classifier)
+from engine.hrad import (HRAD, Sample, evaluate, forced_samples, load_samples, macro_f1, pair_signature,
+                         samples_key, save_hrad, save_samples, split_by_prompt, train_classifier)
 from engine.models import load_pair
 
 PROMPT = [2, 3, 4]
@@ -176,3 +177,25 @@ def test_train_hrad_end_to_end_loads_and_stays_lossless(tiny_dirs, tiny_engine, 
             assert engine.run(p, GenerationConfig(method="specbranch", max_new_tokens=25, gamma=3, hrad=True)).token_ids == want
     finally:
         engine.close()
+
+
+def test_saved_samples_are_reused_only_for_the_same_weights_and_settings(tiny_dirs, tmp_path):
+    """A draft retrained in place keeps its shapes (pair_signature cannot tell), so the samples cache is keyed
+    by a digest of both models' weights and by the collection settings."""
+    pair = load_pair(str(tiny_dirs["target"]), str(tiny_dirs["draft"]), device="cpu")
+    key = samples_key(pair, {"limit": 8, "horizon": 4})
+    sets = {"train": [Sample(p, torch.randn(5), 0.25 * p, p % 3) for p in range(4)], "held_out": []}
+    path = tmp_path / "s.pt"
+    save_samples(path, sets, key)
+    back = load_samples(path, samples_key(pair, {"limit": 8, "horizon": 4}))
+    assert [(s.prompt, s.confidence, s.label) for s in back["train"]] == [(s.prompt, s.confidence, s.label)
+                                                                          for s in sets["train"]]
+    torch.testing.assert_close(back["train"][0].features, sets["train"][0].features.half().float())
+    assert load_samples(path, samples_key(pair, {"limit": 9, "horizon": 4})) is None  # other settings
+    with torch.no_grad():  # the same draft, one weight changed: what retraining it in place does
+        next(pair.draft.model.parameters())[0, 0] += 1.0
+    assert pair_signature(pair) == pair_signature(load_pair(str(tiny_dirs["target"]), str(tiny_dirs["draft"]),
+                                                            device="cpu"))
+    assert load_samples(path, samples_key(pair, {"limit": 8, "horizon": 4})) is None
+    torch.save({"train": {}}, path)  # a cache from before the key
+    assert load_samples(path, key) is None
