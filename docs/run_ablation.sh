@@ -34,12 +34,21 @@ $PY -m engine costs --draft embedded --max-rows 3 --max-tokens 4 --json docs/cos
 $PY -m engine bench --methods ar,pearl,specbranch-no-hrad --draft embedded --dataset all --limit $N \
     --max-new-tokens $TOK --temperature 0 $COMMON --branch-costs --json docs/branch-costs-t0.json
 
-# 5. the engine as it is after the row-count layouts (docs/RESULTS.md §0c): ar, sd, pearl, specbranch (the
-#    defaults: no H-RAD, no feed stop) on the same prompts, T=0, seeds 0-2 (T=1 not run yet)
-for t in 0; do
-  for s in 0 1 2; do
-    $PY -m engine bench --methods ar,sd,pearl,specbranch --draft embedded --dataset all --limit $N \
-        --max-new-tokens $TOK --temperature $t --seed $s $COMMON --json docs/layouts-t$t-s$s.json
+# ar, sd, pearl, specbranch (the defaults: no H-RAD, no feed stop) on the same prompts, seeds 0-2, at each
+# temperature given, into docs/NAME-t<T>-s<seed>.json and the pooled docs/NAME-t<T>.json
+methods_by_seed() {
+  local name=$1; shift
+  for t in "$@"; do
+    for s in 0 1 2; do
+      $PY -m engine bench --methods ar,sd,pearl,specbranch --draft embedded --dataset all --limit $N \
+          --max-new-tokens $TOK --temperature $t --seed $s $COMMON --json docs/$name-t$t-s$s.json
+    done
+    $PY -m engine summarize docs/$name-t$t-s{0,1,2}.json --json docs/$name-t$t.json
   done
-  $PY -m engine summarize docs/layouts-t$t-s{0,1,2}.json --json docs/layouts-t$t.json
-done
+}
+
+# 5. the engine as it was after the row-count layouts (docs/RESULTS.md §0c; rerun now, it measures §6's engine)
+methods_by_seed layouts 0
+
+# 6. the engine with oneDNN-packed weights for verify passes (docs/RESULTS.md §0d), T=0 and T=1
+methods_by_seed packed 0 1

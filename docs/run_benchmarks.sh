@@ -74,3 +74,20 @@ for f in 0 0.2 0.35 0.5; do
   $PY -m engine bench $TUNE --feed-stop $f --json docs/tune-feed-$f.json
 done
 $PY -m engine bench $TUNE --branch-costs --json docs/tune-branch-costs.json
+
+# 11. oneDNN-packed weights for verify passes (docs/RESULTS.md §0d): the forward by tokens fed, packed copies off
+#     and on (interleaved); the before/after bench pair was the command below from the previous commit's checkout
+#     and this one, alternated twice (docs/ab-packed-{before,after}-{1,2}.json); then γ / draft stop on the tuning
+#     prompts, and the continued draft's acceptance (docs/run_drafts.sh v3) beside the shipped one's
+PYTHONPATH=. $PY docs/ab_layouts.py --json docs/ab-packed-forward.json
+$PY -m engine bench --methods ar,sd,pearl,specbranch --draft embedded --dataset data/tuning_prompts.jsonl \
+    --max-new-tokens 64 --temperature 0 --gamma 3 --draft-stop 0.3 --epsilon 0.5 --branches 3 \
+    --json docs/ab-packed-after-1.json
+for cfg in "4 0.3" "5 0.3" "5 0.15" "2 0.3"; do
+  set -- $cfg
+  $PY -m engine bench --methods ar,sd,pearl,specbranch --draft embedded --dataset data/tuning_prompts.jsonl \
+      --max-new-tokens 64 --temperature 0 --gamma $1 --draft-stop $2 --epsilon 0.5 --branches 3 \
+      --json docs/tune-g$1-s$2.json
+done
+$PY -m engine bench --methods sd,sd@runs/draft-v3 --draft embedded --dataset all --limit 10 --temperature 0 \
+    --gamma 4 --max-new-tokens 128 --json docs/draft-v3-alpha.json

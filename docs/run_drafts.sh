@@ -26,13 +26,13 @@ if [[ $STAGE == all || $STAGE == main ]]; then  # labels 18 min, then ~13 min an
   $PY -m engine distill $COMMON --layers 6 --epochs 3 --lr 1e-3 --out runs/drafts/main-v2
 fi
 
-if [[ $STAGE == v3 ]]; then  # the next draft (not shipped yet): the shipped draft, trained on with self2 added.
-  # On this session's machine the labels of 971k tokens took 60 min and a training step 4-6 s (~40 min an
-  # epoch), so the run was stopped after 50 steps; the labels stay in runs/distill-v3 for the next run.
+if [[ $STAGE == v3 ]]; then  # the shipped draft, trained on with self2 added (docs/RESULTS.md §0d)
+  # On the 2-core machine the top-32 labels of 971k tokens took 60 min (cached in the work dir, reused) and the
+  # 759 training steps 52 min.
   mkdir -p runs/v2-init && git archive 75303b3 engine/drafts/smollm2-135m-draft | tar -x -C runs/v2-init
   $PY -m engine distill $CORPORA --corpus data/self2_smollm2_135m.jsonl \
-      --init runs/v2-init/engine/drafts/smollm2-135m-draft --vocab 8192 --epochs 2 --lr 5e-4 --batch-size 16 \
-      --label-batch-size 16 --seed 0 --threads 2 --max-minutes 45 --work-dir runs/distill-v3 --out runs/draft-v3
+      --init runs/v2-init/engine/drafts/smollm2-135m-draft --vocab 8192 --epochs 1.5 --lr 5e-4 --batch-size 16 \
+      --label-batch-size 16 --seed 0 --threads 2 --max-minutes 75 --work-dir runs/distill-v3 --out runs/draft-v3
 fi
 
 if [[ $STAGE == all || $STAGE == curve ]]; then  # data-size curve: 2 layers, 1 epoch, same held-out rows
