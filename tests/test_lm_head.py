@@ -1,7 +1,7 @@
 """The CPU's row-count matmul layouts (engine/lm_head.py): the same product as F.linear for every row count, with
 and without the one-row copy, the packed copy and the row cap; the packed path's rows do not depend on how many
-rows are fed (so padding 2-3 rows to PACK_ROWS changes nothing); fast_linears routes a model's linear layers through them without
-changing what the model computes (beyond float rounding) and without touching its LM head."""
+rows are fed (so padding 2-3 rows to PACK_ROWS changes nothing); fast_linears routes a model's linear layers
+through them without changing what the model computes (beyond float rounding) and without touching its LM head."""
 from __future__ import annotations
 
 import pytest
