@@ -376,5 +376,6 @@ def add_arguments(p) -> None:
     p.add_argument("--hidden", type=int, default=64, help="MLP width")
     p.add_argument("--dropout", type=float, default=0.2)
     p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--samples", default="runs/hrad/samples.pt", help="collected samples, reused when collected for the same weights and settings")
+    p.add_argument("--samples", default="runs/hrad/samples.pt",
+                   help="collected samples, reused when collected for the same weights and settings")
     p.add_argument("--out", required=True, help="path of the .safetensors to write (a .json goes beside it)")
