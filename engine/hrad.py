@@ -293,8 +293,10 @@ def save_samples(path: Path, sets: dict[str, list[Sample]], key: dict) -> None:
 
 
 def load_samples(path: Path, key: dict) -> dict[str, list[Sample]] | None:
-    """The samples saved at `path`, or None when they were collected under another key (other weights or
-    settings) or by an older version without one: the caller collects them anew."""
+    """The samples saved at `path`, or None when there are none, or they were collected under another key
+    (other weights or settings) or by an older version without one: the caller collects them anew."""
+    if not path.exists():
+        return None
     blob = torch.load(path)
     if blob.get("key") != json.dumps(key, sort_keys=True):
         return None
@@ -331,11 +333,11 @@ def run_train_hrad(args) -> dict:
                                     "horizon": args.horizon, "held_out_limit": args.held_out_limit,
                                     "max_new_tokens": args.max_new_tokens})
     # reuse what was collected for this pair and these settings (to try other classifier settings)
-    sets = load_samples(samples_path, key) if samples_path.exists() else None
-    if sets is None and samples_path.exists():
-        print(f"train-hrad: the samples at {samples_path} were collected for other weights or settings; "
-              "collecting anew", file=sys.stderr)
+    sets = load_samples(samples_path, key)
     if sets is None:
+        if samples_path.exists():
+            print(f"train-hrad: the samples at {samples_path} were collected for other weights or settings; "
+                  "collecting anew", file=sys.stderr)
         train = [s for i, r in enumerate(tqdm(rows, desc="samples (training prompts)", unit="prompt"))
                  for s in forced_samples(engine.pair, r["prompt_ids"], r["response_ids"], args.horizon, i)]
         held_out = []

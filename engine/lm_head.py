@@ -87,9 +87,9 @@ def fast_linears(model: torch.nn.Module) -> int:
     for m in layers:
         size = m.weight.numel() * m.weight.element_size()
         packed = size <= room  # the few-rows copy first: verify passes gain most from it
-        room -= size if packed else 0
+        room -= size * packed
         one_row = size <= room
-        room -= size if one_row else 0
+        room -= size * one_row
         m.forward = HeadMatmul(m.weight, LAYER_MAX_ROWS, one_row, packed)
         m._fast_layout = True
     return len(layers)
