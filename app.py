@@ -15,6 +15,9 @@ def main() -> None:
     parser.add_argument("--target", default=os.environ.get("SPECBRANCH_TARGET", "embedded"))
     parser.add_argument("--draft", default=os.environ.get("SPECBRANCH_DRAFT", "embedded"))
     parser.add_argument("--device", default=os.environ.get("SPECBRANCH_DEVICE"))
+    parser.add_argument("--draft-matmul", default=os.environ.get("SPECBRANCH_DRAFT_MATMUL", "auto"),
+                        choices=("auto", "float32", "bfloat16"),
+                        help="the draft's weights as bfloat16 (auto: on a CPU that runs it natively; output stays exact)")
     parser.add_argument("--db", default=None, help="session store (default: $SPECBRANCH_DB or the data dir)")
     parser.add_argument("--no-record", action="store_true", help="do not record sessions")
     args = parser.parse_args()
@@ -27,7 +30,8 @@ def main() -> None:
                 from engine.engine import Engine
                 from engine.models import load_pair
 
-                loaded["engine"] = Engine(load_pair(args.target, args.draft, device=args.device))
+                loaded["engine"] = Engine(load_pair(args.target, args.draft, device=args.device,
+                                                    draft_matmul=args.draft_matmul))
             return loaded["engine"]
 
     def get_store():

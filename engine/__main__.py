@@ -15,6 +15,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cuda, cuda:0, cpu (default: cuda when present)")
     p.add_argument("--draft-device", default=None)
     p.add_argument("--dtype", default=None, help="float32 (CPU default) | bfloat16 (CUDA default) | float16")
+    p.add_argument("--draft-matmul", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="the draft's weights streamed as bfloat16 (half the memory traffic; output stays exact, "
+                        "only the target decides it) or float32; auto: bfloat16 on a CPU that runs it natively")
     p.add_argument("--threads", type=int, default=1, help="torch threads per model worker")
     p.add_argument("--trust-remote-code", action="store_true")
 
@@ -96,13 +99,17 @@ def build_engine(args, need_draft: bool):
     import torch
 
     from .engine import Engine
-    from .models import load_pair, pick_device
+    from .models import draft_bf16, load_pair, pick_device, pick_dtype
 
     for device in (args.device, args.draft_device):  # refuse an unusable device before loading anything
         pick_device(device)
+    if need_draft:  # and a draft matmul this machine cannot run
+        ddev = pick_device(args.draft_device or args.device)
+        draft_bf16(args.draft_matmul, ddev, pick_dtype(args.dtype, ddev))
     torch.set_num_threads(max(1, args.threads))
     pair = load_pair(args.target, args.draft if need_draft else None, device=args.device,
-                     draft_device=args.draft_device, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+                     draft_device=args.draft_device, dtype=args.dtype, trust_remote_code=args.trust_remote_code,
+                     draft_matmul=args.draft_matmul)
     return Engine(pair, threads=max(1, args.threads))
 
 
@@ -161,7 +168,7 @@ def parse_bench_methods(spec: str) -> list[tuple[str, str, str | None]]:
 def cmd_bench(args) -> None:
     from .bench import run_bench
     from .engine import Engine
-    from .models import load_draft, pair_of
+    from .models import draft_bf16, load_draft, pair_of
 
     entries = parse_bench_methods(args.methods)
     for _, method, _ in entries:
@@ -171,7 +178,8 @@ def cmd_bench(args) -> None:
     t = engine.pair.target
     for draft in sorted({d for _, _, d in entries if d is not None}):  # other drafts share the loaded target
         model, tok, head_ids = load_draft(draft, t.model, t.tokenizer, t.device, t.model.dtype, args.trust_remote_code)
-        engines[draft] = Engine(pair_of(t, draft, model, tok, head_ids), threads=max(1, args.threads))
+        bf16 = draft_bf16(args.draft_matmul, t.device, t.model.dtype)
+        engines[draft] = Engine(pair_of(t, draft, model, tok, head_ids, bf16), threads=max(1, args.threads))
     run_bench([(label, engines[d], m) for label, m, d in entries], args, SessionLog(args, engine))
 
 

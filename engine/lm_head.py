@@ -13,6 +13,11 @@ cache, 1 thread, interleaved medians (docs/ab_layouts.py, docs/RESULTS.md §0d):
 One row keeps x @ Wᵀ with Wᵀ stored contiguous (a matrix-vector product that streams the weight once), which
 beats both. The product is the same up to float rounding (the summation order differs between kernels, as it
 already does between F.linear's own).
+
+A draft may go further (Bf16Matmul, fast_linears(bf16=True)): its weights streamed in bfloat16, half the bytes.
+That is lossless for the output, since only the target decides what is emitted and q is whatever the draft's own
+pass gave. It matters on a CPU whose two cores share one memory bus: a draft step streams its weights while the
+target's verify pass streams its own, and the target's pass slows by about the bytes the draft moves beside it.
 """
 from __future__ import annotations
 
@@ -42,6 +47,32 @@ def packed_matmul(flat: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     if rows < PACK_ROWS:
         flat = torch.cat([flat, flat.new_zeros(PACK_ROWS - rows, flat.shape[1])])
     return torch.ops.mkldnn._linear_pointwise(flat, packed, None, "none", [], "")[:rows]
+
+
+def bf16_supported() -> bool:
+    """oneDNN runs bfloat16 matmuls natively on this CPU (avx512_bf16 or AMX); elsewhere it would emulate them."""
+    try:
+        return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class Bf16Matmul:
+    """out = x @ Wᵀ (float32 in, float32 out) through a bfloat16 copy of W that oneDNN packed once for one row:
+    half the bytes of a float32 step to stream, and on this CPU 5 ms for the embedded draft's linears against
+    8.5 (1 row) and 6 against 17 (3 rows). Lossy, so for a draft only. A gradient to track goes through F.linear
+    on the float32 weight."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.w = weight.detach()  # [N, K] float32
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.w.to(torch.bfloat16), 1)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and x.requires_grad:
+            return F.linear(x, self.w)
+        flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, None, "none", [], "")
+        return out.to(self.w.dtype).reshape(*x.shape[:-1], -1)
 
 
 class HeadMatmul:
@@ -74,11 +105,12 @@ class HeadMatmul:
         return out.reshape(*x.shape[:-1], -1)
 
 
-def fast_linears(model: torch.nn.Module) -> int:
+def fast_linears(model: torch.nn.Module, bf16: bool = False) -> int:
     """Route the bias-free linear layers of a float32 model on the CPU through HeadMatmul (a decode step's one
-    row and a verify pass's few rows each in their fast layout); the LM head is left to the caller. Adds a
-    packed and a transposed copy of each weight while they fit in COPY_BUDGET bytes. Idempotent. Returns how
-    many layers were routed."""
+    row and a verify pass's few rows each in their fast layout), or with bf16 (a draft's, where bf16_supported())
+    through Bf16Matmul; the LM head is left to the caller. Adds a packed and a transposed copy of each weight
+    (bf16: one half-size copy) while they fit in COPY_BUDGET bytes. Idempotent: a model routed once (e.g. the
+    target, when it is also its own draft) keeps its first routing. Returns how many layers were routed."""
     layers = [m for name, m in model.named_modules()
               if isinstance(m, torch.nn.Linear) and m.bias is None and "lm_head" not in name
               and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
@@ -86,6 +118,12 @@ def fast_linears(model: torch.nn.Module) -> int:
     room = COPY_BUDGET
     for m in layers:
         size = m.weight.numel() * m.weight.element_size()
+        if bf16:  # one half-size copy, or none past the budget (the layer then stays F.linear in float32)
+            if size // 2 <= room:
+                room -= size // 2
+                m.forward = Bf16Matmul(m.weight)
+            m._fast_layout = True
+            continue
         packed = size <= room  # the few-rows copy first: verify passes gain most from it
         room -= size * packed
         one_row = size <= room

@@ -27,7 +27,7 @@ from . import cache as kv
 from .config import SpecBranchError
 from .drafts import draft_from_target, is_specbranch_draft, load_draft_dir, place
 from .head import FeatureHead, HeadLM, is_head_dir, load_head_dir
-from .lm_head import HeadMatmul, fast_linears
+from .lm_head import Bf16Matmul, HeadMatmul, bf16_supported, fast_linears
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DRAFTS_DIR = Path(__file__).resolve().parent / "drafts"
@@ -78,6 +78,22 @@ def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     if dtype not in table:
         raise SpecBranchError(f"unknown dtype {dtype!r}; choose one of {', '.join(table)}")
     return table[dtype]
+
+
+DRAFT_MATMULS = ("auto", "float32", "bfloat16")
+
+
+def draft_bf16(choice: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a draft's matmuls stream bfloat16 weights (lm_head.Bf16Matmul): `auto` does where the draft is
+    float32 on a CPU that runs bfloat16 natively; `float32` never; `bfloat16` does or refuses with the reason.
+    Output stays exact either way: only the target decides what is emitted."""
+    if choice not in DRAFT_MATMULS:
+        raise SpecBranchError(f"unknown draft matmul {choice!r}; choose one of {', '.join(DRAFT_MATMULS)}")
+    fits = torch.device(device).type == "cpu" and dtype == torch.float32 and bf16_supported()
+    if choice == "bfloat16" and not fits:
+        raise SpecBranchError("--draft-matmul bfloat16 needs a float32 draft on a CPU that runs bfloat16 natively "
+                              "(avx512_bf16 or AMX); this one does not, so use float32 or auto")
+    return fits and choice != "float32"
 
 
 _gguf_lock = threading.Lock()
@@ -150,15 +166,17 @@ class LM:
     tokenizer: object
     vocab_size: int  # logits are sliced to this (the vocabulary shared with the other model)
     head_ids: torch.Tensor | None = None  # reduced LM head (FR-Spec): logits only for these ids, -inf elsewhere
+    bf16: bool = False  # a draft's matmuls on bfloat16 weights (draft_bf16); never the target's
 
     def __post_init__(self):
-        fast_linears(self.model)  # a decode step's one row and a verify pass's few rows, each in its fast layout
+        fast_linears(self.model, self.bf16)  # a decode step's one row and a verify pass's few rows, each fast
         head = self.model.get_output_embeddings()
+        matmul = Bf16Matmul if self.bf16 else HeadMatmul
         self._head = None
         if self.head_ids is not None:  # the rows of the (shared, frozen) head that the draft computes
-            self._head = HeadMatmul(head.weight[self.head_ids])
+            self._head = matmul(head.weight[self.head_ids])
         elif type(self.model).__name__ in PLAIN_HEAD and getattr(head, "bias", None) is None:
-            self._head = HeadMatmul(head.weight)
+            self._head = matmul(head.weight)
 
     @property
     def device(self) -> torch.device:
@@ -265,7 +283,8 @@ def load_draft(spec: str, target_model, target_tok, device, dtype, trust_remote_
 
 
 def load_pair(target: str = "embedded", draft: str | None = "embedded", device: str | None = None,
-              draft_device: str | None = None, dtype: str | None = None, trust_remote_code: bool = False) -> ModelPair:
+              draft_device: str | None = None, dtype: str | None = None, trust_remote_code: bool = False,
+              draft_matmul: str = "auto") -> ModelPair:
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     target_model, target_tok = load_model(target, dev, dt, trust_remote_code)
@@ -277,18 +296,19 @@ def load_pair(target: str = "embedded", draft: str | None = "embedded", device: 
     check_tokenizers(target_tok, draft_tok, target, draft)
     if isinstance(draft_model, FeatureHead) and ddev != dev:
         raise SpecBranchError("a draft head reads the target's features: it must sit on the target's device")
-    return pair_of(LM(target, target_model, target_tok, target_vocab), draft, draft_model, draft_tok, head_ids)
+    bf16 = draft_bf16(draft_matmul, ddev, pick_dtype(dtype, ddev))
+    return pair_of(LM(target, target_model, target_tok, target_vocab), draft, draft_model, draft_tok, head_ids, bf16)
 
 
-def pair_of(target: LM, draft_name: str, draft_model, draft_tok, head_ids) -> ModelPair:
+def pair_of(target: LM, draft_name: str, draft_model, draft_tok, head_ids, bf16: bool = False) -> ModelPair:
     """Wrap a loaded draft for the decoders: a head reads the target's features; an LM's logits are sliced
-    to the vocabulary both models share."""
+    to the vocabulary both models share. bf16: the draft's matmuls on bfloat16 weights (draft_bf16)."""
     if isinstance(draft_model, FeatureHead):
         if target._head is None:  # its features would not be what its logits are computed from
             raise SpecBranchError(f"a draft head needs a target whose logits are its LM head applied to its last "
                                   f"hidden state ({', '.join(sorted(PLAIN_HEAD))}); {type(target.model).__name__} "
                                   f"is not one")
-        return ModelPair(target, HeadLM(draft_name, draft_model, target, head_ids, target.tokenizer))
+        return ModelPair(target, HeadLM(draft_name, draft_model, target, head_ids, target.tokenizer, bf16))
     common = min(target.vocab_size, draft_model.get_output_embeddings().weight.shape[0])  # e.g. Qwen2.5 padding rows
     target = LM(target.name, target.model, target.tokenizer, common)
-    return ModelPair(target, LM(draft_name, draft_model, draft_tok, common, head_ids))
+    return ModelPair(target, LM(draft_name, draft_model, draft_tok, common, head_ids, bf16))
