@@ -59,7 +59,7 @@ Hover a node for p, q, p/q and u. Pick a step with ◀ ▶, the slider, or a mar
 
 
 # The Live and Compare defaults, chosen by the bench on data/tuning_prompts.jsonl (docs/RESULTS.md §0)
-DEFAULTS = {"gamma": 3, "epsilon": 0.5, "draft_stop": 0.3, "feed_stop": 0.0, "hrad": False}
+DEFAULTS = {"gamma": 3, "epsilon": 0.5, "draft_stop": 0.3, "feed_stop": 0.0, "head_start": 0.3, "hrad": False}
 # H-RAD ships off: on held-out prompts it placed branch points no better than the draft's confidence alone
 # (classification and speed, docs/RESULTS.md §0b); the checkbox says so where the user decides
 HRAD_LABEL = ("H-RAD (classifier places branch points). Off by default: on held-out prompts it was no faster "
@@ -75,8 +75,8 @@ def examples() -> list[list]:
     return out
 
 
-def make_config(method, max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, feed_stop, hrad,
-                seed) -> GenerationConfig:
+def make_config(method, max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, feed_stop, head_start,
+                hrad, seed) -> GenerationConfig:
     """Build and validate settings from the controls; raises SpecBranchError with the reason."""
     def number(value, name, cast):
         try:
@@ -88,7 +88,8 @@ def make_config(method, max_new, temperature, top_p, gamma, branches, epsilon, d
                             top_p=number(top_p, "top-p", float), gamma=number(gamma, "γ", int),
                             branches=number(branches, "branches k", int), epsilon=number(epsilon, "ε", float),
                             draft_stop=number(draft_stop, "draft stop", float),
-                            feed_stop=number(feed_stop, "feed stop", float), hrad=bool(hrad),
+                            feed_stop=number(feed_stop, "feed stop", float),
+                            head_start=number(head_start, "head start", float), hrad=bool(hrad),
                             seed=number(seed, "seed", int)).validate()
 
 
@@ -162,13 +163,13 @@ def build_app(get_engine, get_store=None) -> gr.Blocks:
         return stored_ar_speed(store, owner, prompt, (pair.target.name, pair.draft.name if pair.draft else None))
 
     def generate(prompt, history, method, max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, feed_stop,
-                 hrad, seed, chat,
+                 head_start, hrad, seed, chat,
                  browser_id=None, show_rollbacks=False, request: gr.Request = None):
         history = list(history or [])
         events: list[Event] = []
         try:
-            cfg = make_config(method, max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, feed_stop, hrad,
-                              seed)
+            cfg = make_config(method, max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, feed_stop,
+                              head_start, hrad, seed)
             if not prompt or not prompt.strip():
                 raise SpecBranchError("the prompt is empty")
             engine = get_engine()
@@ -227,8 +228,8 @@ def build_app(get_engine, get_store=None) -> gr.Blocks:
     def rerender_tokens(show_rollbacks, events):
         return token_view(events or [], bool(show_rollbacks))
 
-    def compare(prompt, methods, max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, feed_stop, hrad, seed,
-                chat,
+    def compare(prompt, methods, max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, feed_stop,
+                head_start, hrad, seed, chat,
                 browser_id=None, request: gr.Request = None):
         """Run each chosen method once, one after another (clean timings); the race then replays them."""
         try:
@@ -237,8 +238,8 @@ def build_app(get_engine, get_store=None) -> gr.Blocks:
                 return
             if not prompt or not prompt.strip():
                 raise SpecBranchError("the prompt is empty")
-            cfgs = [make_config(m, max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, feed_stop, hrad, seed)
-                    for m in methods]
+            cfgs = [make_config(m, max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, feed_stop,
+                                head_start, hrad, seed) for m in methods]
             engine = get_engine()
             ids = engine.encode(prompt, bool(chat))
             engine.check_prompt(ids)
@@ -292,6 +293,10 @@ def build_app(get_engine, get_store=None) -> gr.Blocks:
                     feed_stop = gr.Slider(0, 1, value=DEFAULTS["feed_stop"], step=0.05,
                                           label="Feed stop: verify drafted tokens only while the draft's odds that all "
                                                 "are accepted stay above this (0 = up to γ)")
+                    head_start = gr.Slider(0, 1, value=DEFAULTS["head_start"], step=0.05,
+                                           label="Head start: after a rejection, the draft leads the target's next "
+                                                 "pass while its odds that the block is accepted stay above this "
+                                                 "(0 = off, the target starts at once as in PEARL)")
                     hrad = gr.Checkbox(DEFAULTS["hrad"], label=HRAD_LABEL, elem_id="hrad")
                     seed = gr.Number(0, precision=0, label="Seed (integer)")
                     chat = gr.Checkbox(True, label="Chat template (off: raw text, e.g. code completion)")
@@ -337,7 +342,8 @@ def build_app(get_engine, get_store=None) -> gr.Blocks:
         with gr.Tab("How to read this"):
             gr.Markdown(TEACHING)
 
-        controls = [max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, feed_stop, hrad, seed, chat]
+        controls = [max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, feed_stop, head_start, hrad, seed,
+                    chat]
         views = [tokens, metrics, notices, glance, tree, timeline, nav.strip, acceptance, cumulative]
         outputs = [chatbot, *views, nav.slider, nav.notice, events_state]
         demo.load(browser_identity, browser, browser, api_visibility="private")

@@ -91,3 +91,17 @@ for cfg in "4 0.3" "5 0.3" "5 0.15" "2 0.3"; do
 done
 $PY -m engine bench --methods sd,sd@runs/draft-v3 --draft embedded --dataset all --limit 10 --temperature 0 \
     --gamma 4 --max-new-tokens 128 --json docs/draft-v3-alpha.json
+
+# 12. the draft's matmuls on bfloat16 weights (docs/RESULTS.md §0e): the bench with --draft-matmul float32 and
+#     bfloat16, alternated twice (docs/ab-draft-{float32,bfloat16}-{1,2}.json); the forwards' costs each way; the
+#     3-seed tables are docs/run_ablation.sh steps 1-4 (V=-0e) and 7
+for i in 1 2; do
+  for m in float32 bfloat16; do
+    $PY -m engine bench --methods ar,sd,pearl,specbranch --draft embedded --dataset data/tuning_prompts.jsonl \
+        --max-new-tokens 64 --temperature 0 --gamma 3 --draft-stop 0.3 --epsilon 0.5 --branches 3 \
+        --draft-matmul $m --json docs/ab-draft-$m-$i.json
+  done
+done
+for m in float32 bfloat16; do
+  $PY -m engine costs --draft embedded --draft-matmul $m --max-rows 3 --max-tokens 4 --json docs/costs-draft-$m.json
+done

@@ -36,6 +36,9 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--feed-stop", type=float, default=0.0,
                    help="pearl, specbranch: feed the target drafted tokens only while the product of the draft's "
                         "confidences in them stays at least this (0 = up to γ; the next token is judged anyway)")
+    p.add_argument("--head-start", type=float, default=0.0,
+                   help="pearl, specbranch: before a target pass on a block shorter than γ (after a rejection), let "
+                        "the draft step first while its odds that the whole block is accepted stay >= this (0 = off)")
     p.add_argument("--branches", type=int, default=3, help="specbranch: most candidates at a branch point")
     p.add_argument("--epsilon", type=float, default=0.5, help="specbranch: confidence threshold for branching, [0, 1]")
     p.add_argument("--hrad", dest="hrad", action="store_true",
@@ -91,7 +94,7 @@ class SessionLog:
 def config_from(args, method: str) -> GenerationConfig:
     return GenerationConfig(method=method, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed, gamma=args.gamma, draft_stop=args.draft_stop,
-                            feed_stop=args.feed_stop, branches=args.branches, epsilon=args.epsilon, hrad=args.hrad,
+                            feed_stop=args.feed_stop, head_start=args.head_start, branches=args.branches, epsilon=args.epsilon, hrad=args.hrad,
                             branch_costs=args.branch_costs).validate()
 
 

@@ -25,6 +25,8 @@ class GenerationConfig:
     draft_stop: float = 0.0  # pearl, specbranch: stop drafting a round after a token drawn with confidence below this
     feed_stop: float = 0.0  # pearl, specbranch: feed the target drafted tokens only while the draft's odds that all are
     # accepted (the product of its confidences) stay at least this (0 = up to γ): a cheaper verify pass on a CPU
+    head_start: float = 0.0  # pearl, specbranch: before a pass on a block shorter than γ, the draft steps first while
+    # its odds that the whole block is accepted stay at least this (0 = off: the target starts at once, as in PEARL)
     branches: int = 3  # specbranch: most candidates at a branch point (k_max)
     epsilon: float = 0.5  # specbranch: branch at the first draft token with confidence below this
     hrad: bool = False  # specbranch: let the H-RAD classifier place branch points (off by default: docs/RESULTS.md §0b)
@@ -53,6 +55,8 @@ class GenerationConfig:
             raise SpecBranchError(f"draft-stop must be in [0, 1] (0 = off), got {self.draft_stop!r}")
         if not (0.0 <= self.feed_stop <= 1.0):
             raise SpecBranchError(f"feed-stop must be in [0, 1] (0 = off), got {self.feed_stop!r}")
+        if not (0.0 <= self.head_start <= 1.0):
+            raise SpecBranchError(f"head-start must be in [0, 1] (0 = off), got {self.head_start!r}")
         if not (0.0 <= self.epsilon <= 1.0):
             raise SpecBranchError(f"epsilon must be in [0, 1], got {self.epsilon!r}")
         return self

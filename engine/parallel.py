@@ -386,6 +386,19 @@ async def draft_until_verdict(state: RunState, spec: Speculation, ds: DraftState
             break
 
 
+async def head_start(state: RunState, spec: Speculation, ds: DraftState, policy: Policy, events: list[Event]) -> None:
+    """Before the target's pass, where the block it would verify is shorter than γ (after a rejection it is
+    empty: PEARL's pre-verify, a pass that can return one token only), let the draft step first while its odds
+    that the whole block is accepted (the product of its confidences) stay at least cfg.head_start. The target
+    waits a draft step (a fraction of its own) for each token, and each token it then verifies returns a whole
+    token when accepted. 0 = off."""
+    if state.cfg.head_start <= 0:
+        return
+    cap = min(state.cfg.gamma, state.remaining - 1)
+    while len(line_of(spec)) < cap and math.prod(line_confidence(spec)) >= state.cfg.head_start:
+        await draft_step(state, spec, ds, policy, events)
+
+
 def parallel_decode(state: RunState, policy: Policy):
     """PEARL (policy.max_branches == 1) or SpecBranch: an async generator of events."""
     state.target_seq = list(state.tokens)  # after prefill both caches hold the prompt; the first token is unfed
@@ -394,6 +407,7 @@ def parallel_decode(state: RunState, policy: Policy):
 
     async def step(events):
         nonlocal spec
+        await head_start(state, spec, ds, policy, events)
         # verify at most one block of γ along the first branch (the rest waits for the next round), never
         # past the token budget, nor past where the draft's odds fall below cfg.feed_stop
         line = line_of(spec)

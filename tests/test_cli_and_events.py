@@ -7,6 +7,7 @@ from engine.__main__ import main
 from engine.config import GenerationConfig
 from engine.events import (DraftProposed, Finished, RunStarted, StepStarted, TimingSpan, TokensEmitted, Verified,
                            from_dict)
+from engine.lm_head import bf16_supported
 from engine.metrics import compute_metrics
 
 
@@ -44,6 +45,11 @@ def test_bench_writes_speedups(capsys, tiny_dirs, tmp_path):
     sd = report["results"]["sd"]["all"]
     assert sd["prompts"] == 2 and sd["speedup_vs_ar"] > 0 and sd["acceptance_rate"] is not None
     assert "speedup" in capsys.readouterr().out
+    assert report["draft_matmul"] == {"ar": None, "sd": "bfloat16" if bf16_supported() else "float32"}  # auto
+    assert main(["bench", "--methods", "sd", "--target", str(tiny_dirs["target"]), "--draft", str(tiny_dirs["draft"]),
+                 "--device", "cpu", "--dataset", str(prompts), "--max-new-tokens", "4", "--draft-matmul", "float32",
+                 "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["draft_matmul"] == {"sd": "float32"}
 
 
 def test_summarize_gives_mean_and_spread_over_seeds(capsys, tiny_dirs, tmp_path):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.config import GenerationConfig
-from engine.events import BranchResolved, TokensEmitted
+from engine.events import BranchResolved, TokensEmitted, Verified
 
 from .conftest import engine_with_draft
 from .test_sampling_montecarlo import PROMPT, chi_square, exact_joint
@@ -19,6 +19,7 @@ N = 1500
     ("pearl", dict(gamma=2)),
     ("specbranch", dict(gamma=3, branches=3, epsilon=1.0)),  # ε = 1: fork at every fresh draft step
     ("specbranch", dict(gamma=3, branches=3, epsilon=1.0, feed_stop=0.5)),  # shorter verify passes
+    ("specbranch", dict(gamma=3, branches=3, epsilon=1.0, head_start=0.2)),  # the draft leads short blocks
     ("specbranch", dict(gamma=2, branches=2, epsilon=1.0, top_k=5, top_p=0.9, temperature=0.8)),
 ])
 def test_sampled_first_tokens_follow_target(tiny_engine, method, extra):
@@ -63,6 +64,7 @@ def greedy_references(embedded_target):
     ("pearl", dict(gamma=4)),
     ("specbranch", dict(gamma=4, branches=3, epsilon=0.9)),
     ("specbranch", dict(gamma=4, branches=3, epsilon=0.9, feed_stop=0.4)),
+    ("pearl", dict(gamma=3, head_start=0.3)),
 ])
 def test_greedy_equals_generate(embedded_target, greedy_references, method, extra):
     engine = engine_with_draft(embedded_target, "truncated:6")
@@ -90,3 +92,20 @@ def test_long_runs_to_the_context_end_match_ar(tiny_engine, method, gamma):
             assert tiny_engine.run(prompt, GenerationConfig(**cfg)).token_ids == want
             s = tiny_engine.run(prompt, GenerationConfig(**cfg, temperature=1.0, seed=int(epsilon * 10)))
             assert len(s.token_ids) == 64 - len(prompt) and s.finish_reason == "length"
+
+
+def test_head_start_verifies_drafted_tokens_after_a_rejection(tiny_engine):
+    """Without a head start, the pass after a rejection is fed no drafted token (PEARL's pre-verify: its one row
+    judges the first token drafted beside it, so it returns one token). With one, the draft leads: every pass is
+    fed γ drafted tokens while the draft's joint odds allow (here always), so the same tokens take fewer target
+    passes, and the output is still the target's."""
+    prompt = [2, 3, 4, 5]
+    want = tiny_engine.run(prompt, GenerationConfig(method="ar", max_new_tokens=40)).token_ids
+    for method in ("pearl", "specbranch"):
+        runs = {lead: tiny_engine.run(prompt, GenerationConfig(method=method, max_new_tokens=40, gamma=3, epsilon=0.7,
+                                                               head_start=lead)) for lead in (0.0, 1e-6)}
+        assert all(r.token_ids == want for r in runs.values())
+        assert runs[1e-6].metrics["target_forwards"] < runs[0.0].metrics["target_forwards"]
+        if method == "pearl":  # (SpecBranch's line may start at a branch point, judged by BranchResolved)
+            passes = [e.drafted for e in runs[1e-6].events if isinstance(e, Verified)]
+            assert min(passes[:-3]) == 3 + 1  # γ fed, and the next drafted token judged by the last row
