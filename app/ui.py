@@ -41,6 +41,9 @@ In plain SD the two models take turns, so each waits while the other works: the 
 
 **PEARL.** The draft keeps drafting the next block *while* the target verifies the current one, so the
 bubbles shrink. But a rejection throws away everything drafted after it (the ↶ markers: click one to see).
+Right after a rejection nothing drafted is left to verify, so the target's next pass can return one token
+only. The *head start* slider lets the draft lead that pass by a few tokens while it is sure enough: a short
+bubble on the target's lane in exchange for a longer block (0 = PEARL as published).
 
 **SpecBranch.** Where a rejection is likely (the draft is unsure, or the H-RAD classifier reading the
 target's hidden state says so), the draft forks *k branches* from its top candidates and drafts them

@@ -102,6 +102,15 @@ for i in 1 2; do
         --draft-matmul $m --json docs/ab-draft-$m-$i.json
   done
 done
-for m in float32 bfloat16; do
-  $PY -m engine costs --draft embedded --draft-matmul $m --max-rows 3 --max-tokens 4 --json docs/costs-draft-$m.json
+PYTHONPATH=. $PY docs/draft_matmul_kernels.py
+for m in float32 bfloat16; do  # with the modelled limit in the ablation's first T=0 seed (run_ablation.sh first)
+  $PY -m engine costs --draft embedded --draft-matmul $m --max-rows 3 --max-tokens 4 \
+      --bench docs/ablation-0e-t0-s0.json --json docs/costs-draft-$m.json
+done
+# the head start (--head-start), chosen on the tuning prompts: one run each of 0 (off), 0.25 and 0.5; the app
+# default is 0.3, between the two that won (docs/tune-head-start-*.json)
+for hs in 0 0.25 0.5; do
+  $PY -m engine bench --methods ar,sd,pearl,specbranch --draft embedded --dataset data/tuning_prompts.jsonl \
+      --max-new-tokens 64 --temperature 0 --gamma 3 --draft-stop 0.3 --epsilon 0.5 --branches 3 \
+      --head-start $hs --json docs/tune-head-start-$hs.json
 done

@@ -94,8 +94,8 @@ class SessionLog:
 def config_from(args, method: str) -> GenerationConfig:
     return GenerationConfig(method=method, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed, gamma=args.gamma, draft_stop=args.draft_stop,
-                            feed_stop=args.feed_stop, head_start=args.head_start, branches=args.branches, epsilon=args.epsilon, hrad=args.hrad,
-                            branch_costs=args.branch_costs).validate()
+                            feed_stop=args.feed_stop, head_start=args.head_start, branches=args.branches,
+                            epsilon=args.epsilon, hrad=args.hrad, branch_costs=args.branch_costs).validate()
 
 
 def build_engine(args, need_draft: bool):

@@ -1,6 +1,7 @@
 """Parallel speculative decoding: PEARL and SpecBranch on one overlapped loop.
 
-Each round two jobs run at the same time, each on its own worker thread:
+Each round two jobs run at the same time, each on its own worker thread (with --head-start, where the block
+to verify is shorter than γ, as after every rejection, the draft first leads alone while it is sure enough):
   target  verifies the next block of the pending speculation read along its first branch (line_of):
           one forward over [unfed committed tokens, (path + candidate 1 + its branch)[:γ]], cut where the
           draft's odds that all of it is accepted fall below --feed-stop (feed_limit)

@@ -7,7 +7,10 @@ import pytest
 import torch
 
 from engine.config import GenerationConfig
+from engine.engine import Engine
 from engine.events import BranchResolved, TokensEmitted, Verified
+from engine.lm_head import bf16_supported
+from engine.models import load_pair
 
 from .conftest import engine_with_draft
 from .test_sampling_montecarlo import PROMPT, chi_square, exact_joint
@@ -23,20 +26,37 @@ N = 1500
     ("specbranch", dict(gamma=2, branches=2, epsilon=1.0, top_k=5, top_p=0.9, temperature=0.8)),
 ])
 def test_sampled_first_tokens_follow_target(tiny_engine, method, extra):
+    check_sampled(tiny_engine, method, extra)
+
+
+@pytest.mark.skipif(not bf16_supported(), reason="this CPU runs no bfloat16 matmul natively")
+def test_sampled_output_is_exact_with_a_bfloat16_draft(tiny_dirs):
+    """q is whatever the draft's bfloat16 pass gave, so the rules stay exact: the same chi-square, with branches."""
+    engine = Engine(load_pair(str(tiny_dirs["target"]), str(tiny_dirs["draft"]), device="cpu", draft_matmul="bfloat16"))
+    try:
+        assert engine.pair.draft.bf16
+        check_sampled(engine, "specbranch", dict(gamma=3, branches=3, epsilon=1.0, head_start=0.2))
+    finally:
+        engine.close()
+
+
+def check_sampled(engine, method: str, extra: dict) -> None:
+    """N seeded runs of 3 tokens: their joint follows the target's exact distribution, not the draft's."""
+    extra = dict(extra)
     cfg = GenerationConfig(method=method, temperature=extra.pop("temperature", 1.0), max_new_tokens=3, **extra)
     counts: dict = {}
     forks = rescues = 0
     for seed in range(N):
-        r = tiny_engine.run(PROMPT, GenerationConfig(**{**cfg.to_dict(), "seed": seed}))
+        r = engine.run(PROMPT, GenerationConfig(**{**cfg.to_dict(), "seed": seed}))
         key = tuple(r.token_ids[:3])
         counts[key] = counts.get(key, 0) + 1
         forks += sum(isinstance(e, BranchResolved) for e in r.events)
         rescues += r.metrics["branch_rescues"]
     if method == "specbranch":
         assert forks > N / 2 and rescues > 0, "branches must be exercised, or this tests only PEARL"
-    vocab = tiny_engine.pair.target.vocab_size
-    assert chi_square(counts, exact_joint(tiny_engine.pair.target.model, PROMPT, 3, cfg, vocab), N) > 1e-3
-    assert chi_square(counts, exact_joint(tiny_engine.pair.draft.model, PROMPT, 3, cfg, vocab), N) < 1e-6
+    vocab = engine.pair.target.vocab_size
+    assert chi_square(counts, exact_joint(engine.pair.target.model, PROMPT, 3, cfg, vocab), N) > 1e-3
+    assert chi_square(counts, exact_joint(engine.pair.draft.model, PROMPT, 3, cfg, vocab), N) < 1e-6
 
 
 PROMPTS = [
