@@ -1,27 +1,16 @@
 """The draft's matmuls by kernel (docs/RESULTS.md §0e): the 6-layer draft's 42 linear layers and its 8k-row head,
 random weights of their shapes (so they stream from memory as in a real step), 1 thread, medians of 30 passes.
-Run: .venv/bin/python docs/draft_matmul_kernels.py"""
-import statistics
-import time
-
+Run from the repository root: PYTHONPATH=. .venv/bin/python docs/draft_matmul_kernels.py"""
 import torch
 import torch.nn.functional as F
+
+from engine.costs import median_ms
 
 torch.set_num_threads(1)
 H, I, KV = 576, 1536, 192  # SmolLM2-135M: hidden, MLP, k/v width
 SHAPES = [s for _ in range(6) for s in ((H, H), (KV, H), (KV, H), (H, H), (I, H), (I, H), (H, I))] + [(8192, H)]
 W = [torch.randn(o, i) * 0.02 for o, i in SHAPES]
 WB = [w.bfloat16() for w in W]
-
-
-def median_ms(fn, reps=30):
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return round(1000 * statistics.median(times), 2)
 
 
 def kernels(rows):
@@ -44,4 +33,4 @@ def kernels(rows):
 
 for rows in (1, 3):
     for name, fn in kernels(rows).items():
-        print(f"{rows} row(s)  {name}: {median_ms(fn)} ms")
+        print(f"{rows} row(s)  {name}: {median_ms(fn, 30)} ms")

@@ -126,7 +126,10 @@ def test_bf16_draft_leaves_the_target_exact(tiny_dirs):
     own = load_pair(str(tiny_dirs["target"]), "self", device="cpu", draft_matmul="bfloat16")
     assert kinds(own.target.model) == {"HeadMatmul"} and own.draft.model is own.target.model
     engine = Engine(pair)
-    prompt = [2, 3, 4, 5]
-    want = engine.run(prompt, GenerationConfig(method="ar", max_new_tokens=40)).token_ids
-    for method in ("sd", "pearl", "specbranch"):
-        assert engine.run(prompt, GenerationConfig(method=method, max_new_tokens=40, gamma=3)).token_ids == want
+    try:
+        prompt = [2, 3, 4, 5]
+        want = engine.run(prompt, GenerationConfig(method="ar", max_new_tokens=40)).token_ids
+        for method in ("sd", "pearl", "specbranch"):
+            assert engine.run(prompt, GenerationConfig(method=method, max_new_tokens=40, gamma=3)).token_ids == want
+    finally:
+        engine.close()
