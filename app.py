@@ -6,6 +6,7 @@ import os
 import threading
 
 from app.ui import build_app, css_paths
+from engine.config import DRAFT_MATMULS
 
 
 def main() -> None:
@@ -16,7 +17,7 @@ def main() -> None:
     parser.add_argument("--draft", default=os.environ.get("SPECBRANCH_DRAFT", "embedded"))
     parser.add_argument("--device", default=os.environ.get("SPECBRANCH_DEVICE"))
     parser.add_argument("--draft-matmul", default=os.environ.get("SPECBRANCH_DRAFT_MATMUL", "auto"),
-                        choices=("auto", "float32", "bfloat16"),
+                        choices=DRAFT_MATMULS,
                         help="the draft's weights as bfloat16 (auto: on a CPU that runs it natively; output stays exact)")
     parser.add_argument("--db", default=None, help="session store (default: $SPECBRANCH_DB or the data dir)")
     parser.add_argument("--no-record", action="store_true", help="do not record sessions")

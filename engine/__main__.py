@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from .config import METHODS, GenerationConfig, SpecBranchError
+from .config import DRAFT_MATMULS, METHODS, GenerationConfig, SpecBranchError
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -15,7 +15,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cuda, cuda:0, cpu (default: cuda when present)")
     p.add_argument("--draft-device", default=None)
     p.add_argument("--dtype", default=None, help="float32 (CPU default) | bfloat16 (CUDA default) | float16")
-    p.add_argument("--draft-matmul", default="auto", choices=("auto", "float32", "bfloat16"),
+    p.add_argument("--draft-matmul", default="auto", choices=DRAFT_MATMULS,
                    help="the draft's weights streamed as bfloat16 (half the memory traffic; output stays exact, "
                         "only the target decides it) or float32; auto: bfloat16 on a CPU that runs it natively")
     p.add_argument("--threads", type=int, default=1, help="torch threads per model worker")
@@ -179,9 +179,9 @@ def cmd_bench(args) -> None:
     engine = build_engine(args, need_draft=any(m != "ar" and d is None for _, m, d in entries))
     engines = {None: engine}
     t = engine.pair.target
+    bf16 = draft_bf16(args.draft_matmul, t.device, t.model.dtype)
     for draft in sorted({d for _, _, d in entries if d is not None}):  # other drafts share the loaded target
         model, tok, head_ids = load_draft(draft, t.model, t.tokenizer, t.device, t.model.dtype, args.trust_remote_code)
-        bf16 = draft_bf16(args.draft_matmul, t.device, t.model.dtype)
         engines[draft] = Engine(pair_of(t, draft, model, tok, head_ids, bf16), threads=max(1, args.threads))
     run_bench([(label, engines[d], m) for label, m, d in entries], args, SessionLog(args, engine))
 

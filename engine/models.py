@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from . import cache as kv
-from .config import SpecBranchError
+from .config import DRAFT_MATMULS, SpecBranchError
 from .drafts import draft_from_target, is_specbranch_draft, load_draft_dir, place
 from .head import FeatureHead, HeadLM, is_head_dir, load_head_dir
 from .lm_head import Bf16Matmul, HeadMatmul, bf16_supported, fast_linears
@@ -78,9 +78,6 @@ def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     if dtype not in table:
         raise SpecBranchError(f"unknown dtype {dtype!r}; choose one of {', '.join(table)}")
     return table[dtype]
-
-
-DRAFT_MATMULS = ("auto", "float32", "bfloat16")
 
 
 def draft_bf16(choice: str, device: torch.device, dtype: torch.dtype) -> bool:
