@@ -16,8 +16,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-device", default=None)
     p.add_argument("--dtype", default=None, help="float32 (CPU default) | bfloat16 (CUDA default) | float16")
     p.add_argument("--draft-matmul", default="auto", choices=DRAFT_MATMULS,
-                   help="the draft's weights streamed as bfloat16 (half the memory traffic; output stays exact, "
-                        "only the target decides it) or float32; auto: bfloat16 on a CPU that runs it natively")
+                   help="how the draft's matmuls read its weights: bfloat16 (half float32's memory traffic), int4 "
+                        "(an eighth; with --draft self, the target's own weights as a cheap draft) or float32; auto: "
+                        "bfloat16 on a CPU that runs it natively. Output stays exact: only the target decides it")
     p.add_argument("--threads", type=int, default=1, help="torch threads per model worker")
     p.add_argument("--trust-remote-code", action="store_true")
 
@@ -102,13 +103,13 @@ def build_engine(args, need_draft: bool):
     import torch
 
     from .engine import Engine
-    from .models import draft_bf16, load_pair, pick_device, pick_dtype
+    from .models import draft_matmul_kind, load_pair, pick_device, pick_dtype
 
     for device in (args.device, args.draft_device):  # refuse an unusable device before loading anything
         pick_device(device)
     if need_draft:  # and a draft matmul this machine cannot run
         ddev = pick_device(args.draft_device or args.device)
-        draft_bf16(args.draft_matmul, ddev, pick_dtype(args.dtype, ddev))
+        draft_matmul_kind(args.draft_matmul, ddev, pick_dtype(args.dtype, ddev), args.draft == "self")
     torch.set_num_threads(max(1, args.threads))
     pair = load_pair(args.target, args.draft if need_draft else None, device=args.device,
                      draft_device=args.draft_device, dtype=args.dtype, trust_remote_code=args.trust_remote_code,
@@ -171,7 +172,7 @@ def parse_bench_methods(spec: str) -> list[tuple[str, str, str | None]]:
 def cmd_bench(args) -> None:
     from .bench import run_bench
     from .engine import Engine
-    from .models import draft_bf16, load_draft, pair_of
+    from .models import draft_matmul_kind, load_draft, pair_of
 
     entries = parse_bench_methods(args.methods)
     for _, method, _ in entries:
@@ -179,10 +180,10 @@ def cmd_bench(args) -> None:
     engine = build_engine(args, need_draft=any(m != "ar" and d is None for _, m, d in entries))
     engines = {None: engine}
     t = engine.pair.target
-    bf16 = draft_bf16(args.draft_matmul, t.device, t.model.dtype)
     for draft in sorted({d for _, _, d in entries if d is not None}):  # other drafts share the loaded target
+        kind = draft_matmul_kind(args.draft_matmul, t.device, t.model.dtype, draft == "self")
         model, tok, head_ids = load_draft(draft, t.model, t.tokenizer, t.device, t.model.dtype, args.trust_remote_code)
-        engines[draft] = Engine(pair_of(t, draft, model, tok, head_ids, bf16), threads=max(1, args.threads))
+        engines[draft] = Engine(pair_of(t, draft, model, tok, head_ids, kind), threads=max(1, args.threads))
     run_bench([(label, engines[d], m) for label, m, d in entries], args, SessionLog(args, engine))
 
 

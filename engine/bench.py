@@ -127,8 +127,8 @@ def run_bench(entries: list[tuple[str, object, str]], args, log=None) -> dict:
                     "device": str(engine.pair.target.device)},
         "pair": {"target": engine.pair.target.name, "draft": engine.pair.draft.name if engine.pair.draft else None},
         "drafts": {label: eng.pair.draft.name if eng.pair.draft else None for label, eng, _ in entries},
-        "draft_matmul": {label: ("bfloat16" if eng.pair.draft.bf16 else "float32")
-                         if eng.pair.draft and method != "ar" else None for label, eng, method in entries},
+        "draft_matmul": {label: eng.pair.draft.matmul if eng.pair.draft and method != "ar" else None
+                         for label, eng, method in entries},
         "settings": {k: getattr(args, k) for k in ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "gamma",
                                                      "draft_stop", "feed_stop", "head_start", "branches", "epsilon",
                                                      "hrad", "branch_costs", "limit", "dataset")},

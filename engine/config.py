@@ -11,7 +11,7 @@ class SpecBranchError(ValueError):
 
 METHODS = ("ar", "sd", "pearl", "specbranch", "specbranch-no-branch", "specbranch-no-hrad", "specbranch-fixed",
            "hf-assisted")
-DRAFT_MATMULS = ("auto", "float32", "bfloat16")  # how a draft's matmuls read its weights (models.draft_bf16)
+DRAFT_MATMULS = ("auto", "float32", "bfloat16", "int4")  # how a draft's matmuls read its weights (models.draft_matmul_kind)
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,16 @@ def draft_from_target(target, n_layers: int):
     return draft.eval()
 
 
+def twin_of(target):
+    """The target's architecture over the target's own weight tensors (assigned, not copied), in modules of its
+    own: a self-draft whose matmuls read those weights through another kernel (lm_head.fast_linears routes a
+    module's forward) then routes these modules, never the target's."""
+    twin = type(target)(copy.deepcopy(target.config))
+    twin.load_state_dict(target.state_dict(), assign=True)
+    share_with_target(twin, target)
+    return twin.to(target.device).eval()
+
+
 def share_with_target(draft, target) -> None:
     """Point the draft's embeddings and head at the target's modules (no copy). `load_pair` copies
     them instead when the draft sits on another device or dtype, since `.to()` would move the target's."""

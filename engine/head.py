@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 from transformers import DynamicCache
 
 from .config import SpecBranchError
-from .lm_head import Bf16Matmul, HeadMatmul, fast_linears
+from .lm_head import draft_matmul, fast_linears
 
 HEAD_KEY = "specbranch_head"
 
@@ -175,15 +175,16 @@ class HeadLM:
     """A head as the decoders see a draft: forward(input_ids, cache) -> logits [B, T, V] (float32)."""
     reads_target_features = True
 
-    def __init__(self, name: str, head: FeatureHead, target_lm, head_ids: torch.Tensor, tokenizer, bf16: bool = False):
-        self.name, self.model, self.tokenizer, self.bf16 = name, head, tokenizer, bf16
+    def __init__(self, name: str, head: FeatureHead, target_lm, head_ids: torch.Tensor, tokenizer,
+                 matmul: str = "float32"):
+        self.name, self.model, self.tokenizer, self.matmul = name, head, tokenizer, matmul
         self.target = target_lm  # borrow embeddings and LM-head rows; never run
         self.vocab_size = target_lm.vocab_size
         self.head_ids = head_ids
         weight = target_lm.model.get_output_embeddings().weight
-        if bf16:  # its decoder layers' linears too (a frozen head: the copies never go stale)
-            fast_linears(head, bf16=True)
-        self._head = (Bf16Matmul if bf16 else HeadMatmul)(weight[head_ids].to(self.device, self.dtype))
+        if matmul != "float32":  # its decoder layers' linears too (a frozen head: the copies never go stale)
+            fast_linears(head, matmul)
+        self._head = draft_matmul(matmul, weight[head_ids].to(self.device, self.dtype), head=True)
         self._embed = target_lm.model.get_input_embeddings()
 
     @property

@@ -14,10 +14,13 @@ One row keeps x @ Wᵀ with Wᵀ stored contiguous (a matrix-vector product that
 beats both. The product is the same up to float rounding (the summation order differs between kernels, as it
 already does between F.linear's own).
 
-A draft may go further (Bf16Matmul, fast_linears(bf16=True)): its weights streamed in bfloat16, half the bytes.
-That is lossless for the output, since only the target decides what is emitted and q is whatever the draft's own
-pass gave. It matters on a CPU whose two cores share one memory bus: a draft step streams its weights while the
-target's verify pass streams its own, and the target's pass slows by about the bytes the draft moves beside it.
+A draft may go further (fast_linears(kind=...)): its weights streamed in bfloat16 (Bf16Matmul), half the bytes, or
+in 4 bits a weight (Int4Matmul), an eighth. That is lossless for the output, since only the target decides what is
+emitted and q is whatever the draft's own pass gave. It matters on a CPU whose two cores share one memory bus: a
+draft step streams its weights while the target's verify pass streams its own, and the target's pass slows by about
+the bytes the draft moves beside it. With 4 bits the target itself becomes a cheap draft (--draft self
+--draft-matmul int4): the embedded target's weights came from a 4-bit GGUF (Q4_1: per 32 weights a scale and a
+minimum), and Int4Matmul's groups of 32 with a scale and a zero point hold the same values again.
 """
 from __future__ import annotations
 
@@ -75,6 +78,62 @@ class Bf16Matmul:
         return out.to(self.w.dtype).reshape(*x.shape[:-1], -1)
 
 
+INT4_GROUP = 32  # weights per scale and zero point: the GGUF Q4_1 block, so the embedded target's weights fit again
+
+
+def int4_fits(weight: torch.Tensor) -> bool:
+    """The CPU int4 kernel takes [N, K] weights with N a multiple of 16 and K of the group size."""
+    n, k = weight.shape
+    return weight.device.type == "cpu" and n % 16 == 0 and k % INT4_GROUP == 0
+
+
+def int4_supported() -> bool:
+    """This torch has the CPU kernels for 4-bit weights (aten._weight_int4pack_mm_for_cpu)."""
+    try:
+        Int4Matmul(torch.ones(16, INT4_GROUP))(torch.ones(1, INT4_GROUP))
+        return True
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class Int4Matmul:
+    """out = x @ Wᵀ (float32 in, float32 out) through a 4-bit copy of W: per group of INT4_GROUP weights along a
+    row, w ≈ (q - 8)·scale + zero with q in 0..15, min-max rounded, packed once by aten for the CPU kernel. An
+    eighth of float32's bytes: the embedded target's 210 linears take 7.5-7.9 ms for one row against 38.8-40.0 ms in
+    float32 x @ Wᵀ and 25-28 ms through Bf16Matmul (1 thread; docs/draft_matmul_kernels.py). Lossy, so for a draft
+    only. A gradient to track goes through F.linear on the float32 weight."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.w = weight.detach()  # [N, K] float32
+        n, k = self.w.shape
+        groups = self.w.reshape(n, k // INT4_GROUP, INT4_GROUP)
+        low, high = groups.amin(-1), groups.amax(-1)
+        scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)  # a constant group: any scale
+        q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).reshape(n, k)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        # [K / group, N, 2]: the kernel computes (q - 8)·scale + zero, so zero is the group's value at q = 8. In
+        # bfloat16, with a bfloat16 input: the kernel's float32 path is ~30x slower on this CPU (a reference loop)
+        self.scales_zeros = torch.stack([scale, low + 8 * scale], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and x.requires_grad:
+            return F.linear(x, self.w)
+        flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, INT4_GROUP, self.scales_zeros)
+        return out.to(self.w.dtype).reshape(*x.shape[:-1], -1)
+
+
+def draft_matmul(kind: str, weight: torch.Tensor, head: bool = False):
+    """The matmul a draft's weight goes through for a kind of models.draft_matmul_kind. int4 takes the decoder
+    layers' weights that its kernel fits (int4_fits) and leaves the LM head (head=True) in float32: the GGUF keeps
+    its embeddings, which the head shares, in more than 4 bits, and the head decides the draft's argmax. For the
+    embedded target as its own draft, greedy agreement with the target was 0.995 with a float32 head, 0.964 with a
+    bfloat16 one and 0.891 with a 4-bit one (4 chat prompts × 48 tokens, a draft step 25-28, 23 and 20 ms)."""
+    if kind == "int4" and not head and int4_fits(weight):
+        return Int4Matmul(weight)
+    return Bf16Matmul(weight) if kind == "bfloat16" else HeadMatmul(weight)
+
+
 class HeadMatmul:
     """out = x @ Wᵀ for x [..., H] and W [V, H] (no bias), in the fast layout for the number of rows. A gradient
     to track goes through F.linear. `one_row=False` skips the transposed copy the one-row layout needs, and
@@ -105,12 +164,12 @@ class HeadMatmul:
         return out.reshape(*x.shape[:-1], -1)
 
 
-def fast_linears(model: torch.nn.Module, bf16: bool = False) -> int:
+def fast_linears(model: torch.nn.Module, kind: str = "float32") -> int:
     """Route the bias-free linear layers of a float32 model on the CPU through HeadMatmul (a decode step's one
-    row and a verify pass's few rows each in their fast layout), or with bf16 (a draft's, where bf16_supported())
-    through Bf16Matmul; the LM head is left to the caller. Adds a packed and a transposed copy of each weight
-    (bf16: one half-size copy) while they fit in COPY_BUDGET bytes. Idempotent: a model routed once (e.g. the
-    target, when it is also its own draft) keeps its first routing. Returns how many layers were routed."""
+    row and a verify pass's few rows each in their fast layout), or for a draft (kind "bfloat16" or "int4", see
+    models.draft_matmul_kind) through draft_matmul; the LM head is left to the caller. Adds a packed and a
+    transposed copy of each weight (a draft: one smaller copy) while they fit in COPY_BUDGET bytes. Idempotent: a
+    model routed once keeps its first routing. Returns how many layers were routed."""
     layers = [m for name, m in model.named_modules()
               if isinstance(m, torch.nn.Linear) and m.bias is None and "lm_head" not in name
               and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
@@ -118,10 +177,10 @@ def fast_linears(model: torch.nn.Module, bf16: bool = False) -> int:
     room = COPY_BUDGET
     for m in layers:
         size = m.weight.numel() * m.weight.element_size()
-        if bf16:  # one half-size copy, or none past the budget (the layer then stays F.linear in float32)
+        if kind != "float32":  # one smaller copy, or none past the budget (the layer then stays F.linear in float32)
             if size // 2 <= room:
                 room -= size // 2
-                m.forward = Bf16Matmul(m.weight)
+                m.forward = draft_matmul(kind, m.weight)
             m._fast_layout = True
             continue
         packed = size <= room  # the few-rows copy first: verify passes gain most from it

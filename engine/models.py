@@ -5,7 +5,8 @@ A model spec is one of:
                       our distilled draft for it (draft, see engine/drafts/)
   embedded-weak       the deliberately weak shipped draft
   embedded-head       the shipped feature-conditioned draft head (EAGLE-style, engine/head.py)
-  self                (draft only) the target itself
+  self                (draft only) the target itself; with --draft-matmul bfloat16 or int4, the target's own
+                      weights read through that kernel (a quantized self-draft)
   truncated:N         (draft only) the target's first N layers + its final norm and head (layer skip)
   PATH.gguf           a GGUF file
   DIR                 a local transformers directory
@@ -25,9 +26,9 @@ import torch
 
 from . import cache as kv
 from .config import DRAFT_MATMULS, SpecBranchError
-from .drafts import draft_from_target, is_specbranch_draft, load_draft_dir, place
+from .drafts import draft_from_target, is_specbranch_draft, load_draft_dir, place, twin_of
 from .head import FeatureHead, HeadLM, is_head_dir, load_head_dir
-from .lm_head import Bf16Matmul, HeadMatmul, bf16_supported, fast_linears
+from .lm_head import HeadMatmul, bf16_supported, draft_matmul, fast_linears, int4_supported
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DRAFTS_DIR = Path(__file__).resolve().parent / "drafts"
@@ -80,17 +81,27 @@ def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     return table[dtype]
 
 
-def draft_bf16(choice: str, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether a draft's matmuls stream bfloat16 weights (lm_head.Bf16Matmul): `auto` does where the draft is
-    float32 on a CPU that runs bfloat16 natively; `float32` never; `bfloat16` does or refuses with the reason.
-    Output stays exact either way: only the target decides what is emitted."""
+def draft_matmul_kind(choice: str, device: torch.device, dtype: torch.dtype, self_draft: bool = False) -> str:
+    """How a draft's matmuls read its weights (lm_head.draft_matmul): "float32" (as loaded), "bfloat16"
+    (Bf16Matmul) or "int4" (Int4Matmul). `auto`, for a float32 draft on the CPU: int4 where the draft is the target
+    itself (self_draft; in float32 it would cost what the target does, in bfloat16 still ~0.7 of it), bfloat16 for
+    another draft where the CPU runs bfloat16 natively; float32 elsewhere. `bfloat16` and `int4` are taken where
+    they fit or refused with the reason. Output stays exact whatever the kind: only the target decides it."""
     if choice not in DRAFT_MATMULS:
         raise SpecBranchError(f"unknown draft matmul {choice!r}; choose one of {', '.join(DRAFT_MATMULS)}")
-    fits = torch.device(device).type == "cpu" and dtype == torch.float32 and bf16_supported()
+    cpu32 = torch.device(device).type == "cpu" and dtype == torch.float32
+    if choice == "auto" and self_draft and cpu32 and int4_supported():
+        return "int4"
+    if choice == "int4":
+        if not (cpu32 and int4_supported()):
+            raise SpecBranchError("--draft-matmul int4 needs a float32 draft on the CPU and a torch with its int4 "
+                                  "kernel (aten._weight_int4pack_mm_for_cpu); use float32 or auto")
+        return "int4"
+    fits = cpu32 and bf16_supported()
     if choice == "bfloat16" and not fits:
         raise SpecBranchError("--draft-matmul bfloat16 needs a float32 draft on a CPU that runs bfloat16 natively "
                               "(avx512_bf16 or AMX); this one does not, so use float32 or auto")
-    return fits and choice != "float32"
+    return "bfloat16" if fits and choice != "float32" else "float32"
 
 
 _gguf_lock = threading.Lock()
@@ -163,17 +174,16 @@ class LM:
     tokenizer: object
     vocab_size: int  # logits are sliced to this (the vocabulary shared with the other model)
     head_ids: torch.Tensor | None = None  # reduced LM head (FR-Spec): logits only for these ids, -inf elsewhere
-    bf16: bool = False  # a draft's matmuls on bfloat16 weights (draft_bf16); never the target's
+    matmul: str = "float32"  # how a draft's matmuls read its weights (draft_matmul_kind); never the target's
 
     def __post_init__(self):
-        fast_linears(self.model, self.bf16)  # a decode step's one row and a verify pass's few rows, each fast
+        fast_linears(self.model, self.matmul)  # a decode step's one row and a verify pass's few rows, each fast
         head = self.model.get_output_embeddings()
-        matmul = Bf16Matmul if self.bf16 else HeadMatmul
         self._head = None
         if self.head_ids is not None:  # the rows of the (shared, frozen) head that the draft computes
-            self._head = matmul(head.weight[self.head_ids])
+            self._head = draft_matmul(self.matmul, head.weight[self.head_ids], head=True)
         elif type(self.model).__name__ in PLAIN_HEAD and getattr(head, "bias", None) is None:
-            self._head = matmul(head.weight)
+            self._head = draft_matmul(self.matmul, head.weight, head=True)
 
     @property
     def device(self) -> torch.device:
@@ -293,19 +303,22 @@ def load_pair(target: str = "embedded", draft: str | None = "embedded", device: 
     check_tokenizers(target_tok, draft_tok, target, draft)
     if isinstance(draft_model, FeatureHead) and ddev != dev:
         raise SpecBranchError("a draft head reads the target's features: it must sit on the target's device")
-    bf16 = draft_bf16(draft_matmul, ddev, pick_dtype(dtype, ddev))
-    return pair_of(LM(target, target_model, target_tok, target_vocab), draft, draft_model, draft_tok, head_ids, bf16)
+    kind = draft_matmul_kind(draft_matmul, ddev, pick_dtype(dtype, ddev), draft == "self")
+    return pair_of(LM(target, target_model, target_tok, target_vocab), draft, draft_model, draft_tok, head_ids, kind)
 
 
-def pair_of(target: LM, draft_name: str, draft_model, draft_tok, head_ids, bf16: bool = False) -> ModelPair:
+def pair_of(target: LM, draft_name: str, draft_model, draft_tok, head_ids, matmul: str = "float32") -> ModelPair:
     """Wrap a loaded draft for the decoders: a head reads the target's features; an LM's logits are sliced
-    to the vocabulary both models share. bf16: the draft's matmuls on bfloat16 weights (draft_bf16)."""
+    to the vocabulary both models share. matmul: how the draft's matmuls read its weights (draft_matmul_kind);
+    the target as its own draft then gets modules of its own over the same weights (drafts.twin_of)."""
     if isinstance(draft_model, FeatureHead):
         if target._head is None:  # its features would not be what its logits are computed from
             raise SpecBranchError(f"a draft head needs a target whose logits are its LM head applied to its last "
                                   f"hidden state ({', '.join(sorted(PLAIN_HEAD))}); {type(target.model).__name__} "
                                   f"is not one")
-        return ModelPair(target, HeadLM(draft_name, draft_model, target, head_ids, target.tokenizer, bf16))
+        return ModelPair(target, HeadLM(draft_name, draft_model, target, head_ids, target.tokenizer, matmul))
+    if draft_model is target.model and matmul != "float32":  # route a twin's modules, never the target's
+        draft_model = twin_of(target.model)
     common = min(target.vocab_size, draft_model.get_output_embeddings().weight.shape[0])  # e.g. Qwen2.5 padding rows
     target = LM(target.name, target.model, target.tokenizer, common)
-    return ModelPair(target, LM(draft_name, draft_model, draft_tok, common, head_ids, bf16))
+    return ModelPair(target, LM(draft_name, draft_model, draft_tok, common, head_ids, matmul))

@@ -104,11 +104,12 @@ def embedded_target():
     return load_pair("embedded", None, device="cpu")
 
 
-def engine_with_draft(target_pair, draft_spec: str):
-    """An Engine on the already-loaded embedded target with another draft (no reload of the target)."""
+def engine_with_draft(target_pair, draft_spec: str, matmul: str = "float32"):
+    """An Engine on the already-loaded embedded target with another draft (no reload of the target); matmul: how
+    the draft's matmuls read its weights (models.draft_matmul_kind)."""
     from engine.engine import Engine
     from engine.models import load_draft, pair_of
 
     t = target_pair.target
     model, tok, head_ids = load_draft(draft_spec, t.model, t.tokenizer, t.device, t.model.dtype, False)
-    return Engine(pair_of(t, draft_spec, model, tok, head_ids))
+    return Engine(pair_of(t, draft_spec, model, tok, head_ids, matmul))

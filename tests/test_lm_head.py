@@ -2,7 +2,8 @@
 and without the one-row copy, the packed copy and the row cap; the packed path's rows do not depend on how many
 rows are fed (so padding 2-3 rows to PACK_ROWS changes nothing); fast_linears routes a model's linear layers
 through them without changing what the model computes (beyond float rounding) and without touching its LM head;
-a draft's bfloat16 matmuls (Bf16Matmul) never reach the target."""
+a draft's bfloat16 and 4-bit matmuls (Bf16Matmul, Int4Matmul) never reach the target, even when the target is its
+own draft."""
 from __future__ import annotations
 
 import pytest
@@ -11,9 +12,9 @@ import torch.nn.functional as F
 
 from engine.config import GenerationConfig, SpecBranchError
 from engine.engine import Engine
-from engine.lm_head import (LAYER_MAX_ROWS, PACK_ROWS, Bf16Matmul, HeadMatmul, bf16_supported, fast_linears,
-                            packed_matmul, packed_weight)
-from engine.models import draft_bf16, load_pair
+from engine.lm_head import (INT4_GROUP, LAYER_MAX_ROWS, PACK_ROWS, Bf16Matmul, HeadMatmul, Int4Matmul, bf16_supported,
+                            fast_linears, int4_fits, int4_supported, packed_matmul, packed_weight)
+from engine.models import draft_matmul_kind, load_pair
 
 
 def test_every_row_count_gives_the_linear_product():
@@ -104,27 +105,70 @@ def test_bf16_matmul_is_the_product_to_bfloat16_rounding():
 
 
 def test_draft_matmul_choice_is_checked_and_auto_follows_the_cpu():
-    cpu = torch.device("cpu")
-    assert draft_bf16("float32", cpu, torch.float32) is False
-    assert draft_bf16("auto", cpu, torch.float32) is bf16_supported()
-    assert draft_bf16("auto", cpu, torch.bfloat16) is False  # a draft already in a low dtype is left alone
-    assert draft_bf16("auto", torch.device("cuda"), torch.float32) is False  # GPUs: --dtype is the knob
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert draft_matmul_kind("float32", cpu, torch.float32) == "float32"
+    assert draft_matmul_kind("float32", cpu, torch.float32, self_draft=True) == "float32"  # the target itself
+    assert draft_matmul_kind("auto", cpu, torch.float32) == ("bfloat16" if bf16_supported() else "float32")
+    assert draft_matmul_kind("auto", cpu, torch.float32, self_draft=True) == (
+        "int4" if int4_supported() else "bfloat16" if bf16_supported() else "float32")
+    assert draft_matmul_kind("auto", cpu, torch.bfloat16) == "float32"  # a draft already in a low dtype is left alone
+    assert draft_matmul_kind("auto", cuda, torch.float32, self_draft=True) == "float32"  # GPUs: --dtype is the knob
     with pytest.raises(SpecBranchError, match="unknown draft matmul"):
-        draft_bf16("int8", cpu, torch.float32)
+        draft_matmul_kind("int8", cpu, torch.float32)
     with pytest.raises(SpecBranchError, match="natively"):
-        draft_bf16("bfloat16", torch.device("cuda"), torch.float32)
+        draft_matmul_kind("bfloat16", cuda, torch.float32)
+    with pytest.raises(SpecBranchError, match="int4 needs a float32 draft on the CPU"):
+        draft_matmul_kind("int4", cuda, torch.float32)
+    with pytest.raises(SpecBranchError, match="int4 needs a float32 draft on the CPU"):
+        draft_matmul_kind("int4", cpu, torch.bfloat16)
 
 
-@needs_bf16
-def test_bf16_draft_leaves_the_target_exact(tiny_dirs):
-    """A bfloat16 draft streams half the bytes; the target, even when it is its own draft ("self"), keeps its
-    float32 layouts, and greedy output stays the target's."""
-    pair = load_pair(str(tiny_dirs["target"]), str(tiny_dirs["draft"]), device="cpu", draft_matmul="bfloat16")
+needs_int4 = pytest.mark.skipif(not int4_supported(), reason="this torch has no CPU int4 kernel")
+
+
+@needs_int4
+def test_int4_matmul_holds_4bit_groups_exactly_and_rounds_others():
+    """Weights that are 4-bit groups already (a scale and a minimum per INT4_GROUP, as in a GGUF's Q4_1 blocks) come
+    back as they were, so the product differs from float32's by the input's bfloat16 rounding only; other weights
+    are min-max rounded per group, within half a step."""
+    torch.manual_seed(3)
+    n, k = 48, 2 * INT4_GROUP
+    q = torch.randint(0, 16, (n, k // INT4_GROUP, INT4_GROUP))
+    q[..., 0], q[..., 1] = 0, 15  # each group spans its whole range, as a Q4_1 block built from its min and max does
+    scale, low = torch.rand(n, k // INT4_GROUP, 1) * 0.1 + 0.01, torch.randn(n, k // INT4_GROUP, 1) * 0.1
+    w4 = (q * scale + low).reshape(n, k)
+    x = torch.randn(2, 3, k)
+    want = F.linear(x.bfloat16().double(), w4.double()).float()  # the input rounded, the weights as they are
+    torch.testing.assert_close(Int4Matmul(w4)(x), want, rtol=2e-2, atol=2e-2)
+    w = torch.randn(n, k)
+    err = (Int4Matmul(w)(torch.eye(k)) - w.t()).abs()  # row j of the output: the j-th input column as stored
+    step = (w.reshape(n, -1, INT4_GROUP).amax(-1) - w.reshape(n, -1, INT4_GROUP).amin(-1)) / 15
+    assert (err.t().reshape(n, -1, INT4_GROUP) <= step[..., None] * 0.5 + 2e-2).all()
+    assert err.max() > 1e-3  # it is the cheaper, lossy product: a draft's only
+    assert int4_fits(w) and not int4_fits(torch.zeros(40, k)) and not int4_fits(torch.zeros(48, 40))
+    x = torch.randn(2, k, requires_grad=True)  # a gradient to track goes through float32 F.linear
+    Int4Matmul(w)(x).sum().backward()
+    torch.testing.assert_close(x.grad, w.sum(0).expand(2, k))
+
+
+@pytest.mark.parametrize("matmul, layer, head", [
+    pytest.param("bfloat16", "Bf16Matmul", Bf16Matmul, marks=needs_bf16),
+    pytest.param("int4", "Int4Matmul", HeadMatmul, marks=needs_int4),  # int4 leaves the LM head in float32
+])
+@pytest.mark.parametrize("draft", ["draft", "self"])
+def test_low_precision_draft_leaves_the_target_exact(tiny_dirs, matmul, layer, head, draft):
+    """A bfloat16 or 4-bit draft streams fewer bytes; the target keeps its float32 layouts, also when it is its own
+    draft: the draft is then a twin, modules of its own over the target's weight tensors (no copy), and greedy output
+    stays the target's."""
+    pair = load_pair(str(tiny_dirs["target"]), "self" if draft == "self" else str(tiny_dirs[draft]), device="cpu",
+                     draft_matmul=matmul)
     kinds = lambda m: {type(vars(x).get("forward")).__name__ for x in m.modules() if getattr(x, "_fast_layout", 0)}
-    assert kinds(pair.draft.model) == {"Bf16Matmul"} and isinstance(pair.draft._head, Bf16Matmul)
+    assert kinds(pair.draft.model) == {layer} and type(pair.draft._head) is head and pair.draft.matmul == matmul
     assert kinds(pair.target.model) == {"HeadMatmul"}
-    own = load_pair(str(tiny_dirs["target"]), "self", device="cpu", draft_matmul="bfloat16")
-    assert kinds(own.target.model) == {"HeadMatmul"} and own.draft.model is own.target.model
+    if draft == "self":
+        assert pair.draft.model is not pair.target.model
+        assert ({p.data_ptr() for p in pair.draft.model.parameters()}
+                == {p.data_ptr() for p in pair.target.model.parameters()})
     engine = Engine(pair)
     try:
         prompt = [2, 3, 4, 5]

@@ -9,7 +9,7 @@ import torch
 from engine.config import GenerationConfig
 from engine.engine import Engine
 from engine.events import BranchResolved, TokensEmitted, Verified
-from engine.lm_head import bf16_supported
+from engine.lm_head import bf16_supported, int4_supported
 from engine.models import load_pair
 
 from .conftest import engine_with_draft
@@ -29,12 +29,17 @@ def test_sampled_first_tokens_follow_target(tiny_engine, method, extra):
     check_sampled(tiny_engine, method, extra)
 
 
-@pytest.mark.skipif(not bf16_supported(), reason="this CPU runs no bfloat16 matmul natively")
-def test_sampled_output_is_exact_with_a_bfloat16_draft(tiny_dirs):
-    """q is whatever the draft's bfloat16 pass gave, so the rules stay exact: the same chi-square, with branches."""
-    engine = Engine(load_pair(str(tiny_dirs["target"]), str(tiny_dirs["draft"]), device="cpu", draft_matmul="bfloat16"))
+@pytest.mark.parametrize("draft, matmul", [
+    pytest.param("draft", "bfloat16", marks=pytest.mark.skipif(not bf16_supported(), reason="no native bfloat16")),
+    pytest.param("self", "int4", marks=pytest.mark.skipif(not int4_supported(), reason="no CPU int4 kernel")),
+])
+def test_sampled_output_is_exact_with_a_low_precision_draft(tiny_dirs, draft, matmul):
+    """q is whatever the draft's bfloat16 or 4-bit pass gave (the target itself in 4 bits: a twin over its weights),
+    so the rules stay exact: the same chi-square, with branches."""
+    spec = "self" if draft == "self" else str(tiny_dirs[draft])
+    engine = Engine(load_pair(str(tiny_dirs["target"]), spec, device="cpu", draft_matmul=matmul))
     try:
-        assert engine.pair.draft.bf16
+        assert engine.pair.draft.matmul == matmul
         check_sampled(engine, "specbranch", dict(gamma=3, branches=3, epsilon=1.0, head_start=0.2))
     finally:
         engine.close()
