@@ -5,7 +5,7 @@ import argparse
 import os
 import threading
 
-from app.ui import build_app, css_paths
+from app.ui import build_app, css_paths, defaults_for
 from engine.config import DRAFT_MATMULS
 
 
@@ -14,14 +14,23 @@ def main() -> None:
     parser.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"))
     parser.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", "7860")))
     parser.add_argument("--target", default=os.environ.get("SPECBRANCH_TARGET", "embedded"))
-    parser.add_argument("--draft", default=os.environ.get("SPECBRANCH_DRAFT", "embedded"))
+    parser.add_argument("--draft", default=os.environ.get("SPECBRANCH_DRAFT"),
+                        help="a draft spec (python -m engine --help); default: self, the target read in 4 bits, on "
+                             "a CPU (engine.models.default_draft), else embedded. For more rejections and branches "
+                             "to watch: embedded or embedded-weak")
     parser.add_argument("--device", default=os.environ.get("SPECBRANCH_DEVICE"))
     parser.add_argument("--draft-matmul", default=os.environ.get("SPECBRANCH_DRAFT_MATMUL", "auto"),
                         choices=DRAFT_MATMULS,
-                        help="the draft's weights as bfloat16 (auto: on a CPU that runs it natively; output stays exact)")
+                        help="how the draft's matmuls read its weights: bfloat16, int4 or float32 (auto: int4 for "
+                             "--draft self on a CPU, bfloat16 for other drafts where the CPU runs it natively); "
+                             "output stays exact")
     parser.add_argument("--db", default=None, help="session store (default: $SPECBRANCH_DB or the data dir)")
     parser.add_argument("--no-record", action="store_true", help="do not record sessions")
     args = parser.parse_args()
+    if not args.draft:
+        from engine.models import default_draft
+
+        args.draft = default_draft(args.device)
 
     lock, loaded = threading.Lock(), {}
 
@@ -53,7 +62,8 @@ def main() -> None:
             return loaded["store"]
 
     get_store()
-    demo = build_app(get_engine, get_store)
+    demo = build_app(get_engine, get_store, defaults_for(args.draft),
+                     about=f"target {args.target} · draft {args.draft} · draft matmul {args.draft_matmul}")
     demo.queue(default_concurrency_limit=1).launch(server_name=args.host, server_port=args.port,
                                                    css_paths=css_paths())
 

@@ -51,6 +51,12 @@ all at once. The target verifies along the draft's first choice, through the bra
 never shortens a round; if the target's token is another candidate instead, that branch's tokens are
 already drafted and survive (purple *rescued* tokens); only the other branches are rolled back.
 
+**Which draft.** On a CPU the app drafts with the target itself, its weights read in 4 bits (the GGUF file
+they came from stores them so; docs/RESULTS.md §0f). A draft step then costs about half a target step, and the
+draft agrees with the target 99.7 % of the time, so speculation pays, but there is little to reject, roll back
+or branch. To watch those, start the app with `--draft embedded` (a distilled 6-layer draft, right about half
+the time) or `--draft embedded-weak`.
+
 **The charts.** *Branch tree*: one step, left to right: the committed prefix, the drafted path, the fork
 with its k candidates and each branch. Green accepted, purple rescued, red rejected, orange the target's
 correction, blue its bonus, dashed never verified; the orange outline follows what survives the step.
@@ -61,8 +67,15 @@ Hover a node for p, q, p/q and u. Pick a step with ◀ ▶, the slider, or a mar
 """
 
 
-# The Live and Compare defaults, chosen by the bench on data/tuning_prompts.jsonl (docs/RESULTS.md §0)
+# The Live and Compare defaults, chosen by the bench on data/tuning_prompts.jsonl for each kind of draft: a
+# distilled draft (docs/RESULTS.md §0, §0e), and the target itself read in 4 bits, which is right 99.7 % of the
+# time, so it drafts long blocks without stopping and forks only where it is very unsure (§0f)
 DEFAULTS = {"gamma": 3, "epsilon": 0.5, "draft_stop": 0.3, "feed_stop": 0.0, "head_start": 0.3, "hrad": False}
+SELF_DEFAULTS = {"gamma": 6, "epsilon": 0.1, "draft_stop": 0.0, "feed_stop": 0.0, "head_start": 0.02, "hrad": False}
+
+
+def defaults_for(draft: str | None) -> dict:
+    return SELF_DEFAULTS if draft == "self" else DEFAULTS
 # H-RAD ships off: on held-out prompts it placed branch points no better than the draft's confidence alone
 # (classification and speed, docs/RESULTS.md §0b); the checkbox says so where the user decides
 HRAD_LABEL = ("H-RAD (classifier places branch points). Off by default: on held-out prompts it was no faster "
@@ -140,10 +153,13 @@ def no_store(reason: str):
     return lambda: (None, reason)
 
 
-def build_app(get_engine, get_store=None) -> gr.Blocks:
+def build_app(get_engine, get_store=None, defaults: dict | None = None, about: str = "") -> gr.Blocks:
     """get_engine() returns the loaded Engine (loaded once, lazily); get_store() returns
-    (sessions.Store | None, reason) for recording and replay (None: nothing is recorded)."""
+    (sessions.Store | None, reason) for recording and replay (None: nothing is recorded); defaults: the sliders'
+    starting values (defaults_for the draft the app serves; DEFAULTS if not given); about: a line under the title
+    (the pair the app serves), shown as text."""
     get_store = get_store or no_store("recording is off")
+    defaults = {**DEFAULTS, **(defaults or {})}
 
     def start_recording(owner, prompt, engine, cfg):
         """(recorder or None, message). Never raises: a broken store only means 'not recording'."""
@@ -276,6 +292,8 @@ def build_app(get_engine, get_store=None) -> gr.Blocks:
     with gr.Blocks(title="SpecBranch Studio") as demo:
         gr.Markdown("# SpecBranch Studio\nSpeculative decoding, made visible: every token is coloured by where it "
                     "came from, every forward pass is on the timeline.")
+        if about:
+            gr.HTML(f'<div class="about">{html.escape(about)}</div>')
         events_state = gr.State([])
         browser = browser_id_state()
         with gr.Tab("Live"):
@@ -286,21 +304,21 @@ def build_app(get_engine, get_store=None) -> gr.Blocks:
                                         elem_id="max-new")
                     temperature = gr.Slider(0, 2, value=0, step=0.05, label="Temperature (0 = greedy, ≥ 0)")
                     top_p = gr.Slider(0.01, 1, value=1, step=0.01, label="Top-p, in (0, 1]")
-                    gamma = gr.Slider(1, 16, value=DEFAULTS["gamma"], step=1,
+                    gamma = gr.Slider(1, 16, value=defaults["gamma"], step=1,
                                       label="γ: SD block length; PEARL/SpecBranch: tokens verified per round (1–16)")
                     branches = gr.Slider(1, 6, value=3, step=1, label="k: most branches at a branch point (1–6)")
-                    epsilon = gr.Slider(0, 1, value=DEFAULTS["epsilon"], step=0.05,
+                    epsilon = gr.Slider(0, 1, value=defaults["epsilon"], step=0.05,
                                         label="ε: branch below this draft confidence [0, 1]")
-                    draft_stop = gr.Slider(0, 1, value=DEFAULTS["draft_stop"], step=0.05,
+                    draft_stop = gr.Slider(0, 1, value=defaults["draft_stop"], step=0.05,
                                            label="Draft stop: end a round's drafting below this confidence (0 = off)")
-                    feed_stop = gr.Slider(0, 1, value=DEFAULTS["feed_stop"], step=0.05,
+                    feed_stop = gr.Slider(0, 1, value=defaults["feed_stop"], step=0.05,
                                           label="Feed stop: verify drafted tokens only while the draft's odds that all "
                                                 "are accepted stay above this (0 = up to γ)")
-                    head_start = gr.Slider(0, 1, value=DEFAULTS["head_start"], step=0.05,
+                    head_start = gr.Slider(0, 1, value=defaults["head_start"], step=0.01,
                                            label="Head start: after a rejection, the draft leads the target's next "
                                                  "pass while its odds that the block is accepted stay above this "
                                                  "(0 = off, the target starts at once as in PEARL)")
-                    hrad = gr.Checkbox(DEFAULTS["hrad"], label=HRAD_LABEL, elem_id="hrad")
+                    hrad = gr.Checkbox(defaults["hrad"], label=HRAD_LABEL, elem_id="hrad")
                     seed = gr.Number(0, precision=0, label="Seed (integer)")
                     chat = gr.Checkbox(True, label="Chat template (off: raw text, e.g. code completion)")
                 with gr.Column(scale=2):

@@ -4,14 +4,17 @@
 # repository root after `make install`. Each bench writes docs/<name>.json; `summarize` pools the seeds.
 #   STEPS="1 2"   run only these steps (default: all, in order)
 #   V=-0e         suffix for the JSON names of steps 1-4, so a rerun on a newer engine keeps the older tables
-#   EXTRA=...     settings added to every bench (§0b's: V and EXTRA unset; §0e's: V=-0e EXTRA="--head-start 0.3",
-#                 the app's defaults, so PEARL and SpecBranch both have the head start there)
+#   EXTRA=...     settings added to every bench, after (so overriding) COMMON's (§0b's: V and EXTRA unset; §0e's:
+#                 V=-0e EXTRA="--head-start 0.3", the app's defaults then, so PEARL and SpecBranch both have the head
+#                 start there)
+#   DRAFT=self    the draft of steps 1, 4 and 5-7 (default embedded; §0f's: the target itself, read in 4 bits)
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
 N=${N:-2}        # prompts per dataset (MT-Bench, GSM8K, HumanEval benchmark split)
 TOK=${TOK:-64}
 V=${V:-}
 STEPS=${STEPS:-1 2 3 4 5 6 7}
+DRAFT=${DRAFT:-embedded}
 COMMON="--gamma 3 --draft-stop 0.3 --epsilon 0.5 --branches 3 ${EXTRA:-}"
 
 # 1. every method and ablation, T=0 and T=1, seeds 0-2 (at T=0 the seed changes nothing but the clock);
@@ -20,7 +23,7 @@ step1() {
   for t in 0 1; do
     for s in 0 1 2; do
       $PY -m engine bench --methods ar,sd,pearl,specbranch,specbranch-no-branch,specbranch-no-hrad,specbranch-fixed,hf-assisted \
-          --draft embedded --dataset all --limit $N --max-new-tokens $TOK --temperature $t --seed $s $COMMON --hrad \
+          --draft $DRAFT --dataset all --limit $N --max-new-tokens $TOK --temperature $t --seed $s $COMMON --hrad \
           --json docs/ablation$V-t$t-s$s.json
     done
     $PY -m engine summarize docs/ablation$V-t$t-s{0,1,2}.json --json docs/ablation$V-t$t.json
@@ -44,7 +47,7 @@ step3() {
 
 # 4. the measured-cost branch policy (--branch-costs) against PEARL and the paper's k rule, same prompts
 step4() {
-  $PY -m engine bench --methods ar,pearl,specbranch-no-hrad --draft embedded --dataset all --limit $N \
+  $PY -m engine bench --methods ar,pearl,specbranch-no-hrad --draft $DRAFT --dataset all --limit $N \
       --max-new-tokens $TOK --temperature 0 $COMMON --branch-costs --json docs/branch-costs$V-t0.json
 }
 
@@ -54,7 +57,7 @@ methods_by_seed() {
   local name=$1; shift
   for t in "$@"; do
     for s in 0 1 2; do
-      $PY -m engine bench --methods ar,sd,pearl,specbranch --draft embedded --dataset all --limit $N \
+      $PY -m engine bench --methods ar,sd,pearl,specbranch --draft $DRAFT --dataset all --limit $N \
           --max-new-tokens $TOK --temperature $t --seed $s $COMMON --json docs/$name-t$t-s$s.json
     done
     $PY -m engine summarize docs/$name-t$t-s{0,1,2}.json --json docs/$name-t$t.json

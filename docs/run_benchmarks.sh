@@ -114,3 +114,15 @@ for hs in 0 0.25 0.5; do
       --max-new-tokens 64 --temperature 0 --gamma 3 --draft-stop 0.3 --epsilon 0.5 --branches 3 \
       --head-start $hs --json docs/tune-head-start-$hs.json
 done
+
+# 13. the target as its own draft, its weights read in 4 bits (--draft self; auto picks --draft-matmul int4 for it
+#     on the CPU; docs/RESULTS.md §0f): the kernels, then γ and the head start chosen on the tuning prompts
+#     (docs/tune-int4-g*-hs*.json); the 3-seed tables are docs/run_ablation.sh step 8
+PYTHONPATH=. $PY docs/draft_matmul_kernels.py
+for g in 4 6 8; do
+  for hs in 0 0.3; do
+    $PY -m engine bench --methods ar,sd,pearl,specbranch --draft self --dataset data/tuning_prompts.jsonl \
+        --max-new-tokens 64 --temperature 0 --gamma $g --draft-stop 0.3 --epsilon 0.5 --branches 3 \
+        --head-start $hs --json docs/tune-int4-g$g-hs$hs.json
+  done
+done

@@ -9,10 +9,12 @@ Two parts, both written to one JSON:
              nothing but the forwards cost time, next to the measured one:
                ar           1
                sd           τ · T_ar / (T_verify + d · D)      serial: d draft steps per round, each D ms
-               overlapped   τ · T_ar / T_verify                 the target never idles (draft hidden behind it)
-             τ = tokens per target forward, T_verify = the run's mean target forward, T_ar = ar's, all from
-             the same bench run. measured / modelled is the share of the limit reached; the rest is idle
-             target time and host overhead.
+               overlapped   τ · T_ar / max(T_verify, d · D)     a round lasts as long as the slower of the two
+                                                                 models: the target's pass, or the draft's d steps
+             τ = tokens per target forward, T_verify = the run's mean target forward, T_ar = ar's, d = draft steps
+             per target pass and D = the mean draft step (both models' forwards as measured beside each other in
+             the overlapped runs), all from the same bench run. measured / modelled is the share of the limit
+             reached; the rest is idle time the model does not predict and host overhead.
 """
 from __future__ import annotations
 
@@ -109,12 +111,10 @@ def modelled(report: dict, dataset: str = "all") -> dict[str, dict]:
             model = 1.0
         elif not tau or not t_v:
             model = None  # hf-assisted: its forwards are not visible to us
-        elif method == "sd":
-            rounds = max(agg["target_forwards"] - agg["prompts"], 1)  # the prefill is no round
-            d = agg["draft_forwards"] / rounds
-            model = tau * t_ar / (t_v + d * (agg.get("draft_forward_ms") or 0.0))
         else:
-            model = tau * t_ar / t_v
+            rounds = max(agg["target_forwards"] - agg["prompts"], 1)  # the prefill is no round
+            drafting = agg["draft_forwards"] / rounds * (agg.get("draft_forward_ms") or 0.0)  # d · D
+            model = tau * t_ar / (t_v + drafting if method == "sd" else max(t_v, drafting))
         measured = agg.get("speedup_vs_ar")
         out[label] = {"measured": measured, "modelled": None if model is None else round(model, 3),
                       "share_of_limit": round(measured / model, 3) if model and measured else None,

@@ -99,9 +99,10 @@ def int4_supported() -> bool:
 class Int4Matmul:
     """out = x @ Wᵀ (float32 in, float32 out) through a 4-bit copy of W: per group of INT4_GROUP weights along a
     row, w ≈ (q - 8)·scale + zero with q in 0..15, min-max rounded, packed once by aten for the CPU kernel. An
-    eighth of float32's bytes: the embedded target's 210 linears take 7.5-7.9 ms for one row against 38.8-40.0 ms in
-    float32 x @ Wᵀ and 25-28 ms through Bf16Matmul (1 thread; docs/draft_matmul_kernels.py). Lossy, so for a draft
-    only. A gradient to track goes through F.linear on the float32 weight."""
+    eighth of float32's bytes: the embedded target's 210 linears take 12.7-14.2 ms for one row, casts included,
+    against 37.0-39.8 ms in float32 x @ Wᵀ and 26.5-33.3 ms through Bf16Matmul (1 thread, two runs of
+    docs/draft_matmul_kernels.py). Lossy, so for a draft only. A gradient to track goes through F.linear on the
+    float32 weight."""
 
     def __init__(self, weight: torch.Tensor):
         self.w = weight.detach()  # [N, K] float32

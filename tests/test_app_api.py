@@ -217,3 +217,22 @@ def test_a_browser_id_owns_its_runs_across_page_loads(client, app_store):
         assert "1 session" in status
     _, _, status = client.predict("g g h", "", browser_identity(None), api_name="/search")
     assert "no stored sessions" in status
+
+
+def test_app_defaults_follow_the_draft_and_the_pair_line_is_text(tiny_engine):
+    """The sliders start at the settings the bench chose for the draft the app serves (docs/RESULTS.md §0f for the
+    target read in 4 bits), and the line naming the pair is text, never markup."""
+    from app.ui import DEFAULTS, SELF_DEFAULTS, build_app, defaults_for
+    from engine.lm_head import int4_supported
+    from engine.models import default_draft
+
+    assert defaults_for("self") is SELF_DEFAULTS and defaults_for("embedded") is DEFAULTS
+    assert default_draft("cpu") == ("self" if int4_supported() else "embedded")
+    for defaults in (SELF_DEFAULTS, DEFAULTS):
+        demo = build_app(lambda: tiny_engine, defaults=defaults, about="target <b>x</b> · draft self")
+        props = [c["props"] for c in demo.config["components"]]
+        value = lambda label: next(p["value"] for p in props if str(p.get("label", "")).startswith(label))
+        assert value("γ:") == defaults["gamma"] and value("ε:") == defaults["epsilon"]
+        assert value("Draft stop") == defaults["draft_stop"] and value("Head start") == defaults["head_start"]
+        about = [p["value"] for p in props if 'class="about"' in str(p.get("value", ""))]
+        assert about == ['<div class="about">target &lt;b&gt;x&lt;/b&gt; · draft self</div>']

@@ -22,8 +22,11 @@ def test_modelled_speedups_by_hand():
         # sd: 11 target forwards, 1 of them the prefill: 10 rounds, 40 draft steps of 10 ms -> d = 4
         # modelled = 2.0 * 50 / (80 + 4 * 10) = 0.8333
         "sd": {"all": agg(16.0, 0.8, 2.0, 80.0, target_forwards=11, draft_forwards=40, draft_ms=10.0)},
-        # overlapped: the draft hides behind the target: 2.5 * 50 / 75 = 1.6667; measured 1.2 -> share 0.72
-        "specbranch@embedded": {"all": agg(24.0, 1.2, 2.5, 75.0)},
+        # overlapped: the draft hides behind the target (11 passes, 10 rounds, 30 steps of 10 ms: 30 ms < 75 ms):
+        # 2.5 * 50 / 75 = 1.6667; measured 1.2 -> share 0.72
+        "specbranch@embedded": {"all": agg(24.0, 1.2, 2.5, 75.0, target_forwards=11, draft_forwards=30, draft_ms=10.0)},
+        # the draft is the slower one (6 steps of 30 ms a round: 180 ms > 100 ms): 5.0 * 50 / 180 = 1.3889
+        "pearl@self": {"all": agg(26.0, 1.3, 5.0, 100.0, target_forwards=11, draft_forwards=60, draft_ms=30.0)},
         "hf-assisted": {"all": agg(10.0, 0.5, None, None)},
     }}
     rows = modelled(report)
@@ -31,6 +34,7 @@ def test_modelled_speedups_by_hand():
     assert rows["sd"]["modelled"] == pytest.approx(0.833, abs=1e-3)
     assert rows["specbranch@embedded"]["modelled"] == pytest.approx(1.667, abs=1e-3)
     assert rows["specbranch@embedded"]["share_of_limit"] == pytest.approx(0.72, abs=1e-3)
+    assert rows["pearl@self"]["modelled"] == pytest.approx(1.389, abs=1e-3)
     assert rows["hf-assisted"]["modelled"] is None  # its forwards are invisible to us
 
 
