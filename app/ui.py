@@ -73,13 +73,15 @@ Hover a node for p, q, p/q and u. Pick a step with ◀ ▶, the slider, or a mar
 DEFAULTS = {"gamma": 3, "epsilon": 0.5, "draft_stop": 0.3, "feed_stop": 0.0, "head_start": 0.3, "hrad": False}
 SELF_DEFAULTS = {"gamma": 6, "epsilon": 0.1, "draft_stop": 0.0, "feed_stop": 0.0, "head_start": 0.02, "hrad": False}
 
-
-def defaults_for(draft: str | None) -> dict:
-    return SELF_DEFAULTS if draft == "self" else DEFAULTS
 # H-RAD ships off: on held-out prompts it placed branch points no better than the draft's confidence alone
 # (classification and speed, docs/RESULTS.md §0b); the checkbox says so where the user decides
 HRAD_LABEL = ("H-RAD (classifier places branch points). Off by default: on held-out prompts it was no faster "
               "than confidence only (docs/RESULTS.md §0b)")
+
+
+def defaults_for(draft: str | None) -> dict:
+    """The sliders' starting values for the draft spec the app serves."""
+    return SELF_DEFAULTS if draft == "self" else DEFAULTS
 
 
 def examples() -> list[list]:

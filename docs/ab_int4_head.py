@@ -16,6 +16,7 @@ if kind == "bf16head":
         return lh.Bf16Matmul(w) if k == "int4" and head else shipped(k, w, head)
 
     models.draft_matmul = bf16_head  # what models.LM calls for its head
-sys.exit(main(["bench", "--methods", "ar,sd,pearl,specbranch", "--draft", "self", "--dataset", "data/tuning_prompts.jsonl",
-               "--max-new-tokens", "64", "--temperature", "0", "--gamma", "6", "--draft-stop", "0", "--head-start", "0.02",
-               "--epsilon", "0.1", "--branches", "3", "--json", f"docs/ab-int4-{kind}-{run}.json"]))
+sys.exit(main(["bench", "--methods", "ar,sd,pearl,specbranch", "--draft", "self",
+               "--dataset", "data/tuning_prompts.jsonl", "--max-new-tokens", "64", "--temperature", "0",
+               "--gamma", "6", "--draft-stop", "0", "--head-start", "0.02", "--epsilon", "0.1", "--branches", "3",
+               "--json", f"docs/ab-int4-{kind}-{run}.json"]))

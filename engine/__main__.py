@@ -17,9 +17,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="float32 (CPU default) | bfloat16 (CUDA default) | float16")
     p.add_argument("--draft-matmul", default="auto", choices=DRAFT_MATMULS,
                    help="how the draft's matmuls read its weights: bfloat16 (half float32's memory traffic), int4 "
-                        "(an eighth; with --draft self, the target's own weights as a cheap draft) or float32; auto: int4 for "
-                        "--draft self on a CPU, else bfloat16 where the CPU runs it natively. Output stays exact: only "
-                        "the target decides it")
+                        "(an eighth; with --draft self, the target's own weights as a cheap draft) or float32; "
+                        "auto: int4 for --draft self on a CPU, else bfloat16 where the CPU runs it natively. Output "
+                        "stays exact: only the target decides it")
     p.add_argument("--threads", type=int, default=1, help="torch threads per model worker")
     p.add_argument("--trust-remote-code", action="store_true")
 

@@ -11,7 +11,8 @@ class SpecBranchError(ValueError):
 
 METHODS = ("ar", "sd", "pearl", "specbranch", "specbranch-no-branch", "specbranch-no-hrad", "specbranch-fixed",
            "hf-assisted")
-DRAFT_MATMULS = ("auto", "float32", "bfloat16", "int4")  # how a draft's matmuls read its weights (models.draft_matmul_kind)
+# how a draft's matmuls read its weights (models.draft_matmul_kind)
+DRAFT_MATMULS = ("auto", "float32", "bfloat16", "int4")
 
 
 @dataclass(frozen=True)

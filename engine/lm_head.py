@@ -20,7 +20,8 @@ emitted and q is whatever the draft's own pass gave. It matters on a CPU whose t
 draft step streams its weights while the target's verify pass streams its own, and the target's pass slows by about
 the bytes the draft moves beside it. With 4 bits the target itself becomes a cheap draft (--draft self
 --draft-matmul int4): the embedded target's weights came from a 4-bit GGUF (Q4_1: per 32 weights a scale and a
-minimum), and Int4Matmul's groups of 32 with a scale and a zero point hold the same values again.
+minimum), and Int4Matmul's groups of 32 with a scale and a zero point keep their 4-bit codes (the scales and zero
+points are rounded to bfloat16, the kernel's precision).
 """
 from __future__ import annotations
 

@@ -127,10 +127,10 @@ needs_int4 = pytest.mark.skipif(not int4_supported(), reason="this torch has no 
 
 
 @needs_int4
-def test_int4_matmul_holds_4bit_groups_exactly_and_rounds_others():
-    """Weights that are 4-bit groups already (a scale and a minimum per INT4_GROUP, as in a GGUF's Q4_1 blocks) come
-    back as they were, so the product differs from float32's by the input's bfloat16 rounding only; other weights
-    are min-max rounded per group, within half a step."""
+def test_int4_matmul_keeps_4bit_groups_and_rounds_others():
+    """Weights that are 4-bit groups already (a scale and a minimum per INT4_GROUP, as in a GGUF's Q4_1 blocks) keep
+    their codes, so the product differs from float32's by bfloat16 rounding only (of the input, the scales and zero
+    points, and the output); other weights are min-max rounded per group, within half a step."""
     torch.manual_seed(3)
     n, k = 48, 2 * INT4_GROUP
     q = torch.randint(0, 16, (n, k // INT4_GROUP, INT4_GROUP))
