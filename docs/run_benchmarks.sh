@@ -141,3 +141,7 @@ for i in 1 2; do  # the self-draft's LM head in float32 or bfloat16, alternated
 done
 $PY -m engine costs --draft self --max-rows 3 --max-tokens 8 --bench docs/ablation-0f-t0-s0.json \
     --json docs/costs-cpu-int4-0f.json
+for th in 2 1; do  # torch threads per worker
+  $PY -m engine bench --methods ar,sd,pearl --draft self --dataset data/tuning_prompts.jsonl --max-new-tokens 64 \
+      --temperature 0 --gamma 6 --draft-stop 0 --head-start 0.02 --threads $th --json docs/threads-int4-$th.json
+done
