@@ -53,7 +53,7 @@ already drafted and survive (purple *rescued* tokens); only the other branches a
 
 **Which draft.** On a CPU the app drafts with the target itself, its weights read in 4 bits (the GGUF file
 they came from stores them so; docs/RESULTS.md §0f). A draft step then costs about half a target step, and the
-draft agrees with the target 99.7 % of the time, so speculation pays, but there is little to reject, roll back
+draft agrees with the target on over 99 % of tokens, so speculation pays, but there is little to reject, roll back
 or branch. To watch those, start the app with `--draft embedded` (a distilled 6-layer draft, right about half
 the time) or `--draft embedded-weak`.
 
@@ -68,8 +68,8 @@ Hover a node for p, q, p/q and u. Pick a step with ◀ ▶, the slider, or a mar
 
 
 # The Live and Compare defaults, chosen by the bench on data/tuning_prompts.jsonl for each kind of draft: a
-# distilled draft (docs/RESULTS.md §0, §0e), and the target itself read in 4 bits, which is right 99.7 % of the
-# time, so it drafts long blocks without stopping and forks only where it is very unsure (§0f)
+# distilled draft (docs/RESULTS.md §0, §0e), and the target itself read in 4 bits, which agrees with the target on
+# over 99 % of tokens, so it drafts long blocks without stopping and forks only where it is very unsure (§0f)
 DEFAULTS = {"gamma": 3, "epsilon": 0.5, "draft_stop": 0.3, "feed_stop": 0.0, "head_start": 0.3, "hrad": False}
 SELF_DEFAULTS = {"gamma": 6, "epsilon": 0.1, "draft_stop": 0.0, "feed_stop": 0.0, "head_start": 0.02, "hrad": False}
 

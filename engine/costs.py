@@ -27,8 +27,6 @@ import torch
 
 from . import cache as kv
 
-OVERLAPPED = ("pearl", "specbranch")
-
 
 def median_ms(fn, reps: int) -> float:
     fn()  # warm
