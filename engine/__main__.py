@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from .config import DRAFT_MATMULS, METHODS, GenerationConfig, SpecBranchError
+from .config import DRAFT_FORWARDS, DRAFT_MATMULS, METHODS, GenerationConfig, SpecBranchError
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -20,6 +20,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "(an eighth; with --draft self, the target's own weights as a cheap draft) or float32; "
                         "auto: int4 for --draft self on a CPU, else bfloat16 where the CPU runs it natively. Output "
                         "stays exact: only the target decides it")
+    p.add_argument("--draft-forward", default="lean", choices=DRAFT_FORWARDS,
+                   help="lean: a Llama draft on the CPU runs engine/lean.py (fused matmuls, a KV cache that rolls "
+                        "back by a pointer); transformers: the model's own forward")
     p.add_argument("--threads", type=int, default=1, help="torch threads per model worker")
     p.add_argument("--trust-remote-code", action="store_true")
 
@@ -114,7 +117,7 @@ def build_engine(args, need_draft: bool):
     torch.set_num_threads(max(1, args.threads))
     pair = load_pair(args.target, args.draft if need_draft else None, device=args.device,
                      draft_device=args.draft_device, dtype=args.dtype, trust_remote_code=args.trust_remote_code,
-                     draft_matmul=args.draft_matmul)
+                     draft_matmul=args.draft_matmul, draft_forward=args.draft_forward)
     return Engine(pair, threads=max(1, args.threads))
 
 
@@ -184,7 +187,7 @@ def cmd_bench(args) -> None:
     for draft in sorted({d for _, _, d in entries if d is not None}):  # other drafts share the loaded target
         kind = draft_matmul_kind(args.draft_matmul, t.device, t.model.dtype, draft == "self")
         model, tok, head_ids = load_draft(draft, t.model, t.tokenizer, t.device, t.model.dtype, args.trust_remote_code)
-        engines[draft] = Engine(pair_of(t, draft, model, tok, head_ids, kind), threads=max(1, args.threads))
+        engines[draft] = Engine(pair_of(t, draft, model, tok, head_ids, kind, args.draft_forward), threads=max(1, args.threads))
     run_bench([(label, engines[d], m) for label, m, d in entries], args, SessionLog(args, engine))
 
 

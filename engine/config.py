@@ -13,6 +13,8 @@ METHODS = ("ar", "sd", "pearl", "specbranch", "specbranch-no-branch", "specbranc
            "hf-assisted")
 # how a draft's matmuls read its weights (models.draft_matmul_kind)
 DRAFT_MATMULS = ("auto", "float32", "bfloat16", "int4")
+# how a draft's forward runs: engine/lean.py where the draft fits it (else transformers'), or always transformers'
+DRAFT_FORWARDS = ("lean", "transformers")
 
 
 @dataclass(frozen=True)

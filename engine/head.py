@@ -174,6 +174,7 @@ class HeadCache:
 class HeadLM:
     """A head as the decoders see a draft: forward(input_ids, cache) -> logits [B, T, V] (float32)."""
     reads_target_features = True
+    lean = False  # the head has a forward of its own (engine/lean.py is for standalone Llama drafts)
 
     def __init__(self, name: str, head: FeatureHead, target_lm, head_ids: torch.Tensor, tokenizer,
                  matmul: str = "float32"):

@@ -332,7 +332,8 @@ def run_train_hrad(args) -> dict:
     key = samples_key(engine.pair, {"corpora": [str(c) for c in corpora], "limit": args.limit, "seed": args.seed,
                                     "horizon": args.horizon, "held_out_limit": args.held_out_limit,
                                     "max_new_tokens": args.max_new_tokens,
-                                    "draft_matmul": engine.pair.draft.matmul})  # the draft's confidences depend on it
+                                    "draft_matmul": engine.pair.draft.matmul,  # the draft's confidences depend on
+                                    "draft_lean": engine.pair.draft.lean})  # both (rounding)
     # reuse what was collected for this pair and these settings (to try other classifier settings)
     sets = load_samples(samples_path, key)
     if sets is None:

@@ -67,16 +67,16 @@ class Bf16Matmul:
     8.1 for float32 x @ Wᵀ (1 row), 4.5 against 14.8 (3 rows) (docs/draft_matmul_kernels.py). Lossy, so for a
     draft only. A gradient to track goes through F.linear on the float32 weight."""
 
-    def __init__(self, weight: torch.Tensor):
-        self.w = weight.detach()  # [N, K] float32
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.w.to(torch.bfloat16), 1)
+    def __init__(self, weight: torch.Tensor, keep_weight: bool = True):
+        self.w = weight.detach() if keep_weight else None  # [N, K] float32, for gradients only
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(torch.bfloat16), 1)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and x.requires_grad:
+        if torch.is_grad_enabled() and x.requires_grad and self.w is not None:
             return F.linear(x, self.w)
         flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
         out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, None, "none", [], "")
-        return out.to(self.w.dtype).reshape(*x.shape[:-1], -1)
+        return out.to(x.dtype).reshape(*x.shape[:-1], -1)
 
 
 INT4_GROUP = 32  # weights per scale and zero point: the GGUF Q4_1 block, so the embedded target's weights fit again
@@ -105,10 +105,10 @@ class Int4Matmul:
     docs/draft_matmul_kernels.py). Lossy, so for a draft only. A gradient to track goes through F.linear on the
     float32 weight."""
 
-    def __init__(self, weight: torch.Tensor):
-        self.w = weight.detach()  # [N, K] float32
-        n, k = self.w.shape
-        groups = self.w.reshape(n, k // INT4_GROUP, INT4_GROUP)
+    def __init__(self, weight: torch.Tensor, keep_weight: bool = True):
+        self.w = weight.detach() if keep_weight else None  # [N, K] float32, for gradients only
+        n, k = weight.shape
+        groups = weight.detach().reshape(n, k // INT4_GROUP, INT4_GROUP)
         low, high = groups.amin(-1), groups.amax(-1)
         scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)  # a constant group: any scale
         q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).reshape(n, k)
@@ -118,22 +118,24 @@ class Int4Matmul:
         self.scales_zeros = torch.stack([scale, low + 8 * scale], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and x.requires_grad:
+        if torch.is_grad_enabled() and x.requires_grad and self.w is not None:
             return F.linear(x, self.w)
         flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, INT4_GROUP, self.scales_zeros)
-        return out.to(self.w.dtype).reshape(*x.shape[:-1], -1)
+        return out.to(x.dtype).reshape(*x.shape[:-1], -1)
 
 
-def draft_matmul(kind: str, weight: torch.Tensor, head: bool = False):
+def draft_matmul(kind: str, weight: torch.Tensor, head: bool = False, keep_weight: bool = True):
     """The matmul a draft's weight goes through for a kind of models.draft_matmul_kind. int4 takes the decoder
     layers' weights that its kernel fits (int4_fits) and leaves the LM head (head=True) in float32: the GGUF keeps
     its embeddings, which the head shares, in more than 4 bits, and the head decides the draft's argmax. For the
     embedded target as its own draft, greedy agreement with the target was 0.996 with a float32 head, 0.975 with a
-    bfloat16 one and 0.900 with a 4-bit one, a draft step 25.7, 20.9 and 19.8 ms (docs/int4_self_draft_heads.py)."""
+    bfloat16 one and 0.900 with a 4-bit one, a draft step 25.7, 20.9 and 19.8 ms (docs/int4_self_draft_heads.py).
+    keep_weight=False: a bfloat16 or 4-bit matmul keeps no reference to the float32 weight (a fused copy made for it
+    is then freed; gradients cannot flow through it)."""
     if kind == "int4" and not head and int4_fits(weight):
-        return Int4Matmul(weight)
-    return Bf16Matmul(weight) if kind == "bfloat16" else HeadMatmul(weight)
+        return Int4Matmul(weight, keep_weight)
+    return Bf16Matmul(weight, keep_weight) if kind == "bfloat16" else HeadMatmul(weight)
 
 
 class HeadMatmul:

@@ -25,9 +25,10 @@ from pathlib import Path
 import torch
 
 from . import cache as kv
-from .config import DRAFT_MATMULS, SpecBranchError
+from .config import DRAFT_FORWARDS, DRAFT_MATMULS, SpecBranchError
 from .drafts import draft_from_target, is_specbranch_draft, load_draft_dir, place, twin_of
 from .head import FeatureHead, HeadLM, is_head_dir, load_head_dir
+from .lean import LeanLlama, fits as lean_misfit
 from .lm_head import HeadMatmul, bf16_supported, draft_matmul, fast_linears, int4_supported
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -184,9 +185,11 @@ class LM:
     vocab_size: int  # logits are sliced to this (the vocabulary shared with the other model)
     head_ids: torch.Tensor | None = None  # reduced LM head (FR-Spec): logits only for these ids, -inf elsewhere
     matmul: str = "float32"  # how a draft's matmuls read its weights (draft_matmul_kind); never the target's
+    lean: bool = False  # a draft's decoder runs engine/lean.py's path (lean_fits); the target never does
 
     def __post_init__(self):
         fast_linears(self.model, self.matmul)  # a decode step's one row and a verify pass's few rows, each fast
+        self._lean = LeanLlama(self.model, self.matmul) if self.lean else None
         head = self.model.get_output_embeddings()
         self._head = None
         if self.head_ids is not None:  # the rows of the (shared, frozen) head that the draft computes
@@ -203,7 +206,7 @@ class LM:
         return int(getattr(self.model.config, "max_position_embeddings", 2048))
 
     def new_cache(self):
-        return kv.new_cache(self.model)
+        return self._lean.new_cache() if self._lean is not None else kv.new_cache(self.model)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache, hidden_states: bool = False, features: bool = False):
@@ -211,6 +214,10 @@ class LM:
         With hidden_states and/or features: Out(logits, per-layer hidden states, post-norm last hidden state
         [B, T, H]). The features come from the same pass (a draft head reads them; no second forward)."""
         input_ids = input_ids.to(self.device)
+        if self._lean is not None:
+            if hidden_states:
+                raise ValueError("a draft on the lean path keeps no per-layer hidden states")
+            return self._logits(self._lean(input_ids, cache), None, features)
         if self._head is None:  # a model whose logits are more than a matmul of its last state (or unknown)
             out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True,
                              output_hidden_states=hidden_states)
@@ -218,15 +225,18 @@ class LM:
             return Out(logits, out.hidden_states if hidden_states else None) if hidden_states or features else logits
         out = self.model.base_model(input_ids=input_ids, past_key_values=cache, use_cache=True,
                                     output_hidden_states=hidden_states)
-        last = out.last_hidden_state
-        if self.head_ids is None:  # what the CausalLM computes after its base model
+        return self._logits(out.last_hidden_state, out.hidden_states if hidden_states else None, features)
+
+    def _logits(self, last: torch.Tensor, hidden: tuple | None, features: bool):
+        """The head over the final-norm states [B, T, H] (what the CausalLM computes after its base model)."""
+        if self.head_ids is None:
             logits = self._head(last)[..., : self.vocab_size].float()
         else:
             sub = self._head(last).float()  # [B, T, |subset|]
             logits = sub.new_full((*sub.shape[:2], self.vocab_size), float("-inf"))
             logits[..., self.head_ids] = sub
-        if hidden_states or features:
-            return Out(logits, out.hidden_states if hidden_states else None, last if features else None)
+        if hidden is not None or features:
+            return Out(logits, hidden, last if features else None)
         return logits
 
 
@@ -300,7 +310,7 @@ def load_draft(spec: str, target_model, target_tok, device, dtype, trust_remote_
 
 def load_pair(target: str = "embedded", draft: str | None = "embedded", device: str | None = None,
               draft_device: str | None = None, dtype: str | None = None, trust_remote_code: bool = False,
-              draft_matmul: str = "auto") -> ModelPair:
+              draft_matmul: str = "auto", draft_forward: str = "lean") -> ModelPair:
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     target_model, target_tok = load_model(target, dev, dt, trust_remote_code)
@@ -313,13 +323,26 @@ def load_pair(target: str = "embedded", draft: str | None = "embedded", device: 
     if isinstance(draft_model, FeatureHead) and ddev != dev:
         raise SpecBranchError("a draft head reads the target's features: it must sit on the target's device")
     kind = draft_matmul_kind(draft_matmul, ddev, pick_dtype(dtype, ddev), draft == "self")
-    return pair_of(LM(target, target_model, target_tok, target_vocab), draft, draft_model, draft_tok, head_ids, kind)
+    return pair_of(LM(target, target_model, target_tok, target_vocab), draft, draft_model, draft_tok, head_ids, kind,
+                   draft_forward)
 
 
-def pair_of(target: LM, draft_name: str, draft_model, draft_tok, head_ids, matmul: str = "float32") -> ModelPair:
+def lean_draft(draft_model, target_model, forward: str) -> bool:
+    """Whether a draft runs engine/lean.py's decode path: asked for (forward "lean", the default), on the CPU, a
+    model that fits it (lean.fits), and not the float32 target itself (its fused weights would be copies of the
+    target's; a quantized self-draft is a twin, drafts.twin_of). docs/RESULTS.md §0g has what it saves."""
+    if forward not in DRAFT_FORWARDS:
+        raise SpecBranchError(f"unknown draft forward {forward!r}; choose one of {', '.join(DRAFT_FORWARDS)}")
+    return (forward == "lean" and draft_model is not target_model
+            and next(draft_model.parameters()).device.type == "cpu" and lean_misfit(draft_model) is None)
+
+
+def pair_of(target: LM, draft_name: str, draft_model, draft_tok, head_ids, matmul: str = "float32",
+            forward: str = "lean") -> ModelPair:
     """Wrap a loaded draft for the decoders: a head reads the target's features; an LM's logits are sliced
     to the vocabulary both models share. matmul: how the draft's matmuls read its weights (draft_matmul_kind);
-    the target as its own draft then gets modules of its own over the same weights (drafts.twin_of)."""
+    the target as its own draft then gets modules of its own over the same weights (drafts.twin_of). forward:
+    "lean" runs the draft's decoder through engine/lean.py where it fits (lean_draft)."""
     if isinstance(draft_model, FeatureHead):
         if target._head is None:  # its features would not be what its logits are computed from
             raise SpecBranchError(f"a draft head needs a target whose logits are its LM head applied to its last "
@@ -330,4 +353,5 @@ def pair_of(target: LM, draft_name: str, draft_model, draft_tok, head_ids, matmu
         draft_model = twin_of(target.model)
     common = min(target.vocab_size, draft_model.get_output_embeddings().weight.shape[0])  # e.g. Qwen2.5 padding rows
     target = LM(target.name, target.model, target.tokenizer, common)
-    return ModelPair(target, LM(draft_name, draft_model, draft_tok, common, head_ids, matmul))
+    lean = lean_draft(draft_model, target.model, forward)
+    return ModelPair(target, LM(draft_name, draft_model, draft_tok, common, head_ids, matmul, lean))

@@ -54,13 +54,15 @@ def test_self_speculation_accepts_everything_and_matches(embedded_target, refere
 @pytest.mark.skipif(not int4_supported(), reason="this torch has no CPU int4 kernel")
 def test_int4_self_draft_agrees_and_matches(embedded_target, references):
     """The target's own weights read in 4 bits (the GGUF's Q4_1 blocks again) make a draft that almost never
-    disagrees, in modules of its own: the target keeps its float32 kernels, and the output is generate()'s."""
+    disagrees, in modules of its own (run by the lean decode path): the target keeps its float32 kernels, and the
+    output is generate()'s."""
     engine = engine_with_draft(embedded_target, "self", "int4")
     try:
         draft, target = engine.pair.draft.model, embedded_target.target.model
         assert draft is not target and draft.model.layers[0].mlp.up_proj is not target.model.layers[0].mlp.up_proj
         assert type(vars(draft.model.layers[0].mlp.up_proj)["forward"]).__name__ == "Int4Matmul"
         assert type(vars(target.model.layers[0].mlp.up_proj)["forward"]).__name__ == "HeadMatmul"
+        assert engine.pair.draft.lean and not engine.pair.target.lean  # the draft steps through engine/lean.py
         accepted = verified = 0
         for ids, want in references:
             r = engine.run(ids, GenerationConfig(method="sd", max_new_tokens=NEW, gamma=4))

@@ -156,14 +156,16 @@ def test_int4_matmul_keeps_4bit_groups_and_rounds_others():
     pytest.param("int4", "Int4Matmul", HeadMatmul, marks=needs_int4),  # int4 leaves the LM head in float32
 ])
 @pytest.mark.parametrize("draft", ["draft", "self"])
-def test_low_precision_draft_leaves_the_target_exact(tiny_dirs, matmul, layer, head, draft):
+@pytest.mark.parametrize("forward", ["lean", "transformers"])
+def test_low_precision_draft_leaves_the_target_exact(tiny_dirs, matmul, layer, head, draft, forward):
     """A bfloat16 or 4-bit draft streams fewer bytes; the target keeps its float32 layouts, also when it is its own
     draft: the draft is then a twin, modules of its own over the target's weight tensors (no copy), and greedy output
-    stays the target's."""
+    stays the target's, through either forward of the draft (engine/lean.py or transformers')."""
     pair = load_pair(str(tiny_dirs["target"]), "self" if draft == "self" else str(tiny_dirs[draft]), device="cpu",
-                     draft_matmul=matmul)
+                     draft_matmul=matmul, draft_forward=forward)
     kinds = lambda m: {type(vars(x).get("forward")).__name__ for x in m.modules() if getattr(x, "_fast_layout", 0)}
     assert kinds(pair.draft.model) == {layer} and type(pair.draft._head) is head and pair.draft.matmul == matmul
+    assert pair.draft.lean == (forward == "lean") and not pair.target.lean
     assert kinds(pair.target.model) == {"HeadMatmul"}
     if draft == "self":
         assert pair.draft.model is not pair.target.model

@@ -1,0 +1,188 @@
+"""A lean decode path for a Llama draft, in gpt-fast's shape: fused matmuls and a KV cache where rollback is a
+pointer.
+
+Why: the 4-bit self-draft is the slower side of an overlapped round (docs/RESULTS.md §0f), and of its ~28 ms step
+only 6.6 ms were the 4-bit products. The rest was the transformers forward around them: the KV cache's `cat`
+(each step copies every layer's whole cache, 4.1 ms), the float32 head (5.4 ms) and ~10 ms of per-op overhead
+(seven linear layers a layer, each casting to bfloat16 and back, rotary embeddings applied head group by head
+group, a mask built per call). Here a layer runs four matmuls (q, k and v fused into one weight, gate and up into
+another), the rotary embedding is applied to q and k in one pass over a precomputed table, and K and V are written
+into buffers allocated once, so a step copies only its own new rows. Rolling back moves `length`; forking copies
+the rows once (batch_repeat_interleave), as transformers' caches do.
+
+The weights are the model's own tensors read through lm_head.draft_matmul (4-bit groups keep the same codes when
+rows are stacked, since a group runs along a row). Only a draft runs this path: the target keeps transformers'
+forward, and output stays exact whatever the draft computes (q is the draft's own distribution from this pass).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .lm_head import draft_matmul
+
+CAPACITY = 256  # positions a new cache holds before it grows (doubling: amortised, and rare in a chat)
+
+
+def fits(model) -> str | None:
+    """Why `model` cannot run this path, or None when it can: a Llama decoder (RMSNorm, SiLU gate, rotary
+    embeddings whose table does not depend on the sequence length), no biases, every layer full attention."""
+    config = getattr(model, "config", None)
+    if type(model).__name__ != "LlamaForCausalLM" or config is None:
+        return f"{type(model).__name__} is not a LlamaForCausalLM"
+    rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+    reasons = {"attention_bias": getattr(config, "attention_bias", False),
+               "mlp_bias": getattr(config, "mlp_bias", False),
+               f"hidden_act {config.hidden_act}": config.hidden_act != "silu",
+               f"rope_type {rope}": rope in ("dynamic", "longrope"),
+               "pretraining_tp": getattr(config, "pretraining_tp", 1) != 1}
+    bad = [name for name, flag in reasons.items() if flag]
+    return ", ".join(bad) or None
+
+
+class KVBuffer:
+    """K and V of every layer in buffers allocated once, [B, kv_heads, capacity, head_dim] each; positions
+    [0, length) hold tokens. The surface engine.cache and the parallel loop use (get_seq_length, crop,
+    batch_repeat_interleave, batch_select_indices) works as on a transformers cache."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 capacity: int = CAPACITY):
+        shape = (1, kv_heads, capacity, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2]
+
+    @property
+    def rows(self) -> int:
+        return self.keys[0].shape[0]
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def reserve(self, n: int) -> None:
+        """Room for n more positions (grows by doubling, keeping what is held)."""
+        need = self.length + n
+        if need <= self.capacity:
+            return
+        size = max(need, 2 * self.capacity)
+        for buf in (self.keys, self.values):
+            for i, old in enumerate(buf):
+                new = old.new_zeros(*old.shape[:2], size, old.shape[3])
+                new[:, :, : self.length] = old[:, :, : self.length]
+                buf[i] = new
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [B, kv_heads, T, head_dim] at [length, length + T) of `layer`; returns that layer's K and V
+        up to them (views). `length` moves once every layer is written (advance)."""
+        end = self.length + k.shape[2]
+        self.keys[layer][:, :, self.length:end] = k
+        self.values[layer][:, :, self.length:end] = v
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+    def advance(self, n: int) -> None:
+        self.length += n
+
+    def crop(self, n: int) -> None:
+        """transformers' semantics: n < 0 drops the last -n positions; n >= 0 keeps the first n."""
+        self.length = max(0, self.length + n) if n < 0 else min(self.length, n)
+
+    def batch_repeat_interleave(self, k: int) -> None:
+        for buf in (self.keys, self.values):
+            for i, t in enumerate(buf):
+                buf[i] = t.repeat_interleave(k, dim=0)
+
+    def batch_select_indices(self, idx: torch.Tensor) -> None:
+        for buf in (self.keys, self.values):
+            for i, t in enumerate(buf):
+                buf[i] = t[idx.to(t.device)].contiguous()
+
+
+class LeanLlama(torch.nn.Module):
+    """A Llama model's decoder (not its head) for drafting: forward(input_ids [B, T], cache: KVBuffer) -> the
+    final-norm hidden states [B, T, H], appending T positions to the cache. `kind` is the draft's matmul kind
+    (models.draft_matmul_kind). Holds the model's tensors, not copies, besides the matmuls' own layouts."""
+
+    def __init__(self, model, kind: str = "float32"):
+        super().__init__()
+        why = fits(model)
+        if why:
+            raise ValueError(f"the lean decode path does not fit this model: {why}")
+        c = model.config
+        self.heads, self.kv_heads = c.num_attention_heads, c.num_key_value_heads
+        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        self.hidden, self.eps = c.hidden_size, c.rms_norm_eps
+        self.embed = model.get_input_embeddings()
+        self.rotary = model.model.rotary_emb  # its table: rope scaling as the model computes it
+        self.norm = model.model.norm.weight
+        self.layers = [self._layer(block, kind) for block in model.model.layers]
+        self._cos = self._sin = None
+
+    @staticmethod
+    def _layer(block, kind: str) -> dict:
+        a, m = block.self_attn, block.mlp
+        qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach()  # [(Hq + 2 Hkv) D, H]
+        gate_up = torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach()  # [2 I, H]
+        def mm(w):  # a bfloat16 or 4-bit matmul keeps no float32 copy: the fused ones would double the weights
+            return draft_matmul(kind, w, keep_weight=False)
+        return {"attn_norm": block.input_layernorm.weight, "mlp_norm": block.post_attention_layernorm.weight,
+                "qkv": mm(qkv), "o": mm(a.o_proj.weight), "gate_up": mm(gate_up), "down": mm(m.down_proj.weight)}
+
+    def new_cache(self, capacity: int = CAPACITY) -> KVBuffer:
+        return KVBuffer(len(self.layers), self.kv_heads, self.head_dim, self.norm.dtype, self.norm.device, capacity)
+
+    def _rope_table(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [end, D] (at least): computed once by the model's rotary module, regrown by doubling."""
+        if self._cos is None or self._cos.shape[0] < end:
+            n = max(end, 2 * (0 if self._cos is None else self._cos.shape[0]), CAPACITY)
+            pos = torch.arange(n, device=self.norm.device)[None]
+            cos, sin = self.rotary(self.norm.new_zeros(1), position_ids=pos)
+            self._cos, self._sin = cos[0], sin[0]
+        return self._cos, self._sin
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """transformers' rotary embedding (halves, not interleaved pairs): x·cos + rotate_half(x)·sin."""
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+
+    def _mask(self, start: int, t: int, rep: int) -> torch.Tensor | None:
+        """bool [rep·T, start + T]: query row j (token j % T of the new ones) sees every cached position and the
+        new ones up to itself. None for one new token: it sees everything."""
+        if t == 1:
+            return None
+        keys = torch.arange(start + t, device=self.norm.device)
+        rows = start + torch.arange(t, device=self.norm.device).repeat(rep)
+        return keys[None, :] <= rows[:, None]
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, cache: KVBuffer) -> torch.Tensor:
+        b, t = input_ids.shape
+        if cache.rows != b:
+            raise ValueError(f"the cache holds {cache.rows} rows, fed {b}")
+        hq, hkv, d = self.heads, self.kv_heads, self.head_dim
+        rep = hq // hkv
+        start = cache.length
+        cache.reserve(t)
+        cos, sin = self._rope_table(start + t)
+        cos, sin = cos[start:start + t], sin[start:start + t]  # [T, D]
+        mask = self._mask(start, t, rep)
+        x = self.embed(input_ids)  # [B, T, H]
+        for i, layer in enumerate(self.layers):
+            h = F.rms_norm(x, (self.hidden,), layer["attn_norm"], self.eps)
+            qkv = layer["qkv"](h).view(b, t, hq + 2 * hkv, d).transpose(1, 2)  # [B, Hq + 2 Hkv, T, D]
+            qk = self._rotate(qkv[:, : hq + hkv], cos, sin)  # q and k in one pass
+            k, v = cache.write(i, qk[:, hq:], qkv[:, hq + hkv:])  # [B, Hkv, start + T, D]
+            # grouped-query attention without repeating K and V: the rep query heads that share a KV head are
+            # stacked as rows of one head (the mask repeats per group)
+            q = qk[:, :hq].reshape(b, hkv, rep * t, d)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, Hkv, rep·T, D]
+            x = x + layer["o"](o.view(b, hq, t, d).transpose(1, 2).reshape(b, t, hq * d))
+            h = F.rms_norm(x, (self.hidden,), layer["mlp_norm"], self.eps)
+            gate, up = layer["gate_up"](h).chunk(2, -1)
+            x = x + layer["down"](F.silu(gate) * up)
+        cache.advance(t)
+        return F.rms_norm(x, (self.hidden,), self.norm, self.eps)

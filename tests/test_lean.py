@@ -1,0 +1,105 @@
+"""The lean decode path for a Llama draft (engine/lean.py): the same hidden states as transformers' forward through
+prefill, single steps, rollback, forks and a cache that outgrows its buffers; refusals where it does not fit."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from engine.config import SpecBranchError
+from engine.lean import KVBuffer, LeanLlama, fits
+from engine.lm_head import fast_linears, int4_supported
+from engine.models import LM, lean_draft
+
+
+def tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
+    """Grouped-query attention (3 query heads per KV head) and rotary scaling, so both code paths are exercised."""
+    torch.manual_seed(seed)
+    config = dict(vocab_size=101, hidden_size=96, intermediate_size=128, num_hidden_layers=3, num_attention_heads=6,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=512, initializer_range=0.2,
+                  rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0})
+    config.update(overrides)
+    return LlamaForCausalLM(LlamaConfig(**config)).eval()
+
+
+def reference(model, ids: torch.Tensor) -> torch.Tensor:
+    """transformers' final-norm hidden states for the whole sequence in one pass, [B, T, H]."""
+    with torch.inference_mode():
+        return model.model(input_ids=ids).last_hidden_state
+
+
+def test_lean_decoder_equals_transformers_through_steps_rollback_and_forks():
+    model = tiny_llama()
+    lean = LeanLlama(model, "float32")
+    ids = torch.randint(0, 101, (1, 40), generator=torch.Generator().manual_seed(1))
+    want = reference(model, ids)
+    cache = lean.new_cache(capacity=8)  # grows (doubling) as it is fed: 8 -> 16 -> 32 -> 64
+    got = torch.cat([lean(ids[:, :13], cache), lean(ids[:, 13:14], cache), lean(ids[:, 14:30], cache)], 1)
+    torch.testing.assert_close(got, want[:, :30], rtol=1e-5, atol=1e-5)
+    assert cache.get_seq_length() == 30 and cache.capacity >= 30
+    cache.crop(-6)  # roll back by moving the pointer; the stale rows are overwritten by what is fed next
+    assert cache.get_seq_length() == 24
+    torch.testing.assert_close(lean(ids[:, 24:31], cache), want[:, 24:31], rtol=1e-5, atol=1e-5)
+    # fork into 3 rows that take different next tokens: each row is the model's pass over its own sequence
+    cache.batch_repeat_interleave(3)
+    nxt = torch.tensor([[5], [6], [7]])
+    forked = lean(nxt, cache)
+    for row in range(3):
+        seq = torch.cat([ids[:, :31], nxt[row:row + 1]], 1)
+        torch.testing.assert_close(forked[row, -1], reference(model, seq)[0, -1], rtol=1e-5, atol=1e-5)
+    cache.batch_select_indices(torch.tensor([1]))  # keep the second branch, then go on from it
+    seq = torch.cat([ids[:, :31], nxt[1:2], ids[:, 31:34]], 1)
+    torch.testing.assert_close(lean(ids[:, 31:34], cache), reference(model, seq)[:, -3:], rtol=1e-5, atol=1e-5)
+    assert cache.rows == 1 and cache.get_seq_length() == 35
+    cache.crop(10)  # a non-negative crop keeps the first n, as transformers' caches do
+    assert cache.get_seq_length() == 10
+    with pytest.raises(ValueError, match="holds 1 rows, fed 2"):
+        lean(ids[:, :2].reshape(2, 1), cache)
+
+
+def test_lean_logits_match_the_routed_transformers_forward():
+    """Through LM (the head, the shared vocabulary) the lean path gives the logits the same draft gives through
+    transformers' forward with its linears routed the same way (fast_linears)."""
+    model = tiny_llama(seed=2)
+    fast_linears(model, "float32")
+    routed = LM("tiny", model, None, 101)
+    lean = LM("tiny", model, None, 101, lean=True)
+    ids = torch.randint(0, 101, (1, 20), generator=torch.Generator().manual_seed(3))
+    a, b = routed.new_cache(), lean.new_cache()
+    assert isinstance(b, KVBuffer) and not isinstance(a, KVBuffer)
+    for part in (ids[:, :12], ids[:, 12:13], ids[:, 13:20]):
+        torch.testing.assert_close(lean.forward(part, b), routed.forward(part, a), rtol=1e-4, atol=1e-4)
+    out = lean.forward(ids[:, :1], b, features=True)  # features come from the lean pass too
+    assert out.features.shape == (1, 1, 96)
+    with pytest.raises(ValueError, match="per-layer hidden states"):
+        lean.forward(ids[:, :1], b, hidden_states=True)
+
+
+@pytest.mark.skipif(not int4_supported(), reason="this torch has no CPU int4 kernel")
+def test_lean_int4_fuses_without_changing_the_codes():
+    """q, k and v stacked into one 4-bit weight (and gate with up) quantize to the same groups as apart, since a
+    group runs along a row: the fused pass equals the per-layer 4-bit pass up to bfloat16 rounding of the input."""
+    model = tiny_llama(seed=4)
+    twin = tiny_llama(seed=4)
+    fast_linears(twin, "int4")
+    ids = torch.randint(0, 101, (1, 24), generator=torch.Generator().manual_seed(5))
+    lean = LeanLlama(model, "int4")
+    got = lean(ids, lean.new_cache())
+    torch.testing.assert_close(got, reference(twin, ids), rtol=2e-2, atol=2e-2)
+    assert (got - reference(model, ids)).abs().max() > 1e-4  # and it is the 4-bit product, not float32's
+
+
+def test_lean_refuses_what_it_does_not_fit():
+    assert fits(tiny_llama()) is None
+    assert "attention_bias" in fits(tiny_llama(attention_bias=True))
+    assert "hidden_act gelu" in fits(tiny_llama(hidden_act="gelu"))
+    assert "rope_type dynamic" in fits(tiny_llama(rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                                    "rope_theta": 5000.0}))
+    with pytest.raises(ValueError, match="does not fit this model: attention_bias"):
+        LeanLlama(tiny_llama(attention_bias=True))
+    draft, target = tiny_llama(seed=6), tiny_llama(seed=7)
+    assert lean_draft(draft, target, "lean") and not lean_draft(draft, target, "transformers")
+    assert not lean_draft(target, target, "lean")  # the float32 target as its own draft keeps its own forward
+    assert not lean_draft(tiny_llama(mlp_bias=True), target, "lean")
+    with pytest.raises(SpecBranchError, match="unknown draft forward 'fast'"):
+        lean_draft(draft, target, "fast")
