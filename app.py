@@ -6,7 +6,7 @@ import os
 import threading
 
 from app.ui import build_app, css_paths, defaults_for
-from engine.config import DRAFT_MATMULS
+from engine.config import DRAFT_FORWARDS, DRAFT_MATMULS
 
 
 def main() -> None:
@@ -24,6 +24,10 @@ def main() -> None:
                         help="how the draft's matmuls read its weights: bfloat16, int4 or float32 (auto: int4 for "
                              "--draft self on a CPU, bfloat16 for other drafts where the CPU runs it natively); "
                              "output stays exact")
+    parser.add_argument("--draft-forward", default=os.environ.get("SPECBRANCH_DRAFT_FORWARD", "lean"),
+                        choices=DRAFT_FORWARDS,
+                        help="lean: a Llama draft on the CPU runs engine/lean.py (fused matmuls, a KV cache that "
+                             "rolls back by a pointer); transformers: the model's own forward")
     parser.add_argument("--db", default=None, help="session store (default: $SPECBRANCH_DB or the data dir)")
     parser.add_argument("--no-record", action="store_true", help="do not record sessions")
     args = parser.parse_args()
@@ -41,7 +45,8 @@ def main() -> None:
                 from engine.models import load_pair
 
                 loaded["engine"] = Engine(load_pair(args.target, args.draft, device=args.device,
-                                                    draft_matmul=args.draft_matmul))
+                                                    draft_matmul=args.draft_matmul,
+                                                    draft_forward=args.draft_forward))
             return loaded["engine"]
 
     def get_store():
@@ -63,7 +68,8 @@ def main() -> None:
 
     get_store()
     demo = build_app(get_engine, get_store, defaults_for(args.draft),
-                     about=f"target {args.target} · draft {args.draft} · draft matmul {args.draft_matmul}")
+                     about=f"target {args.target} · draft {args.draft} · draft matmul {args.draft_matmul} · "
+                           f"draft forward {args.draft_forward}")
     demo.queue(default_concurrency_limit=1).launch(server_name=args.host, server_port=args.port,
                                                    css_paths=css_paths())
 

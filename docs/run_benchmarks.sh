@@ -145,3 +145,25 @@ for th in 2 1; do  # torch threads per worker
   $PY -m engine bench --methods ar,sd,pearl --draft self --dataset data/tuning_prompts.jsonl --max-new-tokens 64 \
       --temperature 0 --gamma 6 --draft-stop 0 --head-start 0.02 --threads $th --json docs/threads-int4-$th.json
 done
+
+# 14. the lean decode path for the draft (engine/lean.py; --draft-forward lean, the default, against
+#     transformers' forward), alternated twice on the tuning prompts with the app's settings for the 4-bit
+#     self-draft; then γ with it; the 3-seed tables are docs/run_ablation.sh step 1 with
+#     STEPS="1" DRAFT=self V=-0g EXTRA="--gamma 6 --draft-stop 0 --head-start 0.02 --epsilon 0.1" (docs/RESULTS.md §0g)
+for i in 1 2; do
+  for f in lean transformers; do
+    $PY -m engine bench --methods ar,sd,pearl,specbranch --draft self --draft-forward $f \
+        --dataset data/tuning_prompts.jsonl --max-new-tokens 64 --temperature 0 --gamma 6 --draft-stop 0 \
+        --epsilon 0.1 --branches 3 --head-start 0.02 --json docs/ab-forward-$f-$i.json
+  done
+done
+for g in 8 10 6; do
+  $PY -m engine bench --methods ar,sd,pearl,specbranch --draft self --dataset data/tuning_prompts.jsonl \
+      --max-new-tokens 64 --temperature 0 --gamma $g --draft-stop 0 --epsilon 0.1 --branches 3 --head-start 0.02 \
+      --json docs/tune-lean-g$g.json
+done
+for f in lean transformers; do  # the distilled draft (bfloat16 matmuls) with the app's settings for it, one run each
+  $PY -m engine bench --methods ar,sd,pearl,specbranch --draft embedded --draft-forward $f \
+      --dataset data/tuning_prompts.jsonl --max-new-tokens 64 --temperature 0 --gamma 3 --draft-stop 0.3 \
+      --epsilon 0.5 --branches 3 --head-start 0.3 --json docs/ab-forward-distilled-$f.json
+done

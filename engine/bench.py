@@ -129,7 +129,8 @@ def run_bench(entries: list[tuple[str, object, str]], args, log=None) -> dict:
         "drafts": {label: eng.pair.draft.name if eng.pair.draft else None for label, eng, _ in entries},
         "draft_matmul": {label: eng.pair.draft.matmul if eng.pair.draft and method != "ar" else None
                          for label, eng, method in entries},
-        "draft_forward": {label: ("lean" if eng.pair.draft.lean else "transformers")
+        # hf-assisted hands transformers' generate() the draft model itself: never the lean path
+        "draft_forward": {label: ("lean" if eng.pair.draft.lean and method != "hf-assisted" else "transformers")
                           if eng.pair.draft and method != "ar" else None for label, eng, method in entries},
         "settings": {k: getattr(args, k) for k in ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "gamma",
                                                      "draft_stop", "feed_stop", "head_start", "branches", "epsilon",

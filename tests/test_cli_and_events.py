@@ -46,10 +46,13 @@ def test_bench_writes_speedups(capsys, tiny_dirs, tmp_path):
     assert sd["prompts"] == 2 and sd["speedup_vs_ar"] > 0 and sd["acceptance_rate"] is not None
     assert "speedup" in capsys.readouterr().out
     assert report["draft_matmul"] == {"ar": None, "sd": "bfloat16" if bf16_supported() else "float32"}  # auto
-    assert main(["bench", "--methods", "sd", "--target", str(tiny_dirs["target"]), "--draft", str(tiny_dirs["draft"]),
-                 "--device", "cpu", "--dataset", str(prompts), "--max-new-tokens", "4", "--draft-matmul", "float32",
-                 "--json", str(out)]) == 0
-    assert json.loads(out.read_text())["draft_matmul"] == {"sd": "float32"}
+    assert report["draft_forward"] == {"ar": None, "sd": "lean"}  # the default for a Llama draft on the CPU
+    assert main(["bench", "--methods", "sd,hf-assisted", "--target", str(tiny_dirs["target"]), "--draft",
+                 str(tiny_dirs["draft"]), "--device", "cpu", "--dataset", str(prompts), "--max-new-tokens", "4",
+                 "--draft-matmul", "float32", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["draft_matmul"] == {"sd": "float32", "hf-assisted": "float32"}
+    assert report["draft_forward"] == {"sd": "lean", "hf-assisted": "transformers"}  # generate() runs the model
 
 
 def test_summarize_gives_mean_and_spread_over_seeds(capsys, tiny_dirs, tmp_path):
