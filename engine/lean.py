@@ -2,13 +2,13 @@
 pointer.
 
 Why: the 4-bit self-draft is the slower side of an overlapped round (docs/RESULTS.md §0f), and of its ~28 ms step
-only 6.6 ms were the 4-bit products. The rest was the transformers forward around them: the KV cache's `cat`
-(each step copies every layer's whole cache, 4.1 ms), the float32 head (5.4 ms) and ~10 ms of per-op overhead
-(seven linear layers a layer, each casting to bfloat16 and back, rotary embeddings applied head group by head
-group, a mask built per call). Here a layer runs four matmuls (q, k and v fused into one weight, gate and up into
-another), the rotary embedding is applied to q and k in one pass over a precomputed table, and K and V are written
-into buffers allocated once, so a step copies only its own new rows. Rolling back moves `length`; forking copies
-the rows once (batch_repeat_interleave), as transformers' caches do.
+only 6.6 ms were the 4-bit products. The rest was the float32 head (5.4 ms, unchanged here: it stays in models.LM)
+and transformers' forward around the products: the KV cache's `cat` (each step copies every layer's whole cache,
+4.1 ms) and ~10 ms of per-op overhead (seven linear layers a layer, each casting to bfloat16 and back, the rotary
+embedding applied to q and to k apart, a mask built per call). Here a layer runs four matmuls (q, k and v fused
+into one weight, gate and up into another), the rotary embedding is applied to q and k in one pass over a
+precomputed table, and K and V are written into buffers allocated once, so a step copies only its own new rows.
+Rolling back moves `length`; forking copies the rows once (batch_repeat_interleave), as transformers' caches do.
 
 The weights are the model's own tensors read through lm_head.draft_matmul (4-bit groups keep the same codes when
 rows are stacked, since a group runs along a row). Only a draft runs this path: the target keeps transformers'
