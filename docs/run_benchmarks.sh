@@ -118,31 +118,33 @@ done
 # 13. the target as its own draft, its weights read in 4 bits (--draft self; auto picks --draft-matmul int4 for it
 #     on the CPU; docs/RESULTS.md §0f): the kernels, then γ and the head start chosen on the tuning prompts
 #     (docs/tune-int4-*.json); the 3-seed tables are docs/run_ablation.sh step 1 with
-#     STEPS="1" DRAFT=self V=-0f EXTRA="--gamma 6 --draft-stop 0 --head-start 0.02 --epsilon 0.1"
+#     STEPS="1" DRAFT=self V=-0f EXTRA="--gamma 6 --draft-stop 0 --head-start 0.02 --epsilon 0.1 $F0F".
+#     §0f predates the lean decode path (§14), so its draft ran transformers' forward:
+F0F="--draft-forward transformers"
 PYTHONPATH=. $PY docs/draft_matmul_kernels.py
 PYTHONPATH=. $PY docs/int4_self_draft_heads.py  # greedy agreement and step cost with four LM heads
-$PY -m engine bench --methods sd --draft self --dataset all --limit 10 --max-new-tokens $TOK --temperature 0 \
+$PY -m engine bench --methods sd --draft self $F0F --dataset all --limit 10 --max-new-tokens $TOK --temperature 0 \
     --gamma 4 --json docs/draft-self-int4-t0-n10.json  # α on §1's 30 prompts
 for g in 4 6 8; do
   for hs in 0 0.3; do
-    $PY -m engine bench --methods ar,sd,pearl,specbranch --draft self --dataset data/tuning_prompts.jsonl \
+    $PY -m engine bench --methods ar,sd,pearl,specbranch --draft self $F0F --dataset data/tuning_prompts.jsonl \
         --max-new-tokens 64 --temperature 0 --gamma $g --draft-stop 0.3 --epsilon 0.5 --branches 3 \
         --head-start $hs --json docs/tune-int4-g$g-hs$hs.json
   done
 done
 for cfg in "0.1 0.1 0.1" "0.1 0.1 0.25" "0 0.02 0.1" "0.2 0.2 0.25"; do  # γ 6: draft stop, head start, ε
   set -- $cfg
-  $PY -m engine bench --methods ar,sd,pearl,specbranch --draft self --dataset data/tuning_prompts.jsonl \
+  $PY -m engine bench --methods ar,sd,pearl,specbranch --draft self $F0F --dataset data/tuning_prompts.jsonl \
       --max-new-tokens 64 --temperature 0 --gamma 6 --draft-stop $1 --epsilon $3 --branches 3 \
       --head-start $2 --json docs/tune-int4-g6-s$1-hs$2-e$3.json
 done
 for i in 1 2; do  # the self-draft's LM head in float32 or bfloat16, alternated
   for k in f32head bf16head; do PYTHONPATH=. $PY docs/ab_int4_head.py $k $i; done
 done
-$PY -m engine costs --draft self --max-rows 3 --max-tokens 8 --bench docs/ablation-0f-t0-s0.json \
+$PY -m engine costs --draft self $F0F --max-rows 3 --max-tokens 8 --bench docs/ablation-0f-t0-s0.json \
     --json docs/costs-cpu-int4-0f.json
 for th in 2 1; do  # torch threads per worker
-  $PY -m engine bench --methods ar,sd,pearl --draft self --dataset data/tuning_prompts.jsonl --max-new-tokens 64 \
+  $PY -m engine bench --methods ar,sd,pearl --draft self $F0F --dataset data/tuning_prompts.jsonl --max-new-tokens 64 \
       --temperature 0 --gamma 6 --draft-stop 0 --head-start 0.02 --threads $th --json docs/threads-int4-$th.json
 done
 

@@ -187,7 +187,8 @@ def cmd_bench(args) -> None:
     for draft in sorted({d for _, _, d in entries if d is not None}):  # other drafts share the loaded target
         kind = draft_matmul_kind(args.draft_matmul, t.device, t.model.dtype, draft == "self")
         model, tok, head_ids = load_draft(draft, t.model, t.tokenizer, t.device, t.model.dtype, args.trust_remote_code)
-        engines[draft] = Engine(pair_of(t, draft, model, tok, head_ids, kind, args.draft_forward), threads=max(1, args.threads))
+        engines[draft] = Engine(pair_of(t, draft, model, tok, head_ids, kind, args.draft_forward),
+                                threads=max(1, args.threads))
     run_bench([(label, engines[d], m) for label, m, d in entries], args, SessionLog(args, engine))
 
 
