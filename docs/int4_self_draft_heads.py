@@ -1,5 +1,5 @@
-"""The target as its own draft, its decoder layers read in 4 bits (Int4Matmul), with four LM heads
-(docs/RESULTS.md §0f, engine/lm_head.py draft_matmul): how often its greedy token equals the float32 target's, fed
+"""The target as its own draft, its decoder layers read in 4 bits (Int4Matmul), with five LM heads
+(docs/RESULTS.md §0f and §0h, engine/lm_head.py draft_matmul): how often its greedy token equals the float32 target's, fed
 the target's own greedy continuation (5 chat prompts × 48 tokens), and its step's median ms (1 thread).
 Run from the repository root: PYTHONPATH=. .venv/bin/python docs/int4_self_draft_heads.py"""
 import time
@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from engine.drafts import twin_of
-from engine.lm_head import Bf16Matmul, HeadMatmul, Int4Matmul, fast_linears
+from engine.lm_head import Bf16Matmul, HeadMatmul, Int4Matmul, ShortlistHead, fast_linears
 from engine.models import DRAFTS_DIR, LM, load_pair
 
 torch.set_num_threads(1)
@@ -18,7 +18,7 @@ pair = load_pair("embedded", None)
 target, tok = pair.target, pair.tokenizer
 head = target.model.get_output_embeddings().weight
 subset = load_file(str(DRAFTS_DIR / "smollm2-135m-draft" / "vocab_subset.safetensors"))["ids"]  # the 8k-row head
-HEADS = {"float32 (shipped)": (None, HeadMatmul), "bfloat16": (None, Bf16Matmul), "4-bit": (None, Int4Matmul),
+HEADS = {"4-bit, float32 shortlist (shipped)": (None, ShortlistHead), "float32": (None, HeadMatmul), "bfloat16": (None, Bf16Matmul), "4-bit": (None, Int4Matmul),
          "float32, 8k rows": (subset, HeadMatmul)}
 
 for name, (ids_kept, matmul) in HEADS.items():

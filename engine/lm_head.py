@@ -125,16 +125,42 @@ class Int4Matmul:
         return out.to(x.dtype).reshape(*x.shape[:-1], -1)
 
 
+SHORTLIST = 64  # logits a ShortlistHead recomputes in float32
+
+
+class ShortlistHead:
+    """An LM head out = x @ Wᵀ for a 4-bit draft: every logit through a 4-bit copy of W (Int4Matmul), then the
+    SHORTLIST largest of each row recomputed from W's float32 rows. The argmax, and the confidences that steer
+    drafting, are then float32's wherever float32's argmax is among the 4-bit top SHORTLIST (every position of the
+    tuning prompts' greedy continuations: docs/int4_self_draft_heads.py), at a 4-bit matmul's cost (49k rows: ~2 ms
+    against ~5.5 for float32 x @ Wᵀ, 1 thread). The other logits keep the 4-bit rounding; lossless all the same, since
+    q is whatever this head gives (tests/test_lm_head.py). A gradient to track goes through F.linear."""
+
+    def __init__(self, weight: torch.Tensor, shortlist: int = SHORTLIST):
+        self.w = weight.detach()  # [V, H] float32: the rows the shortlist is recomputed from (the target's, shared)
+        self.coarse = Int4Matmul(self.w, keep_weight=False)
+        self.shortlist = min(shortlist, self.w.shape[0])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and x.requires_grad:
+            return F.linear(x, self.w)
+        flat = x.reshape(-1, x.shape[-1])  # [R, H]
+        out = self.coarse(flat)  # [R, V]
+        top = out.topk(self.shortlist, -1).indices  # [R, S]
+        exact = torch.einsum("rh,rsh->rs", flat.to(self.w.dtype), self.w[top])  # [R, S]: the float32 rows' products
+        return out.scatter_(-1, top, exact.to(out.dtype)).reshape(*x.shape[:-1], -1)
+
+
 def draft_matmul(kind: str, weight: torch.Tensor, head: bool = False, keep_weight: bool = True):
-    """The matmul a draft's weight goes through for a kind of models.draft_matmul_kind. int4 takes the decoder
-    layers' weights that its kernel fits (int4_fits) and leaves the LM head (head=True) in float32: the GGUF keeps
-    its embeddings, which the head shares, in more than 4 bits, and the head decides the draft's argmax. For the
-    embedded target as its own draft, greedy agreement with the target was 0.996 with a float32 head, 0.975 with a
-    bfloat16 one and 0.900 with a 4-bit one, a draft step 25.7, 20.9 and 19.8 ms (docs/int4_self_draft_heads.py).
-    keep_weight=False: a bfloat16 or 4-bit matmul keeps no reference to the float32 weight (a fused copy made for it
-    is then freed; gradients cannot flow through it)."""
-    if kind == "int4" and not head and int4_fits(weight):
-        return Int4Matmul(weight, keep_weight)
+    """The matmul a draft's weight goes through for a kind of models.draft_matmul_kind. int4 takes the weights that
+    its kernel fits (int4_fits): the decoder layers' through Int4Matmul, and the LM head (head=True) through
+    ShortlistHead, whose largest logits are float32's: the head decides the draft's argmax. For the embedded target as
+    its own draft, greedy agreement with the target was 0.996 with a float32 head, 0.975 with a bfloat16 one and 0.900
+    with a plain 4-bit one, a draft step 25.7, 20.9 and 19.8 ms (docs/int4_self_draft_heads.py, §0f; the shortlist
+    head's figures are in docs/RESULTS.md §0h). keep_weight=False: a bfloat16 or 4-bit matmul keeps no reference to
+    the float32 weight (a fused copy made for it is then freed; gradients cannot flow through it)."""
+    if kind == "int4" and int4_fits(weight):
+        return ShortlistHead(weight) if head else Int4Matmul(weight, keep_weight)
     return Bf16Matmul(weight, keep_weight) if kind == "bfloat16" else HeadMatmul(weight)
 
 

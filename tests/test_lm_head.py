@@ -2,8 +2,8 @@
 and without the one-row copy, the packed copy and the row cap; the packed path's rows do not depend on how many
 rows are fed (so padding 2-3 rows to PACK_ROWS changes nothing); fast_linears routes a model's linear layers
 through them without changing what the model computes (beyond float rounding) and without touching its LM head;
-a draft's bfloat16 and 4-bit matmuls (Bf16Matmul, Int4Matmul) never reach the target, even when the target is its
-own draft."""
+a draft's bfloat16 and 4-bit matmuls (Bf16Matmul, Int4Matmul, and the 4-bit head's float32 shortlist,
+ShortlistHead) never reach the target, even when the target is its own draft."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from engine.config import GenerationConfig, SpecBranchError
 from engine.engine import Engine
-from engine.lm_head import (INT4_GROUP, LAYER_MAX_ROWS, PACK_ROWS, Bf16Matmul, HeadMatmul, Int4Matmul, bf16_supported,
+from engine.lm_head import (INT4_GROUP, LAYER_MAX_ROWS, PACK_ROWS, SHORTLIST, Bf16Matmul, HeadMatmul, Int4Matmul,
+                            ShortlistHead, bf16_supported,
                             fast_linears, int4_fits, int4_supported, packed_matmul, packed_weight)
 from engine.models import draft_matmul_kind, load_pair
 
@@ -151,9 +152,51 @@ def test_int4_matmul_keeps_4bit_groups_and_rounds_others():
     torch.testing.assert_close(x.grad, w.sum(0).expand(2, k))
 
 
+@needs_int4
+def test_shortlist_head_is_float32_where_it_counts():
+    """The 4-bit head's SHORTLIST largest logits of each row are float32's product, so its argmax is float32's; the
+    rest keep the 4-bit rounding (a lossy head: a draft's only). A vocabulary no larger than the shortlist is float32
+    throughout, and a gradient to track goes through float32 F.linear."""
+    torch.manual_seed(4)
+    v, h = 32 * SHORTLIST, 2 * INT4_GROUP
+    w = torch.randn(v, h)
+    x = torch.randn(2, 3, h) * 3  # [B, T, H]: peaked rows, as a trained model's are
+    out, want = ShortlistHead(w)(x), F.linear(x.double(), w.double())
+    assert out.shape == (2, 3, v) and out.dtype == torch.float32
+    top = want.topk(SHORTLIST // 2, -1).indices  # float32's largest logits: within the 4-bit top SHORTLIST
+    torch.testing.assert_close(out.gather(-1, top).double(), want.gather(-1, top), rtol=1e-5, atol=1e-5)
+    assert torch.equal(out.argmax(-1), want.argmax(-1))
+    assert (out.double() - want).abs().max() > 1e-3  # outside the shortlist: 4-bit products
+    small = w[:16]
+    torch.testing.assert_close(ShortlistHead(small)(x).double(), F.linear(x.double(), small.double()), rtol=1e-5, atol=1e-5)
+    x = torch.randn(2, h, requires_grad=True)
+    ShortlistHead(w)(x).sum().backward()
+    torch.testing.assert_close(x.grad, w.sum(0).expand(2, h), rtol=1e-4, atol=1e-3)  # a sum over 2k rows
+
+
+@needs_int4
+def test_shortlist_head_draft_equals_ar(tmp_path):
+    """A 4-bit self-draft whose vocabulary the 4-bit kernel fits (32 ids) drafts through ShortlistHead; greedy SD,
+    PEARL and SpecBranch still give the target's output (a vocabulary of 10, as in tiny_dirs, keeps HeadMatmul)."""
+    from .conftest import make_tiny_model
+
+    words = ["<unk>", "<eos>"] + [f"w{i}" for i in range(30)]
+    path = make_tiny_model(tmp_path / "m", seed=6, vocab=len(words), words=words)
+    engine = Engine(load_pair(str(path), "self", device="cpu", draft_matmul="int4"))
+    try:
+        assert type(engine.pair.draft._head) is ShortlistHead and type(engine.pair.target._head) is HeadMatmul
+        prompt = [2, 3, 4, 5]
+        want = engine.run(prompt, GenerationConfig(method="ar", max_new_tokens=40)).token_ids
+        for method in ("sd", "pearl", "specbranch"):
+            assert engine.run(prompt, GenerationConfig(method=method, max_new_tokens=40, gamma=3)).token_ids == want
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("matmul, layer, head", [
     pytest.param("bfloat16", "Bf16Matmul", Bf16Matmul, marks=needs_bf16),
-    pytest.param("int4", "Int4Matmul", HeadMatmul, marks=needs_int4),  # int4 leaves the LM head in float32
+    # int4's head is a ShortlistHead where the kernel fits the vocabulary; the tiny one of 10 ids keeps float32
+    pytest.param("int4", "Int4Matmul", HeadMatmul, marks=needs_int4),
 ])
 @pytest.mark.parametrize("draft", ["draft", "self"])
 @pytest.mark.parametrize("forward", ["lean", "transformers"])
