@@ -310,7 +310,8 @@ def build_app(get_engine, get_store=None, defaults: dict | None = None, about: s
                                       label="γ: SD block length; PEARL/SpecBranch: tokens verified per round (1–16)")
                     branches = gr.Slider(1, 6, value=3, step=1, label="k: most branches at a branch point (1–6)")
                     epsilon = gr.Slider(0, 1, value=defaults["epsilon"], step=0.05,
-                                        label="ε: branch below this draft confidence [0, 1]")
+                                        label="ε: branch where the draft's token is accepted less often than this: its "
+                                              "confidence, read as the acceptance this engine measured at it [0, 1]")
                     draft_stop = gr.Slider(0, 1, value=defaults["draft_stop"], step=0.05,
                                            label="Draft stop: end a round's drafting below this confidence (0 = off)")
                     feed_stop = gr.Slider(0, 1, value=defaults["feed_stop"], step=0.05,

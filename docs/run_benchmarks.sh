@@ -169,3 +169,29 @@ for f in lean transformers; do  # the distilled draft (bfloat16 matmuls) with th
       --dataset data/tuning_prompts.jsonl --max-new-tokens 64 --temperature 0 --gamma 3 --draft-stop 0.3 \
       --epsilon 0.5 --branches 3 --head-start 0.3 --json docs/ab-forward-distilled-$f.json
 done
+
+# 15. the 4-bit self-draft's LM head: 4 bits with its 64 largest logits recomputed in float32 (lm_head.ShortlistHead,
+#     docs/RESULTS.md §0h): greedy agreement and step cost of five heads; the bench alternated twice against the
+#     float32 head; the 3-seed tables are docs/run_ablation.sh step 1 with STEPS="1" DRAFT=self V=-0h
+#     EXTRA="--gamma 6 --draft-stop 0 --head-start 0.02 --epsilon 0.1", run at commit a7b036e (before §16's
+#     calibration, so SpecBranch there forks by the paper's rule)
+PYTHONPATH=. $PY docs/int4_self_draft_heads.py
+for i in 1 2; do
+  for k in f32head shortlist; do PYTHONPATH=. $PY docs/ab_int4_head.py $k $i lean; done
+done
+
+# 16. fork points from the acceptance the engine measured at each draft confidence (engine/calibration.py;
+#     --calibrate, the default) against the paper's rule (--no-calibrate), alternated, T=1 then T=0, seeds 0-2, on
+#     the ablation's 6 benchmark prompts with the app's settings for the 4-bit self-draft
+for t in 1 0; do
+  for s in 0 1 2; do
+    for c in calibrate no-calibrate; do
+      $PY -m engine bench --methods ar,pearl,specbranch --draft self --dataset all --limit 2 --max-new-tokens 64 \
+          --temperature $t --seed $s --gamma 6 --draft-stop 0 --head-start 0.02 --epsilon 0.1 --branches 3 --$c \
+          --json docs/calib-$c-t$t-s$s.json
+    done
+  done
+  for c in calibrate no-calibrate; do
+    $PY -m engine summarize docs/calib-$c-t$t-s{0,1,2}.json --json docs/calib-$c-t$t.json
+  done
+done

@@ -53,6 +53,11 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--branch-costs", action="store_true",
                    help="specbranch: fork only where the measured forward costs say a fork pays (measured once "
                         "per engine: a draft step on 1..k rows, a target step alone and beside k draft rows)")
+    p.add_argument("--calibrate", dest="calibrate", action="store_true", default=True,
+                   help="specbranch: compare with ε, and size k by, the acceptance the engine measured at the draft's "
+                        "confidence (engine/calibration.py; the default)")
+    p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
+                   help="specbranch: the draft's confidence as is (the paper's rule)")
 
 
 def add_record_arguments(p: argparse.ArgumentParser) -> None:
@@ -100,7 +105,8 @@ def config_from(args, method: str) -> GenerationConfig:
     return GenerationConfig(method=method, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed, gamma=args.gamma, draft_stop=args.draft_stop,
                             feed_stop=args.feed_stop, head_start=args.head_start, branches=args.branches,
-                            epsilon=args.epsilon, hrad=args.hrad, branch_costs=args.branch_costs).validate()
+                            epsilon=args.epsilon, hrad=args.hrad, branch_costs=args.branch_costs,
+                            calibrate=args.calibrate).validate()
 
 
 def build_engine(args, need_draft: bool):

@@ -134,10 +134,12 @@ def run_bench(entries: list[tuple[str, object, str]], args, log=None) -> dict:
                           if eng.pair.draft and method != "ar" else None for label, eng, method in entries},
         "settings": {k: getattr(args, k) for k in ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "gamma",
                                                      "draft_stop", "feed_stop", "head_start", "branches", "epsilon",
-                                                     "hrad", "branch_costs", "limit", "dataset")},
+                                                     "hrad", "branch_costs", "calibrate", "limit", "dataset")},
         "identical_to_ar": ({m: f"{n}/{len(encoded)}" for m, n in outputs_match.items()}
                             if args.temperature == 0 and "ar" in methods else None),
         "results": results,
+        # what the SpecBranch runs measured: the target's acceptance of drafted tokens by the draft's confidence
+        "acceptance_by_confidence": engine.calibration(config_from(args, "specbranch")).table(),
     }
     print(format_table(report))
     if args.json_out:

@@ -35,6 +35,8 @@ class GenerationConfig:
     epsilon: float = 0.5  # specbranch: branch at the first draft token with confidence below this
     hrad: bool = False  # specbranch: let the H-RAD classifier place branch points (off by default: docs/RESULTS.md §0b)
     branch_costs: bool = False  # specbranch: fork only where the measured costs say it pays (else the paper's k rule)
+    calibrate: bool = True  # specbranch: read the draft's confidence as the acceptance this engine measured at it
+    # (engine/calibration.py) before comparing it with ε; False: the confidence as is (the paper's rule)
 
     @property
     def greedy(self) -> bool:

@@ -12,6 +12,7 @@ from typing import AsyncIterator
 
 
 from .ar import autoregressive_decode
+from .calibration import AcceptanceCalibration
 from .assisted import assisted_decode
 from .config import GenerationConfig, SpecBranchError
 from .costs import busy_draft, draft_features, forward_costs, measure
@@ -48,6 +49,7 @@ class Engine:
         self._busy_waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-lock")
         self.hrad, self.hrad_notice = find_hrad(pair)  # H-RAD classifier, when trained weights fit this pair
         self._branch_costs: BranchCosts | None = None
+        self._calibration: dict[tuple, AcceptanceCalibration] = {}
 
     def encode(self, prompt: str, chat: bool, history: list[dict] | None = None) -> list[int]:
         """Token ids of a prompt: raw text, or one user turn (after `history`) in the chat template."""
@@ -149,7 +151,14 @@ class Engine:
             return Policy(max_branches=cfg.branches, fixed_at=max(0, cfg.gamma // 2 - 1))
         use_hrad = cfg.hrad and cfg.method == "specbranch"
         return Policy(max_branches=cfg.branches, epsilon=cfg.epsilon, hrad=self.hrad if use_hrad else None,
-                      costs=self.branch_costs(cfg.branches) if cfg.branch_costs and cfg.branches > 1 else None)
+                      costs=self.branch_costs(cfg.branches) if cfg.branch_costs and cfg.branches > 1 else None,
+                      calibration=self.calibration(cfg) if cfg.calibrate else None)
+
+    def calibration(self, cfg: GenerationConfig) -> AcceptanceCalibration:
+        """The acceptance this engine's SpecBranch runs measured by draft confidence (engine/calibration.py), kept
+        across runs, one table per way of sampling (acceptance at T=0 is not acceptance at T=1)."""
+        key = (cfg.temperature, cfg.top_k, cfg.top_p)
+        return self._calibration.setdefault(key, AcceptanceCalibration())
 
     def branch_costs(self, max_rows: int) -> BranchCosts:
         """What a fork costs on this machine, measured once per engine on the workers' own threads (so with

@@ -16,9 +16,10 @@ hangs off the committed tokens.
 
 PEARL is this loop with no branches: an empty path is its pre-verify mode (the target scores the
 first drafted token's position while the draft drafts), a non-empty path its post-verify mode.
-SpecBranch branches where the policy says: at the first low-confidence token (q < ε), or where
-H-RAD predicts a rejection; k adapts to the draft's confidence, up to --branches; with measured costs
-(--branch-costs) only where the fork's expected saving exceeds what its k rows cost.
+SpecBranch branches where the policy says: at the first token the target is unlikely to accept (q < ε, with
+q the draft's confidence read as the acceptance this engine measured at that confidence, engine/calibration.py;
+--no-calibrate reads q as is, the paper's rule), or where H-RAD predicts a rejection; k adapts to q, up to
+--branches; with measured costs (--branch-costs) only where the fork's expected saving exceeds what its k rows cost.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ import torch
 
 from . import cache as kv
 from . import hrad
+from .calibration import AcceptanceCalibration
 from .decoding import RunState, crop_draft, emit, forward, share_features, step_loop
 from .events import (ACCEPTED, BONUS, BRANCH_DRAFT, CORRECTION, DRAFT, RESCUED, VERIFY, BranchResolved, DraftProposed,
                      Event, Rollback, Verified)
@@ -49,6 +51,7 @@ class Fork:
     branch_q: list[list[torch.Tensor]] = field(default_factory=list)
     conf: list[float] = field(default_factory=list)  # the draft's untempered probability of each candidate
     branch_conf: list[list[float]] = field(default_factory=list)  # ... of each branch token
+    top: float | None = None  # the draft's largest untempered probability at the branch point
 
 
 @dataclass
@@ -58,6 +61,8 @@ class Speculation:
     path_q: list[torch.Tensor] = field(default_factory=list)
     fork: Fork | None = None
     path_conf: list[float] = field(default_factory=list)  # the draft's untempered probability of each path token
+    path_top: list[float | None] = field(default_factory=list)  # its largest untempered probability where each
+    # was drafted (None: not known, for a branch that became the path)
 
     def tokens(self) -> list[int]:
         extra = [] if self.fork is None else [t for c, b in zip(self.fork.candidates, self.fork.branches) for t in [c, *b]]
@@ -92,6 +97,11 @@ class Policy:
     hrad: object | None = None  # engine.hrad.HRAD, or None for confidence only
     fixed_at: int | None = None  # ablation: always branch after this many linear draft steps of a round
     costs: BranchCosts | None = None  # measured costs: fork only where it pays (None: the paper's k rule alone)
+    calibration: AcceptanceCalibration | None = None  # measured acceptance by confidence (None: confidence as is)
+
+    def acceptance(self, confidence: float) -> float:
+        """The odds that a token drafted at this confidence is accepted: measured, or the confidence itself."""
+        return confidence if self.calibration is None else self.calibration.acceptance(confidence)
 
     def branch_width(self, top: list[float], fresh: bool, hrad_class: int | None, linear_steps: int = 0,
                      steps_left: int = 1) -> int:
@@ -102,7 +112,7 @@ class Policy:
             return 1
         if self.fixed_at is not None:
             return self.max_branches if linear_steps == self.fixed_at else 1
-        confidence = top[0]
+        confidence = self.acceptance(top[0])
         if hrad_class == ALL_ACCEPTED:
             return 1
         if hrad_class == REJECT_AT_ONCE and fresh:
@@ -113,7 +123,10 @@ class Policy:
             k = min(self.max_branches, max(2, math.ceil(self.max_branches * (1 - confidence))))
         if self.costs is None:
             return k
-        gains = {w: self.costs.net_gain_ms(w, sum(top[1:w]), steps_left) for w in range(2, k + 1)}
+        # the odds that candidate 2..w is the target's token: that the draft's own is rejected, times the share
+        # of the draft's remaining mass they cover
+        miss = (1 - confidence) / max(1 - top[0], 1e-9)
+        gains = {w: self.costs.net_gain_ms(w, miss * sum(top[1:w]), steps_left) for w in range(2, k + 1)}
         best = max(gains, key=gains.get)
         return best if gains[best] > 0 else 1
 
@@ -154,7 +167,7 @@ async def draft_step(state: RunState, spec: Speculation, ds: DraftState, policy:
             cands = draw_candidates(row, k, scheme, state.draft_generator)
             if len(cands) > 1:
                 spec.fork = Fork(row, cands, scheme, len(spec.path), [[] for _ in cands], [[] for _ in cands],
-                                 [float(raw[c]) for c in cands], [[] for _ in cands])
+                                 [float(raw[c]) for c in cands], [[] for _ in cands], top[0])
                 # the draft is as sure as the mass its candidates cover: a fork hedges an unsure token, so the
                 # draft-stop rule must not end the round before the branches are drafted
                 ds.confidence = float(raw[cands].sum())
@@ -166,6 +179,7 @@ async def draft_step(state: RunState, spec: Speculation, ds: DraftState, policy:
         spec.path.append(x)
         spec.path_q.append(q)
         spec.path_conf.append(float(raw[x]))
+        spec.path_top.append(top[0])
         events.append(DraftProposed(state.step, [x], state.pieces([x]), [float(q[x])],
                                     parent_position=len(seq), top=[top_alternatives(q)]))
         return
@@ -277,6 +291,14 @@ class Outcome:
     dropped: list[int] = field(default_factory=list)
     why: str = ""
     row: int = 0  # the draft cache row to keep: the surviving branch's, when a fork was resolved
+    judged: list[tuple[float, bool]] = field(default_factory=list)  # (draft's top probability, accepted) per
+    # drafted token the target judged where that probability is known: what AcceptanceCalibration learns from
+
+
+def judged_path(spec: Speculation, accepted: int, rejected: bool) -> list[tuple[float, bool]]:
+    """(top probability, accepted) for each path token a verdict judged: the accepted ones, then the rejected one."""
+    tops = spec.path_top[: accepted + rejected]
+    return [(top, i < accepted) for i, top in enumerate(tops) if top is not None]
 
 
 def resolve(state: RunState, spec: Speculation, rows: torch.Tensor, events: list[Event]) -> Outcome:
@@ -286,13 +308,16 @@ def resolve(state: RunState, spec: Speculation, rows: torch.Tensor, events: list
     if verdict.next_token is not None:  # a rejection on the path, or a bonus after it
         kind = BONUS if verdict.bonus else CORRECTION
         return Outcome(path[:n] + [verdict.next_token], [ACCEPTED] * n + [kind], Speculation(), spec.tokens()[n:],
-                       "superseded" if verdict.bonus else "rejected")
+                       "superseded" if verdict.bonus else "rejected", judged=judged_path(spec, n, not verdict.bonus))
+    judged = judged_path(spec, n, False)
     if spec.fork is None or len(rows) <= len(path):  # the path holds up; the rest waits for the next round
         return Outcome(path[:n], [ACCEPTED] * n, Speculation(path[n:], spec.path_q[n:], spec.fork,
-                                                             spec.path_conf[n:]))
+                                                             spec.path_conf[n:], spec.path_top[n:]), judged=judged)
     fork = spec.fork  # the path was accepted and a target row reaches the branch point
     cv = verify_candidates(rows[len(path)], fork.q, fork.candidates, fork.scheme, state.generator, state.cfg.greedy)
     rescued = cv.index is not None and cv.index > 0
+    if fork.top is not None:  # the first candidate is the draft's own token here, judged like a path token
+        judged.append((fork.top, cv.index == 0))
     events.append(BranchResolved(
         state.step, len(state.tokens) + n, fork.candidates, state.pieces(fork.candidates),
         [float(fork.q[c]) for c in fork.candidates], cv.p, cv.u, fork.scheme, [list(b) for b in fork.branches],
@@ -301,7 +326,7 @@ def resolve(state: RunState, spec: Speculation, rows: torch.Tensor, events: list
     tokens, kinds = path + [cv.token], [ACCEPTED] * n + [(RESCUED if rescued else ACCEPTED) if cv.index is not None
                                                           else CORRECTION]
     if cv.index is None:
-        return Outcome(tokens, kinds, Speculation(), losers, "all branches rejected")
+        return Outcome(tokens, kinds, Speculation(), losers, "all branches rejected", judged=judged)
     branch, branch_q = fork.branches[cv.index], fork.branch_q[cv.index]
     branch_conf = fork.branch_conf[cv.index] if fork.branch_conf else []
     why = "losing branches"
@@ -313,9 +338,10 @@ def resolve(state: RunState, spec: Speculation, rows: torch.Tensor, events: list
             losers += branch[m:]
             why = "rejected on the first branch, and the losing branches"
             return Outcome(tokens + [verdict.next_token], kinds + [BONUS if verdict.bonus else CORRECTION],
-                           Speculation(), losers, why)
+                           Speculation(), losers, why, judged=judged)
         branch, branch_q, branch_conf = branch[m:], branch_q[m:], branch_conf[m:]
-    return Outcome(tokens, kinds, Speculation(branch, branch_q, None, branch_conf), losers, why, cv.index)
+    return Outcome(tokens, kinds, Speculation(branch, branch_q, None, branch_conf, [None] * len(branch)), losers, why,
+                   cv.index, judged)
 
 
 async def verify_round(state: RunState, spec: Speculation, n_fed: int, logits: torch.Tensor, hidden, feats,
@@ -323,6 +349,9 @@ async def verify_round(state: RunState, spec: Speculation, n_fed: int, logits: t
     """Apply the target's verdict on line_of(spec)[:n_fed] and the node right after it; returns what stays
     speculative. Both caches are rolled back to what still hangs off the committed tokens."""
     out = resolve(state, spec, state.probs(logits[-(n_fed + 1):]), events)
+    if policy.calibration is not None:
+        for top, accepted in out.judged:
+            policy.calibration.record(top, accepted)
     if out.dropped:
         events.append(Rollback(state.step, "draft", out.dropped, state.pieces(out.dropped), out.why))
     if out.tokens:

@@ -1,14 +1,16 @@
 """SpecBranch's verdict through a branch point (the target verifies along the first branch, and a rescue
-still comes from the same row), and the policy that forks only where the measured costs say it pays."""
+still comes from the same row), the policy that forks only where the measured costs say it pays, and the
+acceptance it reads the draft's confidence as (engine/calibration.py)."""
 from __future__ import annotations
 
 import torch
 
+from engine.calibration import PRIOR_WEIGHT, AcceptanceCalibration
 from engine.config import GenerationConfig
 from engine.decoding import RunState
 from engine.events import ACCEPTED, BONUS, CORRECTION, RESCUED, VERIFY, BranchResolved, TimingSpan, Verified
-from engine.parallel import (BranchCosts, Fork, Policy, Speculation, feed_limit, line_confidence, line_of,
-                             resolve)
+from engine.parallel import (BranchCosts, Fork, Policy, Speculation, feed_limit, judged_path, line_confidence,
+                             line_of, resolve)
 from engine.sampling import TOPK
 
 V = 10
@@ -179,3 +181,85 @@ def test_drafting_stops_at_the_token_budget(tiny_engine):
         return spec
 
     assert depth(asyncio.run(draft_long())) == 3  # the budget, not 2γ = 8
+
+
+def test_calibration_starts_at_the_confidence_and_moves_to_the_measured_rate():
+    cal = AcceptanceCalibration()
+    assert cal.acceptance(0.07) == 0.07 and cal.acceptance(0.93) == 0.93 and cal.table() == []  # the paper's rule
+    for _ in range(40):
+        cal.record(0.07, True)  # a draft that is right where it is unsure
+    cal.record(0.92, False)
+    assert abs(cal.acceptance(0.07) - (40 + PRIOR_WEIGHT * 0.07) / (40 + PRIOR_WEIGHT)) < 1e-12
+    assert abs(cal.acceptance(0.06) - (40 + PRIOR_WEIGHT * 0.06) / (40 + PRIOR_WEIGHT)) < 1e-12  # the same bin
+    assert cal.acceptance(0.12) == 0.12  # another bin: no verdicts yet
+    assert abs(cal.acceptance(0.92) - PRIOR_WEIGHT * 0.92 / (1 + PRIOR_WEIGHT)) < 1e-12
+    assert cal.table() == [{"confidence": [0.05, 0.1], "judged": 40, "accepted": 40, "rate": 1.0},
+                           {"confidence": [0.9, 0.95], "judged": 1, "accepted": 0, "rate": 0.0}]
+    assert cal.bin_of(0.0) == 0 and cal.bin_of(1.0) == cal.bin_of(0.999)
+
+
+def test_calibrated_policy_forks_where_the_draft_is_measured_wrong():
+    """At confidence 0.3 the paper's rule (ε 0.5) forks 3 wide; once that bin measured every token accepted,
+    the policy does not fork there, and where it measured every token rejected it forks as wide as allowed."""
+    cal = AcceptanceCalibration()
+    top = [0.3, 0.25, 0.2]
+    assert Policy(max_branches=3, epsilon=0.5, calibration=cal).branch_width(top, False, None) == 3
+    for _ in range(40):
+        cal.record(0.3, True)
+        cal.record(0.8, False)
+    assert Policy(max_branches=3, epsilon=0.5, calibration=cal).branch_width(top, False, None) == 1
+    assert Policy(max_branches=3, epsilon=0.5).branch_width(top, False, None) == 3  # uncalibrated: as before
+    assert Policy(max_branches=3, epsilon=0.5).branch_width([0.8, 0.1, 0.05], False, None) == 1
+    assert Policy(max_branches=3, epsilon=0.5, calibration=cal).branch_width([0.8, 0.1, 0.05], False, None) == 3
+    # with measured costs, the rescue odds are the measured miss rate times the candidates' share of the rest
+    cheap = BranchCosts({1: 10.0, 2: 11.0, 3: 12.0}, target_ms=60.0, target_busy_ms={1: 60.0, 2: 60.0, 3: 60.0})
+    assert Policy(max_branches=3, epsilon=0.5, costs=cheap, calibration=cal).branch_width(
+        [0.8, 0.1, 0.05], False, None, steps_left=5) == 3
+
+
+def test_resolve_reports_what_the_target_judged(tiny_engine):
+    """(draft's top probability, accepted) per judged path token: up to and including the first rejection, none
+    after it, none without a recorded probability; at a branch point, the first candidate, the draft's own token."""
+    state = greedy_state(tiny_engine)
+    q = torch.full((V,), 1.0 / V, dtype=torch.float64)
+    spec = Speculation([4, 5, 6], [q] * 3, path_top=[0.9, 0.4, 0.2])
+    out = resolve(state, spec, one_hot_rows([4, 7, 6, 1]), [])  # 5 is rejected; 6 is never judged
+    assert out.tokens == [4, 7] and out.judged == [(0.9, True), (0.4, False)]
+    out = resolve(state, spec, one_hot_rows([4, 5]), [])  # two rows reach only 4 and 5: both accepted, 6 pending
+    assert out.judged == [(0.9, True), (0.4, True)] and out.pending.path_top == [0.2]
+    spec = forked([4], [5, 6], [[7, 8], [9, 2]])
+    spec.path_top, spec.fork.top = [0.8], 0.35
+    out = resolve(state, spec, one_hot_rows([4, 6, 7, 8]), [])  # a rescue: candidate 1 (the draft's own) rejected
+    assert out.judged == [(0.8, True), (0.35, False)] and out.pending.path_top == [None, None]
+    assert judged_path(out.pending, 2, False) == []  # the rescued branch's tokens have no recorded probability
+
+
+def test_engine_learns_where_its_draft_is_right(tiny_dirs):
+    """The tiny target as its own float32 draft is never wrong. With ε 0.6 the paper's rule forks wherever the
+    draft's confidence is below 0.6, run after run; calibrated, the engine learns from its verdicts that the draft
+    is right at those confidences, and by its third run forks far less. Greedy output equals AR's either way."""
+    from engine.engine import Engine
+    from engine.models import load_pair
+
+    engine = Engine(load_pair(str(tiny_dirs["target"]), "self", device="cpu", draft_matmul="float32"))
+    try:
+        prompt = [2, 3, 4, 5]
+        want = engine.run(prompt, GenerationConfig(method="ar", max_new_tokens=40)).token_ids
+        forks = {}
+        for calibrate in (False, True):
+            cfg = GenerationConfig(method="specbranch", max_new_tokens=40, gamma=4, epsilon=0.6, calibrate=calibrate)
+            for run in range(3):
+                r = engine.run(prompt, cfg)
+                assert r.token_ids == want
+                forks[calibrate, run] = r.metrics["branch_points"]
+        # (how many exactly depends on timing: drafting ends when the verdict lands)
+        assert min(forks[False, run] for run in range(3)) >= 5
+        assert forks[True, 2] <= forks[False, 2] // 2
+        table = engine.calibration(cfg).table()
+        assert sum(b["judged"] for b in table) > 0 and all(b["rate"] == 1.0 for b in table)
+        assert engine.policy(GenerationConfig(method="pearl")).calibration is None
+        assert engine.policy(GenerationConfig(method="specbranch", calibrate=False)).calibration is None
+        assert engine.policy(GenerationConfig(method="specbranch", temperature=1.0)).calibration is not \
+            engine.policy(GenerationConfig(method="specbranch")).calibration  # a table per way of sampling
+    finally:
+        engine.close()

@@ -1,0 +1,47 @@
+"""How often the target accepts a drafted token, by the draft's confidence where it was drafted: measured on an
+engine's own verdicts, so SpecBranch forks where its draft is actually wrong.
+
+The paper's rule reads the draft's confidence (its largest probability at a position) as the odds that the drafted
+token is accepted, and forks below ε. That holds for a draft as calibrated as it is sure; for a draft close to its
+target it does not: the embedded target read in 4 bits agrees with the float32 target at 0.99 of positions, also
+where its largest probability is 0.05 (at T=1 a flat row is flat for both models, and min(1, p/q) stays near 1),
+so the paper's rule forks where nothing is ever rescued (docs/RESULTS.md §0g: 17 % of draft tokens wasted at T=1).
+
+AcceptanceCalibration keeps, per confidence bin, how many drafted path tokens the target judged and accepted, and
+reads a confidence as the posterior mean acceptance of its bin under a prior centred on the confidence itself
+(PRIOR_WEIGHT pseudo-verdicts): before any verdict it is the paper's rule, and it moves to the measured rate as
+verdicts arrive. Only positions the target judged count (those after a rejection were never judged). The policy
+(parallel.Policy) reads it; it changes where the draft forks, never what is emitted, so it is lossless.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+BINS = 20  # confidence bins of width 0.05
+PRIOR_WEIGHT = 8.0  # pseudo-verdicts at the confidence itself: a bin needs about this many verdicts to move halfway
+
+
+@dataclass
+class AcceptanceCalibration:
+    judged: list[int] = field(default_factory=lambda: [0] * BINS)
+    accepted: list[int] = field(default_factory=lambda: [0] * BINS)
+
+    @staticmethod
+    def bin_of(confidence: float) -> int:
+        return min(BINS - 1, max(0, int(confidence * BINS)))
+
+    def record(self, confidence: float, accepted: bool) -> None:
+        b = self.bin_of(confidence)
+        self.judged[b] += 1
+        self.accepted[b] += bool(accepted)
+
+    def acceptance(self, confidence: float) -> float:
+        """The odds that a token drafted at this confidence is accepted: the bin's verdicts, with the confidence
+        itself as a prior worth PRIOR_WEIGHT verdicts."""
+        b = self.bin_of(confidence)
+        return (self.accepted[b] + PRIOR_WEIGHT * confidence) / (self.judged[b] + PRIOR_WEIGHT)
+
+    def table(self) -> list[dict]:
+        """The bins that have verdicts: their confidence range, verdicts and measured acceptance (for the bench)."""
+        return [{"confidence": [b / BINS, (b + 1) / BINS], "judged": n, "accepted": a, "rate": round(a / n, 4)}
+                for b, (n, a) in enumerate(zip(self.judged, self.accepted)) if n]
