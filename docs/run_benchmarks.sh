@@ -179,6 +179,8 @@ PYTHONPATH=. $PY docs/int4_self_draft_heads.py
 for i in 1 2; do
   for k in f32head shortlist; do PYTHONPATH=. $PY docs/ab_int4_head.py $k $i lean; done
 done
+$PY -m engine costs --draft self --max-rows 3 --max-tokens 8 --bench docs/ablation-0h-t0-s0.json \
+    --json docs/costs-cpu-int4-0h.json  # forward costs and the modelled limit next to the measured speedup
 
 # 16. fork points from the acceptance the engine measured at each draft confidence (engine/calibration.py;
 #     --calibrate, the default) against the paper's rule (--no-calibrate), alternated, T=1 then T=0, seeds 0-2, on
