@@ -50,9 +50,13 @@ target's hidden state says so), the draft forks *k branches* from its top candid
 all at once. The target verifies along the draft's first choice, through the branch point, so a fork
 never shortens a round; if the target's token is another candidate instead, that branch's tokens are
 already drafted and survive (purple *rescued* tokens); only the other branches are rolled back.
+"Unsure" is measured, not assumed: the engine counts how often the target accepted tokens the draft drafted at
+each confidence, and forks where that rate is below ε. A draft that is right even when unsure (the app's 4-bit
+draft) then stops forking after its first few rounds; the paper's rule, which trusts the confidence as is, is
+`--no-calibrate` on the CLI.
 
 **Which draft.** On a CPU the app drafts with the target itself, its weights read in 4 bits (the GGUF file
-they came from stores them so; docs/RESULTS.md §0f). A draft step then costs about half a target step, and the
+they came from stores them so; docs/RESULTS.md §0f, §0h). A draft step then costs about a third of a target step, and the
 draft agrees with the target on over 99 % of tokens, so speculation pays, but there is little to reject, roll back
 or branch. To watch those, start the app with `--draft embedded` (a distilled 6-layer draft, right about half
 the time) or `--draft embedded-weak`.
