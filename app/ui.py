@@ -56,9 +56,9 @@ draft) then stops forking after its first few rounds; the paper's rule, which tr
 `--no-calibrate` on the CLI.
 
 **Which draft.** On a CPU the app drafts with the target itself, its weights read in 4 bits (the GGUF file
-they came from stores them so; docs/RESULTS.md §0f, §0h). A draft step then costs about a third of a target step, and the
-draft agrees with the target on over 99 % of tokens, so speculation pays, but there is little to reject, roll back
-or branch. To watch those, start the app with `--draft embedded` (a distilled 6-layer draft, right about half
+they came from stores them so; docs/RESULTS.md §0f, §0h). A draft step then costs about a third of a target
+step, and the draft agrees with the target on over 99 % of tokens, so speculation pays, but there is little to
+reject, roll back or branch. To watch those, start the app with `--draft embedded` (a distilled 6-layer draft, right about half
 the time) or `--draft embedded-weak`.
 
 **The charts.** *Branch tree*: one step, left to right: the committed prefix, the drafted path, the fork
@@ -314,8 +314,9 @@ def build_app(get_engine, get_store=None, defaults: dict | None = None, about: s
                                       label="γ: SD block length; PEARL/SpecBranch: tokens verified per round (1–16)")
                     branches = gr.Slider(1, 6, value=3, step=1, label="k: most branches at a branch point (1–6)")
                     epsilon = gr.Slider(0, 1, value=defaults["epsilon"], step=0.05,
-                                        label="ε: branch where the draft's token is accepted less often than this: its "
-                                              "confidence, read as the acceptance this engine measured at it [0, 1]")
+                                        label="ε: branch where the draft's token is accepted less often than "
+                                              "this: its confidence, read as the acceptance this engine measured "
+                                              "at it [0, 1]")
                     draft_stop = gr.Slider(0, 1, value=defaults["draft_stop"], step=0.05,
                                            label="Draft stop: end a round's drafting below this confidence (0 = off)")
                     feed_stop = gr.Slider(0, 1, value=defaults["feed_stop"], step=0.05,
