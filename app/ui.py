@@ -58,8 +58,8 @@ draft) then stops forking after its first few rounds; the paper's rule, which tr
 **Which draft.** On a CPU the app drafts with the target itself, its weights read in 4 bits (the GGUF file
 they came from stores them so; docs/RESULTS.md §0f, §0h). A draft step then costs about a third of a target
 step, and the draft agrees with the target on over 99 % of tokens, so speculation pays, but there is little to
-reject, roll back or branch. To watch those, start the app with `--draft embedded` (a distilled 6-layer draft, right about half
-the time) or `--draft embedded-weak`.
+reject, roll back or branch. To watch those, start the app with `--draft embedded` (a distilled 6-layer draft,
+right about half the time) or `--draft embedded-weak`.
 
 **The charts.** *Branch tree*: one step, left to right: the committed prefix, the drafted path, the fork
 with its k candidates and each branch. Green accepted, purple rescued, red rejected, orange the target's

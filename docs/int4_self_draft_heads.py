@@ -1,6 +1,6 @@
 """The target as its own draft, its decoder layers read in 4 bits (Int4Matmul), with five LM heads
-(docs/RESULTS.md §0f and §0h, engine/lm_head.py draft_matmul): how often its greedy token equals the float32 target's, fed
-the target's own greedy continuation (5 chat prompts × 48 tokens), and its step's median ms (1 thread).
+(docs/RESULTS.md §0f and §0h, engine/lm_head.py draft_matmul): how often its greedy token equals the float32
+target's, fed the target's own greedy continuation (5 chat prompts × 48 tokens), and its step's median ms (1 thread).
 Run from the repository root: PYTHONPATH=. .venv/bin/python docs/int4_self_draft_heads.py"""
 import time
 
@@ -18,8 +18,8 @@ pair = load_pair("embedded", None)
 target, tok = pair.target, pair.tokenizer
 head = target.model.get_output_embeddings().weight
 subset = load_file(str(DRAFTS_DIR / "smollm2-135m-draft" / "vocab_subset.safetensors"))["ids"]  # the 8k-row head
-HEADS = {"4-bit, float32 shortlist (shipped)": (None, ShortlistHead), "float32": (None, HeadMatmul), "bfloat16": (None, Bf16Matmul), "4-bit": (None, Int4Matmul),
-         "float32, 8k rows": (subset, HeadMatmul)}
+HEADS = {"4-bit, float32 shortlist (shipped)": (None, ShortlistHead), "float32": (None, HeadMatmul),
+         "bfloat16": (None, Bf16Matmul), "4-bit": (None, Int4Matmul), "float32, 8k rows": (subset, HeadMatmul)}
 
 for name, (ids_kept, matmul) in HEADS.items():
     twin = twin_of(target.model)

@@ -12,8 +12,8 @@ from typing import AsyncIterator
 
 
 from .ar import autoregressive_decode
-from .calibration import AcceptanceCalibration
 from .assisted import assisted_decode
+from .calibration import AcceptanceCalibration
 from .config import GenerationConfig, SpecBranchError
 from .costs import busy_draft, draft_features, forward_costs, measure
 from .decoding import RunState

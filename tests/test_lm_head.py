@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from engine.config import GenerationConfig, SpecBranchError
 from engine.engine import Engine
 from engine.lm_head import (INT4_GROUP, LAYER_MAX_ROWS, PACK_ROWS, SHORTLIST, Bf16Matmul, HeadMatmul, Int4Matmul,
-                            ShortlistHead, bf16_supported,
-                            fast_linears, int4_fits, int4_supported, packed_matmul, packed_weight)
+                            ShortlistHead, bf16_supported, fast_linears, int4_fits, int4_supported, packed_matmul,
+                            packed_weight)
 from engine.models import draft_matmul_kind, load_pair
 
 
@@ -168,7 +168,8 @@ def test_shortlist_head_is_float32_where_it_counts():
     assert torch.equal(out.argmax(-1), want.argmax(-1))
     assert (out.double() - want).abs().max() > 1e-3  # outside the shortlist: 4-bit products
     small = w[:16]
-    torch.testing.assert_close(ShortlistHead(small)(x).double(), F.linear(x.double(), small.double()), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ShortlistHead(small)(x).double(), F.linear(x.double(), small.double()),
+                               rtol=1e-5, atol=1e-5)
     x = torch.randn(2, h, requires_grad=True)
     ShortlistHead(w)(x).sum().backward()
     torch.testing.assert_close(x.grad, w.sum(0).expand(2, h), rtol=1e-4, atol=1e-3)  # a sum over 2k rows
