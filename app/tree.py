@@ -454,6 +454,15 @@ TREE_LEGEND = "".join(
     f'<span class="tree-key" style="border:3px solid {SURVIVOR}">survives the step</span>'
 
 
+def fork_reason(facts: StepFacts) -> str:
+    """Why the draft forked where it did, when this step drafted the candidates and the run recorded it: its
+    confidence there and the acceptance odds the policy read it as (the measured rate, or the confidence itself)."""
+    cands = next((d for d in facts.proposals if d.kind == "candidates" and d.odds >= 0), None)
+    if cands is None:
+        return ""
+    return f" (draft confidence {cands.confidence:.2f}, acceptance odds {cands.odds:.2f})"
+
+
 def step_caption(step_events_: list[Event], step: int) -> str:
     """One sentence on what the target decided in the step (plain text)."""
     facts = StepFacts.of(step_events_)
@@ -463,9 +472,9 @@ def step_caption(step_events_: list[Event], step: int) -> str:
         parts.append(f"{v.accepted} of {len(v.tokens)} drafted tokens accepted")
     if facts.fork is not None:
         f = facts.fork
-        parts.append(f"fork of {len(f.candidates)}: " + (f"candidate {f.survivor + 1} survived"
-                                                        + (" (rescued)" if f.rescued else "")
-                                                        if f.survivor >= 0 else "every candidate lost"))
+        parts.append(f"fork of {len(f.candidates)}{fork_reason(facts)}: "
+                     + (f"candidate {f.survivor + 1} survived" + (" (rescued)" if f.rescued else "")
+                        if f.survivor >= 0 else "every candidate lost"))
     parts.append(f"{len(facts.emitted_pieces)} token(s) committed, {facts.dropped} rolled back")
     return f"Step {step}: " + "; ".join(parts)
 

@@ -57,6 +57,10 @@ class DraftProposed(Event):
     parent_position: int = 0  # number of tokens (committed + drafted) the block hangs from
     kind: str = "path"  # "path" (linear tokens), "candidates" (a fork's k candidates), "branch" (one branch step)
     top: list[list[list[float]]] = field(default_factory=list)  # per token: [[id, q], ...] top alternatives
+    # a fork's candidates only (else -1): the draft's largest untempered probability where it forked, and the
+    # odds that its own token would be accepted, as the policy read that confidence (engine/calibration.py)
+    confidence: float = -1.0
+    odds: float = -1.0
 
 
 @dataclass(frozen=True)

@@ -172,7 +172,8 @@ async def draft_step(state: RunState, spec: Speculation, ds: DraftState, policy:
                 # draft-stop rule must not end the round before the branches are drafted
                 ds.confidence = float(raw[cands].sum())
                 events.append(DraftProposed(state.step, cands, state.pieces(cands), [float(q[c]) for c in cands],
-                                            parent_position=len(seq), top=[top_alternatives(q)], kind="candidates"))
+                                            parent_position=len(seq), top=[top_alternatives(q)], kind="candidates",
+                                            confidence=top[0], odds=policy.acceptance(top[0])))
                 return
         x = sample(q, state.draft_generator)
         ds.confidence = float(raw.max())

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import torch
 
+from app.tree import step_caption
 from engine.calibration import PRIOR_WEIGHT, AcceptanceCalibration
 from engine.config import GenerationConfig
 from engine.decoding import RunState
-from engine.events import ACCEPTED, BONUS, CORRECTION, RESCUED, VERIFY, BranchResolved, TimingSpan, Verified
+from engine.events import (ACCEPTED, BONUS, CORRECTION, RESCUED, VERIFY, BranchResolved, DraftProposed, TimingSpan,
+                           Verified)
 from engine.parallel import (BranchCosts, Fork, Policy, Speculation, feed_limit, judged_path, line_confidence,
                              line_of, resolve)
 from engine.sampling import TOPK
@@ -252,6 +254,16 @@ def test_engine_learns_where_its_draft_is_right(tiny_dirs):
                 r = engine.run(prompt, cfg)
                 assert r.token_ids == want
                 forks[calibrate, run] = r.metrics["branch_points"]
+                # each fork's event says why it is there: the odds the policy read, below ε
+                cands = [e for e in r.events if isinstance(e, DraftProposed) and e.kind == "candidates"]
+                assert all(0 < e.confidence <= 1 and 0 <= e.odds < 0.6 for e in cands)
+                assert all(e.odds == e.confidence for e in cands) or calibrate
+                assert all(e.odds == -1 and e.confidence == -1 for e in r.events
+                           if isinstance(e, DraftProposed) and e.kind != "candidates")
+                for c in cands:  # the step's caption gives them where the fork is resolved in the same step
+                    mine = [e for e in r.events if getattr(e, "step", None) == c.step]
+                    if any(isinstance(e, BranchResolved) for e in mine):
+                        assert f"acceptance odds {c.odds:.2f}" in step_caption(mine, c.step)
         # (how many exactly depends on timing: drafting ends when the verdict lands)
         assert min(forks[False, run] for run in range(3)) >= 5
         assert forks[True, 2] <= forks[False, 2] // 2
