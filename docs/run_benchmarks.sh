@@ -197,3 +197,15 @@ for t in 1 0; do
     $PY -m engine summarize docs/calib-$c-t$t-s{0,1,2}.json --json docs/calib-$c-t$t.json
   done
 done
+
+# 17. the same A/B with the distilled draft, where branches do rescue (α ~0.48), with the app's settings for it
+for s in 0 1 2; do
+  for c in calibrate no-calibrate; do
+    $PY -m engine bench --methods ar,pearl,specbranch --draft embedded --dataset all --limit 2 --max-new-tokens 64 \
+        --temperature 0 --seed $s --gamma 3 --draft-stop 0.3 --head-start 0.3 --epsilon 0.5 --branches 3 --$c \
+        --json docs/calib-distilled-$c-t0-s$s.json
+  done
+done
+for c in calibrate no-calibrate; do
+  $PY -m engine summarize docs/calib-distilled-$c-t0-s{0,1,2}.json --json docs/calib-distilled-$c-t0.json
+done
