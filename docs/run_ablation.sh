@@ -7,7 +7,9 @@
 #   EXTRA=...     settings added to every bench, after (so overriding) COMMON's (§0b's: V and EXTRA unset; §0e's:
 #                 V=-0e EXTRA="--head-start 0.3", the app's defaults then, so PEARL and SpecBranch both have the head
 #                 start there)
-#   DRAFT=self    the draft of steps 1, 4 and 5-7 (default embedded; §0f's: the target itself, read in 4 bits)
+#   DRAFT=self    the draft of steps 1, 4 and 5-7 (default embedded; §0f's, §0g's and §0h's: the target itself, read
+#                 in 4 bits; §0h: STEPS="1" DRAFT=self V=-0h EXTRA="--gamma 6 --draft-stop 0 --head-start 0.02
+#                 --epsilon 0.1", and step 2 with V=-0h EXTRA="--head-start 0.3")
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
 N=${N:-2}        # prompts per dataset (MT-Bench, GSM8K, HumanEval benchmark split)
