@@ -2,12 +2,13 @@
 pointer.
 
 Why: the 4-bit self-draft is the slower side of an overlapped round (docs/RESULTS.md §0f), and of its ~28 ms step
-only 6.6 ms were the 4-bit products. The rest was the float32 head (5.4 ms, unchanged here: it stays in models.LM)
-and transformers' forward around the products: the KV cache's `cat` (each step copies every layer's whole cache,
-4.1 ms) and ~10 ms of per-op overhead (seven linear layers a layer, each casting to bfloat16 and back, the rotary
-embedding applied to q and to k apart, a mask built per call). Here a layer runs four matmuls (q, k and v fused
-into one weight, gate and up into another), the rotary embedding is applied to q and k in one pass over a
-precomputed table, and K and V are written into buffers allocated once, so a step copies only its own new rows.
+only 6.6 ms were the 4-bit products. The rest was the float32 head (5.4 ms; it stays in models.LM, a
+lm_head.ShortlistHead since §0h) and transformers' forward around the products: the KV cache's `cat` (each step
+copies every layer's whole cache, 4.1 ms) and ~10 ms of per-op overhead (seven linear layers a layer, each casting
+to bfloat16 and back, the rotary embedding applied to q and to k apart, a mask built per call). Here a layer runs
+four matmuls (q, k and v fused into one weight, gate and up into another), the rotary embedding is applied to q
+and k in one pass over a precomputed table, and K and V are written into buffers allocated once, so a step copies
+only its own new rows.
 Rolling back moves `length`; forking copies the rows once (batch_repeat_interleave), as transformers' caches do.
 
 The weights are the model's own tensors read through lm_head.draft_matmul (4-bit groups keep the same codes when
