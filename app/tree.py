@@ -475,6 +475,10 @@ def step_caption(step_events_: list[Event], step: int) -> str:
         parts.append(f"fork of {len(f.candidates)}{fork_reason(facts)}: "
                      + (f"candidate {f.survivor + 1} survived" + (" (rescued)" if f.rescued else "")
                         if f.survivor >= 0 else "every candidate lost"))
+    held = next((d for d in facts.proposals if d.kind == "held"), None)
+    if held is not None:  # SpecBranch's hold: nothing was drafted where it would likely be rolled back
+        parts.append(f"the draft held back (acceptance odds {held.odds:.2f}, draft confidence {held.confidence:.2f}):"
+                     " the target takes that token itself")
     parts.append(f"{len(facts.emitted_pieces)} token(s) committed, {facts.dropped} rolled back")
     return f"Step {step}: " + "; ".join(parts)
 

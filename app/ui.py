@@ -74,8 +74,10 @@ Hover a node for p, q, p/q and u. Pick a step with ◀ ▶, the slider, or a mar
 # The Live and Compare defaults, chosen by the bench on data/tuning_prompts.jsonl for each kind of draft: a
 # distilled draft (docs/RESULTS.md §0, §0e), and the target itself read in 4 bits, which agrees with the target on
 # over 99 % of tokens, so it drafts long blocks without stopping and forks only where it is very unsure (§0f)
-DEFAULTS = {"gamma": 3, "epsilon": 0.5, "draft_stop": 0.3, "feed_stop": 0.0, "head_start": 0.3, "hrad": False}
-SELF_DEFAULTS = {"gamma": 6, "epsilon": 0.1, "draft_stop": 0.0, "feed_stop": 0.0, "head_start": 0.02, "hrad": False}
+DEFAULTS = {"gamma": 3, "epsilon": 0.5, "draft_stop": 0.3, "feed_stop": 0.0, "head_start": 0.3, "hold": 0.5,
+            "hrad": False}
+SELF_DEFAULTS = {"gamma": 6, "epsilon": 0.1, "draft_stop": 0.0, "feed_stop": 0.0, "head_start": 0.02, "hold": 0.0,
+                 "hrad": False}
 
 # H-RAD ships off: on held-out prompts it placed branch points no better than the draft's confidence alone
 # (classification and speed, docs/RESULTS.md §0b); the checkbox says so where the user decides
@@ -98,7 +100,7 @@ def examples() -> list[list]:
 
 
 def make_config(method, max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, feed_stop, head_start,
-                hrad, seed) -> GenerationConfig:
+                hold, hrad, seed) -> GenerationConfig:
     """Build and validate settings from the controls; raises SpecBranchError with the reason."""
     def number(value, name, cast):
         try:
@@ -111,7 +113,8 @@ def make_config(method, max_new, temperature, top_p, gamma, branches, epsilon, d
                             branches=number(branches, "branches k", int), epsilon=number(epsilon, "ε", float),
                             draft_stop=number(draft_stop, "draft stop", float),
                             feed_stop=number(feed_stop, "feed stop", float),
-                            head_start=number(head_start, "head start", float), hrad=bool(hrad),
+                            head_start=number(head_start, "head start", float), hold=number(hold, "hold", float),
+                            hrad=bool(hrad),
                             seed=number(seed, "seed", int)).validate()
 
 
@@ -188,13 +191,13 @@ def build_app(get_engine, get_store=None, defaults: dict | None = None, about: s
         return stored_ar_speed(store, owner, prompt, (pair.target.name, pair.draft.name if pair.draft else None))
 
     def generate(prompt, history, method, max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, feed_stop,
-                 head_start, hrad, seed, chat,
+                 head_start, hold, hrad, seed, chat,
                  browser_id=None, show_rollbacks=False, request: gr.Request = None):
         history = list(history or [])
         events: list[Event] = []
         try:
             cfg = make_config(method, max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, feed_stop,
-                              head_start, hrad, seed)
+                              head_start, hold, hrad, seed)
             if not prompt or not prompt.strip():
                 raise SpecBranchError("the prompt is empty")
             engine = get_engine()
@@ -254,7 +257,7 @@ def build_app(get_engine, get_store=None, defaults: dict | None = None, about: s
         return token_view(events or [], bool(show_rollbacks))
 
     def compare(prompt, methods, max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, feed_stop,
-                head_start, hrad, seed, chat,
+                head_start, hold, hrad, seed, chat,
                 browser_id=None, request: gr.Request = None):
         """Run each chosen method once, one after another (clean timings); the race then replays them."""
         try:
@@ -264,7 +267,7 @@ def build_app(get_engine, get_store=None, defaults: dict | None = None, about: s
             if not prompt or not prompt.strip():
                 raise SpecBranchError("the prompt is empty")
             cfgs = [make_config(m, max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, feed_stop,
-                                head_start, hrad, seed) for m in methods]
+                                head_start, hold, hrad, seed) for m in methods]
             engine = get_engine()
             ids = engine.encode(prompt, bool(chat))
             engine.check_prompt(ids)
@@ -326,6 +329,10 @@ def build_app(get_engine, get_store=None, defaults: dict | None = None, about: s
                                            label="Head start: after a rejection, the draft leads the target's next "
                                                  "pass while its odds that the block is accepted stay above this "
                                                  "(0 = off, the target starts at once as in PEARL)")
+                    hold = gr.Slider(0, 1, value=defaults["hold"], step=0.05,
+                                     label="Hold (SpecBranch): draft nothing where the odds that it is accepted, the "
+                                           "pending tokens' included, fall below this; the target takes that token "
+                                           "itself (0 = off)")
                     hrad = gr.Checkbox(defaults["hrad"], label=HRAD_LABEL, elem_id="hrad")
                     seed = gr.Number(0, precision=0, label="Seed (integer)")
                     chat = gr.Checkbox(True, label="Chat template (off: raw text, e.g. code completion)")
@@ -371,8 +378,8 @@ def build_app(get_engine, get_store=None, defaults: dict | None = None, about: s
         with gr.Tab("How to read this"):
             gr.Markdown(TEACHING)
 
-        controls = [max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, feed_stop, head_start, hrad, seed,
-                    chat]
+        controls = [max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, feed_stop, head_start, hold, hrad,
+                    seed, chat]
         views = [tokens, metrics, notices, glance, tree, timeline, nav.strip, acceptance, cumulative]
         outputs = [chatbot, *views, nav.slider, nav.notice, events_state]
         demo.load(browser_identity, browser, browser, api_visibility="private")

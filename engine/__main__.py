@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from .config import DRAFT_FORWARDS, DRAFT_MATMULS, METHODS, GenerationConfig, SpecBranchError
+from .config import DRAFT_FORWARDS, DRAFT_MATMULS, METHODS, GenerationConfig, SpecBranchError, writable_file
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,6 +58,10 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
                         "confidence (engine/calibration.py; the default)")
     p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
                    help="specbranch: the draft's confidence as is (the paper's rule)")
+    p.add_argument("--hold", type=float, default=0.0,
+                   help="specbranch: draft nothing where the odds that it is accepted (read as for ε) fall below "
+                        "this, and leave that position to the target: no token is drafted only to be rolled back "
+                        "(0 = off)")
 
 
 def add_record_arguments(p: argparse.ArgumentParser) -> None:
@@ -106,7 +110,7 @@ def config_from(args, method: str) -> GenerationConfig:
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed, gamma=args.gamma, draft_stop=args.draft_stop,
                             feed_stop=args.feed_stop, head_start=args.head_start, branches=args.branches,
                             epsilon=args.epsilon, hrad=args.hrad, branch_costs=args.branch_costs,
-                            calibrate=args.calibrate).validate()
+                            calibrate=args.calibrate, hold=args.hold).validate()
 
 
 def build_engine(args, need_draft: bool):
@@ -187,6 +191,7 @@ def cmd_bench(args) -> None:
     entries = parse_bench_methods(args.methods)
     for _, method, _ in entries:
         config_from(args, method)  # validate the shared settings before loading models
+    writable_file(args.json_out, "bench results")
     engine = build_engine(args, need_draft=any(m != "ar" and d is None for _, m, d in entries))
     engines = {None: engine}
     t = engine.pair.target
@@ -215,6 +220,7 @@ def cmd_train_hrad(args) -> None:
 def cmd_costs(args) -> None:
     from .costs import run_costs
 
+    writable_file(args.json_out, "costs")
     run_costs(build_engine(args, need_draft=args.draft != "none"), args)
 
 

@@ -19,29 +19,32 @@ from dataclasses import dataclass, field
 
 BINS = 20  # confidence bins of width 0.05
 PRIOR_WEIGHT = 8.0  # pseudo-verdicts at the confidence itself: a bin needs about this many verdicts to move halfway
+RESCUE_PRIOR_WEIGHT = 2.0  # the same for the rescue table (Engine.calibration), whose prior is a weaker guess
 
 
 @dataclass
 class AcceptanceCalibration:
+    prior_weight: float = PRIOR_WEIGHT
     judged: list[int] = field(default_factory=lambda: [0] * BINS)
-    accepted: list[int] = field(default_factory=lambda: [0] * BINS)
+    accepted: list[float] = field(default_factory=lambda: [0.0] * BINS)  # a verdict counts 1 or 0; a held-back
+    # position (parallel.release_hold) its acceptance probability
 
     @staticmethod
     def bin_of(confidence: float) -> int:
         return min(BINS - 1, max(0, int(confidence * BINS)))
 
-    def record(self, confidence: float, accepted: bool) -> None:
+    def record(self, confidence: float, accepted: bool | float) -> None:
         b = self.bin_of(confidence)
         self.judged[b] += 1
-        self.accepted[b] += bool(accepted)
+        self.accepted[b] += float(accepted)
 
     def acceptance(self, confidence: float) -> float:
         """The odds that a token drafted at this confidence is accepted: the bin's verdicts, with the confidence
-        itself as a prior worth PRIOR_WEIGHT verdicts."""
+        itself as a prior worth prior_weight verdicts."""
         b = self.bin_of(confidence)
-        return (self.accepted[b] + PRIOR_WEIGHT * confidence) / (self.judged[b] + PRIOR_WEIGHT)
+        return (self.accepted[b] + self.prior_weight * confidence) / (self.judged[b] + self.prior_weight)
 
     def table(self) -> list[dict]:
         """The bins that have verdicts: their confidence range, verdicts and measured acceptance (for the bench)."""
-        return [{"confidence": [b / BINS, (b + 1) / BINS], "judged": n, "accepted": a, "rate": round(a / n, 4)}
+        return [{"confidence": [b / BINS, (b + 1) / BINS], "judged": n, "accepted": round(a, 4), "rate": round(a / n, 4)}
                 for b, (n, a) in enumerate(zip(self.judged, self.accepted)) if n]

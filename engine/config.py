@@ -3,10 +3,32 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 
 class SpecBranchError(ValueError):
     """A user-facing error: the message says what is wrong and what is allowed."""
+
+
+def writable_dir(path: Path, what: str) -> Path:
+    """Create `path` and prove a file can be written there, before any slow stage runs."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise SpecBranchError(f"cannot write the {what} to {path}: {exc.strerror or exc}") from None
+    return path
+
+
+def writable_file(path: str | None, what: str) -> None:
+    """Refuse, before any model loads, an output file that could not be written (its folder is created)."""
+    if not path:
+        return
+    if Path(path).is_dir():
+        raise SpecBranchError(f"cannot write the {what} to {path}: it is a folder")
+    writable_dir(Path(path).resolve().parent, what)
 
 
 METHODS = ("ar", "sd", "pearl", "specbranch", "specbranch-no-branch", "specbranch-no-hrad", "specbranch-fixed",
@@ -37,6 +59,8 @@ class GenerationConfig:
     branch_costs: bool = False  # specbranch: fork only where the measured costs say it pays (else the paper's k rule)
     calibrate: bool = True  # specbranch: read the draft's confidence as the acceptance this engine measured at it
     # (engine/calibration.py) before comparing it with ε; False: the confidence as is (the paper's rule)
+    hold: float = 0.0  # specbranch: draft nothing where the odds that it is accepted (its own token, or one of a fork's
+    # candidates; the acceptance read as for ε) fall below this: the target takes that position itself (0 = off)
 
     @property
     def greedy(self) -> bool:
@@ -63,6 +87,8 @@ class GenerationConfig:
             raise SpecBranchError(f"feed-stop must be in [0, 1] (0 = off), got {self.feed_stop!r}")
         if not (0.0 <= self.head_start <= 1.0):
             raise SpecBranchError(f"head-start must be in [0, 1] (0 = off), got {self.head_start!r}")
+        if not (0.0 <= self.hold <= 1.0):
+            raise SpecBranchError(f"hold must be in [0, 1] (0 = off), got {self.hold!r}")
         if not (0.0 <= self.epsilon <= 1.0):
             raise SpecBranchError(f"epsilon must be in [0, 1], got {self.epsilon!r}")
         return self

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .config import SpecBranchError
+from .config import SpecBranchError, writable_dir
 from .drafts import draft_from_target, is_specbranch_draft, load_draft_dir, save_draft
 
 
@@ -307,18 +307,6 @@ def capped_rows(rows: list[dict], max_tokens: int, seed: int) -> list[int]:
         kept.append(i)
         n += len(rows[i]["response_ids"])
     return kept
-
-
-def writable_dir(path: Path, what: str) -> Path:
-    """Create `path` and prove a file can be written there, before any slow stage runs."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as exc:
-        raise SpecBranchError(f"cannot write the {what} to {path}: {exc.strerror or exc}") from None
-    return path
 
 
 def check_inputs(args) -> None:

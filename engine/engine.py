@@ -13,7 +13,7 @@ from typing import AsyncIterator
 
 from .ar import autoregressive_decode
 from .assisted import assisted_decode
-from .calibration import AcceptanceCalibration
+from .calibration import PRIOR_WEIGHT, RESCUE_PRIOR_WEIGHT, AcceptanceCalibration
 from .config import GenerationConfig, SpecBranchError
 from .costs import busy_draft, draft_features, forward_costs, measure
 from .decoding import RunState
@@ -144,21 +144,31 @@ class Engine:
         yield Finished(done.reason, done.prefill_s, done.decode_s, done.new_tokens, metrics)
 
     def policy(self, cfg: GenerationConfig) -> Policy:
-        """Branching policy for the parallel methods: pearl never branches; the ablations drop one part."""
-        if cfg.method == "pearl" or cfg.method == "specbranch-no-branch":
+        """Branching policy for the parallel methods: pearl never branches (nor holds back); the ablations of
+        SpecBranch drop one part each and keep its rollback-aware hold (cfg.hold)."""
+        if cfg.method == "pearl":
             return Policy(max_branches=1)
+        measured = dict(calibration=self.calibration(cfg), rescues=self.calibration(cfg, "rescue")) \
+            if cfg.calibrate else {}
+        if cfg.method == "specbranch-no-branch":
+            return Policy(max_branches=1, hold=cfg.hold, **measured)
         if cfg.method == "specbranch-fixed":
-            return Policy(max_branches=cfg.branches, fixed_at=max(0, cfg.gamma // 2 - 1))
+            return Policy(max_branches=cfg.branches, fixed_at=max(0, cfg.gamma // 2 - 1), hold=cfg.hold, **measured)
         use_hrad = cfg.hrad and cfg.method == "specbranch"
         return Policy(max_branches=cfg.branches, epsilon=cfg.epsilon, hrad=self.hrad if use_hrad else None,
                       costs=self.branch_costs(cfg.branches) if cfg.branch_costs and cfg.branches > 1 else None,
-                      calibration=self.calibration(cfg) if cfg.calibrate else None)
+                      hold=cfg.hold, **measured)
 
-    def calibration(self, cfg: GenerationConfig) -> AcceptanceCalibration:
-        """The acceptance this engine's SpecBranch runs measured by draft confidence (engine/calibration.py), kept
-        across runs, one table per way of sampling (acceptance at T=0 is not acceptance at T=1)."""
-        key = (cfg.temperature, cfg.top_k, cfg.top_p)
-        return self._calibration.setdefault(key, AcceptanceCalibration())
+    def calibration(self, cfg: GenerationConfig, table: str = "acceptance") -> AcceptanceCalibration:
+        """What this engine's SpecBranch runs measured (engine/calibration.py), kept across runs, one table per way
+        of sampling (acceptance at T=0 is not acceptance at T=1): "acceptance", of the draft's own token by its
+        confidence; "rescue", of a fork's other candidates, where its own was rejected, by the share of the rest
+        of the draft's mass they cover."""
+        key = (table, cfg.temperature, cfg.top_k, cfg.top_p)
+        if key not in self._calibration:  # the draft's mass on its alternatives is a weaker guess than its confidence
+            # (a far-off draft spreads it where the target never goes): let a few rescues outweigh it
+            self._calibration[key] = AcceptanceCalibration(RESCUE_PRIOR_WEIGHT if table == "rescue" else PRIOR_WEIGHT)
+        return self._calibration[key]
 
     def branch_costs(self, max_rows: int) -> BranchCosts:
         """What a fork costs on this machine, measured once per engine on the workers' own threads (so with

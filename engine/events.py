@@ -55,10 +55,12 @@ class DraftProposed(Event):
     q: list[float]  # q(x_i): probability of each drafted token under the distribution it was sampled from
     branch: int = 0  # 0 for the linear path; i >= 1 for the i-th branch of a fork
     parent_position: int = 0  # number of tokens (committed + drafted) the block hangs from
-    kind: str = "path"  # "path" (linear tokens), "candidates" (a fork's k candidates), "branch" (one branch step)
+    kind: str = "path"  # "path" (linear tokens), "candidates" (a fork's k candidates), "branch" (one branch step),
+    # "held" (no token: SpecBranch's hold left this position to the target, parallel.Policy.held_back)
     top: list[list[list[float]]] = field(default_factory=list)  # per token: [[id, q], ...] top alternatives
-    # a fork's candidates only (else -1): the draft's largest untempered probability where it forked, and the
-    # odds that its own token would be accepted, as the policy read that confidence (engine/calibration.py)
+    # a fork's candidates, or a hold (else -1): the draft's largest untempered probability there, and the odds the
+    # policy read it as (engine/calibration.py): that its own token is accepted (a fork), or that what it would have
+    # proposed holds up, the pending path included (a hold)
     confidence: float = -1.0
     odds: float = -1.0
 

@@ -52,6 +52,7 @@ class Fork:
     conf: list[float] = field(default_factory=list)  # the draft's untempered probability of each candidate
     branch_conf: list[list[float]] = field(default_factory=list)  # ... of each branch token
     top: float | None = None  # the draft's largest untempered probability at the branch point
+    share: float | None = None  # alternatives_share at the branch point (what Policy.rescues learns from)
 
 
 @dataclass
@@ -98,10 +99,32 @@ class Policy:
     fixed_at: int | None = None  # ablation: always branch after this many linear draft steps of a round
     costs: BranchCosts | None = None  # measured costs: fork only where it pays (None: the paper's k rule alone)
     calibration: AcceptanceCalibration | None = None  # measured acceptance by confidence (None: confidence as is)
+    rescues: AcceptanceCalibration | None = None  # measured rescues by the alternatives' share (None: the share as is)
+    hold: float = 0.0  # draft nothing where the odds that it holds up fall below this (held_back; 0 = off)
 
     def acceptance(self, confidence: float) -> float:
         """The odds that a token drafted at this confidence is accepted: measured, or the confidence itself."""
         return confidence if self.calibration is None else self.calibration.acceptance(confidence)
+
+    def rescue_odds(self, top: list[float], k: int) -> float:
+        """The odds that candidate 2..k of a fork is the target's token, where `top` are the draft's largest
+        probabilities: that its own token is rejected, times the odds that they hold the target's token then:
+        the share of the draft's remaining mass they cover (alternatives_share), read as measured (`rescues`)."""
+        share = alternatives_share(top, k)
+        return (1 - self.acceptance(top[0])) * (share if self.rescues is None else self.rescues.acceptance(share))
+
+    def holds_up(self, top: list[float], k: int) -> float:
+        """The odds that what the draft would propose here holds up: its own token (k = 1), or one of k candidates."""
+        return self.acceptance(top[0]) + (self.rescue_odds(top, k) if k > 1 else 0.0)
+
+    def path_odds(self, spec: "Speculation") -> float:
+        """The odds that every pending path token is accepted: what a token drafted after them needs to pay."""
+        return math.prod(self.acceptance(c if t is None else t) for t, c in zip(spec.path_top, spec.path_conf))
+
+    def held_back(self, odds: float) -> bool:
+        """Rollback-aware drafting: below `hold` odds (path_odds times holds_up), what the draft would propose here
+        would only be rolled back, so it proposes nothing and leaves the position to the target's own next token."""
+        return self.hold > 0 and odds < self.hold
 
     def branch_width(self, top: list[float], fresh: bool, hrad_class: int | None, linear_steps: int = 0,
                      steps_left: int = 1) -> int:
@@ -123,12 +146,15 @@ class Policy:
             k = min(self.max_branches, max(2, math.ceil(self.max_branches * (1 - confidence))))
         if self.costs is None:
             return k
-        # the odds that candidate 2..w is the target's token: that the draft's own is rejected, times the share
-        # of the draft's remaining mass they cover
-        miss = (1 - confidence) / max(1 - top[0], 1e-9)
-        gains = {w: self.costs.net_gain_ms(w, miss * sum(top[1:w]), steps_left) for w in range(2, k + 1)}
+        gains = {w: self.costs.net_gain_ms(w, self.rescue_odds(top, w), steps_left) for w in range(2, k + 1)}
         best = max(gains, key=gains.get)
         return best if gains[best] > 0 else 1
+
+
+def alternatives_share(top: list[float], k: int) -> float:
+    """The share of the draft's mass beyond its own token that candidates 2..k cover (top: its largest
+    probabilities, best first): its own odds that they hold the target's token where its own is rejected."""
+    return min(1.0, sum(top[1:k]) / max(1 - top[0], 1e-9))
 
 
 @dataclass
@@ -139,6 +165,9 @@ class DraftState:
     hrad_features: torch.Tensor | None = None  # the target's state at the last verdict, read at the next draft step
     linear_steps: int = 0  # linear draft steps since the last verdict
     confidence: float = 1.0  # the draft's (untempered) confidence in the token it drafted last
+    held: torch.Tensor | None = None  # the draft's row q where it held back (Policy.held_back), the position after
+    # rows[0]: it drafts no further until the target has produced that position's token, or a rejection drops it
+    held_top: float = 0.0  # ... and its largest untempered probability there
 
 
 async def draft_step(state: RunState, spec: Speculation, ds: DraftState, policy: Policy, events: list[Event]) -> None:
@@ -160,6 +189,12 @@ async def draft_step(state: RunState, spec: Speculation, ds: DraftState, policy:
                                 steps_left=2 * state.cfg.gamma - len(spec.path) - 1)
         ds.fresh = False
         ds.linear_steps += 1
+        odds = policy.path_odds(spec) * policy.holds_up(top, k) if policy.hold > 0 else 1.0
+        if policy.held_back(odds):
+            ds.held, ds.held_top = q, top[0]
+            events.append(DraftProposed(state.step, [], [], [], parent_position=len(seq), kind="held",
+                                        confidence=top[0], odds=odds))
+            return
         if k > 1:
             # greedy: the draft's top-k (point masses; the rule needs only p, so the untempered row serves);
             # sampled: k draws from q without replacement, verified in the order drawn
@@ -167,7 +202,8 @@ async def draft_step(state: RunState, spec: Speculation, ds: DraftState, policy:
             cands = draw_candidates(row, k, scheme, state.draft_generator)
             if len(cands) > 1:
                 spec.fork = Fork(row, cands, scheme, len(spec.path), [[] for _ in cands], [[] for _ in cands],
-                                 [float(raw[c]) for c in cands], [[] for _ in cands], top[0])
+                                 [float(raw[c]) for c in cands], [[] for _ in cands], top[0],
+                                 alternatives_share(top, len(cands)))
                 # the draft is as sure as the mass its candidates cover: a fork hedges an unsure token, so the
                 # draft-stop rule must not end the round before the branches are drafted
                 ds.confidence = float(raw[cands].sum())
@@ -294,6 +330,7 @@ class Outcome:
     row: int = 0  # the draft cache row to keep: the surviving branch's, when a fork was resolved
     judged: list[tuple[float, bool]] = field(default_factory=list)  # (draft's top probability, accepted) per
     # drafted token the target judged where that probability is known: what AcceptanceCalibration learns from
+    rescue: tuple[float, bool] | None = None  # (Fork.share, rescued) where a fork's first candidate was rejected
 
 
 def judged_path(spec: Speculation, accepted: int, rejected: bool) -> list[tuple[float, bool]]:
@@ -319,6 +356,7 @@ def resolve(state: RunState, spec: Speculation, rows: torch.Tensor, events: list
     rescued = cv.index is not None and cv.index > 0
     if fork.top is not None:  # the first candidate is the draft's own token here, judged like a path token
         judged.append((fork.top, cv.index == 0))
+    rescue = (fork.share, rescued) if fork.share is not None and cv.index != 0 else None
     events.append(BranchResolved(
         state.step, len(state.tokens) + n, fork.candidates, state.pieces(fork.candidates),
         [float(fork.q[c]) for c in fork.candidates], cv.p, cv.u, fork.scheme, [list(b) for b in fork.branches],
@@ -327,7 +365,7 @@ def resolve(state: RunState, spec: Speculation, rows: torch.Tensor, events: list
     tokens, kinds = path + [cv.token], [ACCEPTED] * n + [(RESCUED if rescued else ACCEPTED) if cv.index is not None
                                                           else CORRECTION]
     if cv.index is None:
-        return Outcome(tokens, kinds, Speculation(), losers, "all branches rejected", judged=judged)
+        return Outcome(tokens, kinds, Speculation(), losers, "all branches rejected", judged=judged, rescue=rescue)
     branch, branch_q = fork.branches[cv.index], fork.branch_q[cv.index]
     branch_conf = fork.branch_conf[cv.index] if fork.branch_conf else []
     why = "losing branches"
@@ -342,17 +380,22 @@ def resolve(state: RunState, spec: Speculation, rows: torch.Tensor, events: list
                            Speculation(), losers, why, judged=judged)
         branch, branch_q, branch_conf = branch[m:], branch_q[m:], branch_conf[m:]
     return Outcome(tokens, kinds, Speculation(branch, branch_q, None, branch_conf, [None] * len(branch)), losers, why,
-                   cv.index, judged)
+                   cv.index, judged, rescue)
 
 
 async def verify_round(state: RunState, spec: Speculation, n_fed: int, logits: torch.Tensor, hidden, feats,
                        ds: DraftState, policy: Policy, events: list[Event]) -> Speculation:
     """Apply the target's verdict on line_of(spec)[:n_fed] and the node right after it; returns what stays
     speculative. Both caches are rolled back to what still hangs off the committed tokens."""
-    out = resolve(state, spec, state.probs(logits[-(n_fed + 1):]), events)
+    rows = state.probs(logits[-(n_fed + 1):])
+    out = resolve(state, spec, rows, events)
     if policy.calibration is not None:
         for top, accepted in out.judged:
             policy.calibration.record(top, accepted)
+    if policy.rescues is not None and out.rescue is not None:
+        policy.rescues.record(*out.rescue)
+    if ds.held is not None:
+        release_hold(state, rows, out, ds, policy)
     if out.dropped:
         events.append(Rollback(state.step, "draft", out.dropped, state.pieces(out.dropped), out.why))
     if out.tokens:
@@ -376,6 +419,21 @@ async def verify_round(state: RunState, spec: Speculation, n_fed: int, logits: t
     sync_draft(state, ds, new)
     ds.fresh, ds.linear_steps = True, 0
     return new
+
+
+def release_hold(state: RunState, rows: torch.Tensor, out: Outcome, ds: DraftState, policy: Policy) -> None:
+    """After a verdict, before it is emitted, while the draft holds back at the position after its row 0. A
+    rejection before that position makes the hold moot. Where the target produced its own token there (rows[i] is
+    the target's row for position len(state.tokens) + i), the calibration learns the acceptance the held token
+    would have had, sum(min(p, q)) (1 or 0 when greedy), so it keeps measuring where the draft no longer drafts, and
+    the draft drafts on after that token. Else the hold stays: the target's next pass produces that position."""
+    at = len(ds.rows[0])
+    if common_prefix(ds.rows[0], state.tokens + out.tokens + out.pending.path) < at:
+        ds.held = None
+    elif len(state.tokens) + len(out.tokens) > at:
+        if policy.calibration is not None:
+            policy.calibration.record(ds.held_top, float(torch.minimum(rows[at - len(state.tokens)], ds.held).sum()))
+        ds.held = None
 
 
 def hrad_features(state: RunState, hidden, position: int) -> torch.Tensor:
@@ -410,7 +468,7 @@ async def draft_until_verdict(state: RunState, spec: Speculation, ds: DraftState
     verifying it wastes target time)."""
     steps = 0
     cap = min(2 * state.cfg.gamma, state.remaining)  # never past the token budget, so never past the context
-    while depth(spec) < cap and (steps == 0 or not target_job.done()):
+    while ds.held is None and depth(spec) < cap and (steps == 0 or not target_job.done()):
         await draft_step(state, spec, ds, policy, events)
         steps += 1
         if ds.confidence < state.cfg.draft_stop:
@@ -426,7 +484,7 @@ async def head_start(state: RunState, spec: Speculation, ds: DraftState, policy:
     if state.cfg.head_start <= 0:
         return
     cap = min(state.cfg.gamma, state.remaining - 1)
-    while len(line_of(spec)) < cap and math.prod(line_confidence(spec)) >= state.cfg.head_start:
+    while ds.held is None and len(line_of(spec)) < cap and math.prod(line_confidence(spec)) >= state.cfg.head_start:
         await draft_step(state, spec, ds, policy, events)
 
 

@@ -24,10 +24,24 @@ def tiny_args(tiny_dirs):
     (["--max-new-tokens", "0"], "max-new-tokens must be a positive integer"),
     (["--max-new-tokens", "-3"], "max-new-tokens must be a positive integer"),
     (["--gamma", "0"], "gamma (draft length) must be an integer >= 1"),
+    (["--hold", "1.5"], "hold must be in [0, 1] (0 = off)"),
 ])
 def test_invalid_settings(capsys, tiny_args, extra, message):
     code, err = run_cli(capsys, "generate", *tiny_args, "--prompt", "a b", *extra)
     assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_unwritable_bench_output_is_refused_before_any_model_loads(capsys, tmp_path):
+    """A --json that could not be written fails at once, not after the whole bench ran (the model path here does
+    not exist either: the output is checked first)."""
+    (tmp_path / "a-file").write_text("")
+    for out, message in ((tmp_path / "a-file" / "x.json", "cannot write the bench results"),
+                         (tmp_path, "it is a folder")):
+        code, err = run_cli(capsys, "bench", "--target", "/no/such/model", "--methods", "ar", "--json", str(out))
+        assert code == 2 and message in err and "Traceback" not in err
+    code, err = run_cli(capsys, "bench", "--target", "/no/such/model", "--methods", "ar",
+                        "--json", str(tmp_path / "new" / "x.json"))
+    assert code == 2 and "model path not found" in err and (tmp_path / "new").is_dir()  # its folder is made
 
 
 def test_unknown_model_path(capsys):

@@ -1,18 +1,19 @@
 """SpecBranch's verdict through a branch point (the target verifies along the first branch, and a rescue
 still comes from the same row), the policy that forks only where the measured costs say it pays, and the
-acceptance it reads the draft's confidence as (engine/calibration.py)."""
+acceptance it reads the draft's confidence as (engine/calibration.py), and the hold that drafts nothing where that
+acceptance is too low to pay."""
 from __future__ import annotations
 
 import torch
 
 from app.tree import step_caption
-from engine.calibration import PRIOR_WEIGHT, AcceptanceCalibration
+from engine.calibration import PRIOR_WEIGHT, RESCUE_PRIOR_WEIGHT, AcceptanceCalibration
 from engine.config import GenerationConfig
 from engine.decoding import RunState
 from engine.events import (ACCEPTED, BONUS, CORRECTION, RESCUED, VERIFY, BranchResolved, DraftProposed, TimingSpan,
                            Verified)
-from engine.parallel import (BranchCosts, Fork, Policy, Speculation, feed_limit, judged_path, line_confidence,
-                             line_of, resolve)
+from engine.parallel import (BranchCosts, Fork, Policy, Speculation, alternatives_share, feed_limit, judged_path,
+                             line_confidence, line_of, resolve)
 from engine.sampling import TOPK
 
 V = 10
@@ -273,5 +274,74 @@ def test_engine_learns_where_its_draft_is_right(tiny_dirs):
         assert engine.policy(GenerationConfig(method="specbranch", calibrate=False)).calibration is None
         assert engine.policy(GenerationConfig(method="specbranch", temperature=1.0)).calibration is not \
             engine.policy(GenerationConfig(method="specbranch")).calibration  # a table per way of sampling
+    finally:
+        engine.close()
+
+
+def test_resolve_reports_whether_a_fork_rescued(tiny_engine):
+    """Where the first candidate is rejected, the fork's alternatives' share and whether one of them was the
+    target's token (what the rescue table learns); nothing where the first candidate was right."""
+    state = greedy_state(tiny_engine)
+    spec = forked([4], [5, 6], [[7, 8], [9, 2]])
+    spec.fork.share = 0.6
+    assert resolve(state, spec, one_hot_rows([4, 6, 7, 8]), []).rescue == (0.6, True)
+    assert resolve(state, spec, one_hot_rows([4, 3, 7, 8]), []).rescue == (0.6, False)  # every candidate lost
+    assert resolve(state, spec, one_hot_rows([4, 5, 7, 8]), []).rescue is None
+    assert alternatives_share([0.6, 0.2, 0.1], 3) == (0.2 + 0.1) / 0.4 and alternatives_share([0.6, 0.2], 1) == 0
+
+
+def test_hold_weighs_the_whole_path_and_the_forks_rescues():
+    """What the draft would propose holds up with the odds that every pending path token is accepted, times its
+    own token's acceptance, plus, at a fork, the measured odds of a rescue. Below the hold it proposes nothing."""
+    acceptance, rescues = AcceptanceCalibration(), AcceptanceCalibration(RESCUE_PRIOR_WEIGHT)
+    for _ in range(40):
+        acceptance.record(0.3, False)  # wrong where it is unsure
+        acceptance.record(0.9, True)  # right where it is sure
+    policy = Policy(max_branches=3, epsilon=0.5, calibration=acceptance, rescues=rescues, hold=0.4)
+    top = [0.3, 0.35, 0.2]
+    own = policy.acceptance(0.3)
+    assert own < 0.1 and policy.holds_up(top, 1) == own
+    share = alternatives_share(top, 3)
+    assert abs(policy.rescue_odds(top, 3) - (1 - own) * share) < 1e-12  # no rescue measured yet: the share itself
+    assert abs(policy.holds_up(top, 3) - (own + (1 - own) * share)) < 1e-12
+    assert policy.held_back(policy.holds_up(top, 1)) and not policy.held_back(policy.holds_up(top, 3))
+    for _ in range(20):
+        rescues.record(share, False)  # its alternatives never held the target's token
+    assert policy.held_back(policy.holds_up(top, 3))
+    q = torch.full((V,), 1.0 / V, dtype=torch.float64)
+    spec = Speculation([4, 5, 6], [q] * 3, path_conf=[0.9, 0.9, 0.3], path_top=[0.9, None, 0.3])
+    assert abs(policy.path_odds(spec) - policy.acceptance(0.9) ** 2 * own) < 1e-12  # a rescued token: its conf
+    assert policy.path_odds(Speculation()) == 1.0
+    assert not Policy(max_branches=3).held_back(0.0)  # hold 0: never
+
+
+def test_held_positions_are_left_to_the_target_and_still_measured(tiny_dirs):
+    """Hold 1: the draft proposes nothing (its odds are always below 1), every position is the target's own
+    token, output equals AR's, and the calibration still learns at every held position the target reached."""
+    from engine.engine import Engine
+    from engine.models import load_pair
+
+    engine = Engine(load_pair(str(tiny_dirs["target"]), str(tiny_dirs["draft"]), device="cpu",
+                              draft_matmul="float32"))
+    try:
+        prompt = [2, 3, 4, 5]
+        want = engine.run(prompt, GenerationConfig(method="ar", max_new_tokens=30)).token_ids
+        cfg = GenerationConfig(method="specbranch", max_new_tokens=30, gamma=3, epsilon=0.5, hold=1.0)
+        r = engine.run(prompt, cfg)
+        assert r.token_ids == want
+        assert r.metrics["drafted_tokens"] == 0 and r.metrics["wasted_draft_tokens"] == 0
+        held = [e for e in r.events if isinstance(e, DraftProposed) and e.kind == "held"]
+        assert len(held) >= 20 and all(e.tokens == [] and 0 <= e.odds < 1 and 0 < e.confidence <= 1 for e in held)
+        judged = sum(b["judged"] for b in engine.calibration(cfg).table())
+        assert judged >= len(held) - 1  # the last may be past the end
+        mine = [e for e in r.events if getattr(e, "step", None) == held[0].step]
+        assert f"the draft held back (acceptance odds {held[0].odds:.2f}," in step_caption(mine, held[0].step)
+        # a partial hold on the same engine: fewer tokens drafted than without it, output still AR's
+        free = engine.run(prompt, GenerationConfig(method="specbranch", max_new_tokens=30, gamma=3, epsilon=0.5))
+        some = engine.run(prompt, GenerationConfig(method="specbranch", max_new_tokens=30, gamma=3, epsilon=0.5,
+                                                   hold=0.5))
+        assert free.token_ids == some.token_ids == want
+        assert some.metrics["drafted_tokens"] < free.metrics["drafted_tokens"]
+        assert engine.policy(GenerationConfig(method="pearl", hold=0.5)).hold == 0  # PEARL never holds back
     finally:
         engine.close()
