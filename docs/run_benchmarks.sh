@@ -209,3 +209,33 @@ done
 for c in calibrate no-calibrate; do
   $PY -m engine summarize docs/calib-distilled-$c-t0-s{0,1,2}.json --json docs/calib-distilled-$c-t0.json
 done
+
+# 18. SpecBranch's hold (--hold: draft nothing where the odds that it holds up fall below it; docs/RESULTS.md §0i)
+#   a. the poorly aligned regime (docs/run_ablation.sh step 2's prompts and settings) with hold 0.5, seeds 0-2
+for s in 0 1 2; do
+  $PY -m engine bench --methods ar,sd,pearl,specbranch,specbranch-no-branch --draft embedded-weak \
+      --dataset data/foreign_prompts.jsonl --max-new-tokens 64 --temperature 0 --seed $s --gamma 3 --draft-stop 0.3 \
+      --epsilon 0.5 --branches 3 --head-start 0.3 --hold 0.5 --json docs/hold-weak-foreign-s$s.json
+done
+$PY -m engine summarize docs/hold-weak-foreign-s{0,1,2}.json --json docs/hold-weak-foreign.json
+#   b. the distilled draft with the app's settings for it, hold 0.5 against 0 (§0h's rule), alternated, T=0 and T=1
+for t in 0 1; do
+  for s in 0 1 2; do
+    for h in 0.5 0; do
+      $PY -m engine bench --methods ar,pearl,specbranch --draft embedded --dataset all --limit 2 --max-new-tokens 64 \
+          --temperature $t --seed $s --gamma 3 --draft-stop 0.3 --head-start 0.3 --epsilon 0.5 --branches 3 \
+          --hold $h --json docs/hold-distilled-h$h-t$t-s$s.json
+    done
+  done
+  for h in 0.5 0; do
+    $PY -m engine summarize docs/hold-distilled-h$h-t$t-s{0,1,2}.json --json docs/hold-distilled-h$h-t$t.json
+  done
+done
+#   c. the 4-bit self-draft with the app's settings for it, hold 0.5 against 0, one seed at each T
+for t in 0 1; do
+  for h in 0.5 0; do
+    $PY -m engine bench --methods ar,pearl,specbranch --draft self --dataset all --limit 2 --max-new-tokens 64 \
+        --temperature $t --gamma 6 --draft-stop 0 --head-start 0.02 --epsilon 0.1 --branches 3 --hold $h \
+        --json docs/hold-self-h$h-t$t.json
+  done
+done
