@@ -54,6 +54,10 @@ already drafted and survive (purple *rescued* tokens); only the other branches a
 each confidence, and forks where that rate is below ε. A draft that is right even when unsure (the app's 4-bit
 draft) then stops forking after its first few rounds; the paper's rule, which trusts the confidence as is, is
 `--no-calibrate` on the CLI.
+The *hold* slider makes SpecBranch rollback-aware: where the odds that what it would draft is accepted (those of
+the tokens still pending times its own, or a fork's, as measured) fall below the hold, the draft drafts nothing,
+and the target takes that token itself, as in plain decoding. The step's caption says "the draft held back". With
+a draft that is often wrong, this is what keeps the rollback markers rare.
 
 **Which draft.** On a CPU the app drafts with the target itself, its weights read in 4 bits (the GGUF file
 they came from stores them so; docs/RESULTS.md §0f, §0h). A draft step then costs about a third of a target

@@ -140,6 +140,7 @@ def run_bench(entries: list[tuple[str, object, str]], args, log=None) -> dict:
         "results": results,
         # what the SpecBranch runs measured: the target's acceptance of drafted tokens by the draft's confidence
         "acceptance_by_confidence": engine.calibration(config_from(args, "specbranch")).table(),
+        "rescue_by_share": engine.calibration(config_from(args, "specbranch"), "rescue").table(),
     }
     print(format_table(report))
     if args.json_out:

@@ -19,19 +19,24 @@ from dataclasses import dataclass, field
 
 BINS = 20  # confidence bins of width 0.05
 PRIOR_WEIGHT = 8.0  # pseudo-verdicts at the confidence itself: a bin needs about this many verdicts to move halfway
-RESCUE_PRIOR_WEIGHT = 2.0  # the same for the rescue table (Engine.calibration), whose prior is a weaker guess
+RESCUE_BINS, RESCUE_PRIOR_WEIGHT = 5, 2.0  # the rescue table (Engine.calibration): forks are few, and its prior (the
+# share of the draft's mass the other candidates cover) is a weaker guess, so wider bins and a lighter prior
 
 
 @dataclass
 class AcceptanceCalibration:
     prior_weight: float = PRIOR_WEIGHT
-    judged: list[int] = field(default_factory=lambda: [0] * BINS)
-    accepted: list[float] = field(default_factory=lambda: [0.0] * BINS)  # a verdict counts 1 or 0; a held-back
-    # position (parallel.release_hold) its acceptance probability
+    bins: int = BINS
+    judged: list[int] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)  # a verdict counts 1 or 0; a held-back position
+    # (parallel.release_hold) its acceptance probability
 
-    @staticmethod
-    def bin_of(confidence: float) -> int:
-        return min(BINS - 1, max(0, int(confidence * BINS)))
+    def __post_init__(self):
+        self.judged = self.judged or [0] * self.bins
+        self.accepted = self.accepted or [0.0] * self.bins
+
+    def bin_of(self, confidence: float) -> int:
+        return min(self.bins - 1, max(0, int(confidence * self.bins)))
 
     def record(self, confidence: float, accepted: bool | float) -> None:
         b = self.bin_of(confidence)
@@ -46,5 +51,5 @@ class AcceptanceCalibration:
 
     def table(self) -> list[dict]:
         """The bins that have verdicts: their confidence range, verdicts and measured acceptance (for the bench)."""
-        return [{"confidence": [b / BINS, (b + 1) / BINS], "judged": n, "accepted": round(a, 4), "rate": round(a / n, 4)}
+        return [{"confidence": [b / self.bins, (b + 1) / self.bins], "judged": n, "accepted": round(a, 4), "rate": round(a / n, 4)}
                 for b, (n, a) in enumerate(zip(self.judged, self.accepted)) if n]

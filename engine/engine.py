@@ -13,7 +13,7 @@ from typing import AsyncIterator
 
 from .ar import autoregressive_decode
 from .assisted import assisted_decode
-from .calibration import PRIOR_WEIGHT, RESCUE_PRIOR_WEIGHT, AcceptanceCalibration
+from .calibration import PRIOR_WEIGHT, RESCUE_BINS, RESCUE_PRIOR_WEIGHT, AcceptanceCalibration
 from .config import GenerationConfig, SpecBranchError
 from .costs import busy_draft, draft_features, forward_costs, measure
 from .decoding import RunState
@@ -167,7 +167,8 @@ class Engine:
         key = (table, cfg.temperature, cfg.top_k, cfg.top_p)
         if key not in self._calibration:  # the draft's mass on its alternatives is a weaker guess than its confidence
             # (a far-off draft spreads it where the target never goes): let a few rescues outweigh it
-            self._calibration[key] = AcceptanceCalibration(RESCUE_PRIOR_WEIGHT if table == "rescue" else PRIOR_WEIGHT)
+            self._calibration[key] = AcceptanceCalibration(RESCUE_PRIOR_WEIGHT, RESCUE_BINS) if table == "rescue" \
+                else AcceptanceCalibration(PRIOR_WEIGHT)
         return self._calibration[key]
 
     def branch_costs(self, max_rows: int) -> BranchCosts:

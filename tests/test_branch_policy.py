@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from app.tree import step_caption
-from engine.calibration import PRIOR_WEIGHT, RESCUE_PRIOR_WEIGHT, AcceptanceCalibration
+from engine.calibration import PRIOR_WEIGHT, RESCUE_BINS, RESCUE_PRIOR_WEIGHT, AcceptanceCalibration
 from engine.config import GenerationConfig
 from engine.decoding import RunState
 from engine.events import (ACCEPTED, BONUS, CORRECTION, RESCUED, VERIFY, BranchResolved, DraftProposed, TimingSpan,
@@ -199,6 +199,10 @@ def test_calibration_starts_at_the_confidence_and_moves_to_the_measured_rate():
     assert cal.table() == [{"confidence": [0.05, 0.1], "judged": 40, "accepted": 40, "rate": 1.0},
                            {"confidence": [0.9, 0.95], "judged": 1, "accepted": 0, "rate": 0.0}]
     assert cal.bin_of(0.0) == 0 and cal.bin_of(1.0) == cal.bin_of(0.999)
+    wide = AcceptanceCalibration(2.0, 5)  # the rescue table's shape: 5 bins, a prior worth 2 verdicts
+    wide.record(0.5, False)
+    assert wide.table() == [{"confidence": [0.4, 0.6], "judged": 1, "accepted": 0, "rate": 0.0}]
+    assert abs(wide.acceptance(0.59) - 2 * 0.59 / 3) < 1e-12 and wide.acceptance(0.61) == 0.61
 
 
 def test_calibrated_policy_forks_where_the_draft_is_measured_wrong():
@@ -293,7 +297,7 @@ def test_resolve_reports_whether_a_fork_rescued(tiny_engine):
 def test_hold_weighs_the_whole_path_and_the_forks_rescues():
     """What the draft would propose holds up with the odds that every pending path token is accepted, times its
     own token's acceptance, plus, at a fork, the measured odds of a rescue. Below the hold it proposes nothing."""
-    acceptance, rescues = AcceptanceCalibration(), AcceptanceCalibration(RESCUE_PRIOR_WEIGHT)
+    acceptance, rescues = AcceptanceCalibration(), AcceptanceCalibration(RESCUE_PRIOR_WEIGHT, RESCUE_BINS)
     for _ in range(40):
         acceptance.record(0.3, False)  # wrong where it is unsure
         acceptance.record(0.9, True)  # right where it is sure

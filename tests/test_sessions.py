@@ -20,7 +20,7 @@ from app.figures import cumulative_figure, timeline_figure
 from app.tree import tree_html
 from app.views import metric_panel, token_view
 from engine.config import GenerationConfig
-from engine.events import Finished, TokensEmitted
+from engine.events import DraftProposed, Finished, TokensEmitted
 from engine.metrics import compute_metrics
 from engine.runtime import new_event_loop
 from sessions.export import chrome_trace, chrome_trace_runs, export_json, import_json
@@ -29,7 +29,8 @@ from sessions.store import SessionStoreError, Store, default_db_path
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = {
-    "specbranch": GenerationConfig(method="specbranch", max_new_tokens=20, gamma=3, epsilon=1.0),
+    # forks at every fresh draft step, and holds back where even a fork is unlikely to hold up (kind "held")
+    "specbranch": GenerationConfig(method="specbranch", max_new_tokens=20, gamma=3, epsilon=1.0, hold=0.5),
     "sd": GenerationConfig(method="sd", max_new_tokens=20, gamma=3),
 }
 PROMPT_IDS = [2, 3, 4]
@@ -114,6 +115,9 @@ def test_replay_matches_live(recorded, method):
     assert metric_panel(events) == metric_panel(live)
     for step in replay_steps(events):
         assert tree_html(events, step) == tree_html(live, step)
+    if method == "specbranch":  # the run both forked and held back, and replay shows both as live did
+        kinds = {e.kind for e in events if isinstance(e, DraftProposed)}
+        assert {"candidates", "held"} <= kinds
 
 
 @pytest.mark.parametrize("method", list(CONFIGS))
