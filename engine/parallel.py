@@ -53,6 +53,7 @@ class Fork:
     branch_conf: list[list[float]] = field(default_factory=list)  # ... of each branch token
     top: float | None = None  # the draft's largest untempered probability at the branch point
     share: float | None = None  # alternatives_share at the branch point (what Policy.rescues learns from)
+    odds: float = 1.0  # Policy.holds_up at the branch point: the odds that one of the candidates survives
 
 
 @dataclass
@@ -120,6 +121,15 @@ class Policy:
     def path_odds(self, spec: "Speculation") -> float:
         """The odds that every pending path token is accepted: what a token drafted after them needs to pay."""
         return math.prod(self.acceptance(c if t is None else t) for t, c in zip(spec.path_top, spec.path_conf))
+
+    def line_odds(self, spec: "Speculation") -> float:
+        """The odds that the speculation along its first branch holds up to its last token: the path's, the fork's
+        (one candidate survives) and the first branch's tokens' (read from their probabilities)."""
+        odds = self.path_odds(spec)
+        if spec.fork is not None:
+            first = spec.fork.branch_conf[0] if spec.fork.branch_conf else []
+            odds *= spec.fork.odds * math.prod(self.acceptance(c) for c in first)
+        return odds
 
     def held_back(self, odds: float) -> bool:
         """Rollback-aware drafting: below `hold` odds (path_odds times holds_up), what the draft would propose here
@@ -203,7 +213,7 @@ async def draft_step(state: RunState, spec: Speculation, ds: DraftState, policy:
             if len(cands) > 1:
                 spec.fork = Fork(row, cands, scheme, len(spec.path), [[] for _ in cands], [[] for _ in cands],
                                  [float(raw[c]) for c in cands], [[] for _ in cands], top[0],
-                                 alternatives_share(top, len(cands)))
+                                 alternatives_share(top, len(cands)), policy.holds_up(top, len(cands)))
                 # the draft is as sure as the mass its candidates cover: a fork hedges an unsure token, so the
                 # draft-stop rule must not end the round before the branches are drafted
                 ds.confidence = float(raw[cands].sum())
@@ -465,10 +475,13 @@ async def draft_until_verdict(state: RunState, spec: Speculation, ds: DraftState
     reaches the depth cap (2γ: one block of γ under verification, one block ahead of it, as in PEARL's
     post-verify mode; never beyond the tokens the run may still emit), or the draft's confidence in its last
     token falls below cfg.draft_stop (it would likely be rejected: drafting on wastes draft time, and
-    verifying it wastes target time)."""
+    verifying it wastes target time). With a hold, branches are drafted only while the first one's odds of holding
+    up (Policy.line_odds) stay at least the hold: past it, a branch token would only be rolled back."""
     steps = 0
     cap = min(2 * state.cfg.gamma, state.remaining)  # never past the token budget, so never past the context
     while ds.held is None and depth(spec) < cap and (steps == 0 or not target_job.done()):
+        if spec.fork is not None and policy.held_back(policy.line_odds(spec)):
+            break
         await draft_step(state, spec, ds, policy, events)
         steps += 1
         if ds.confidence < state.cfg.draft_stop:

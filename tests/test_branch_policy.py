@@ -316,6 +316,10 @@ def test_hold_weighs_the_whole_path_and_the_forks_rescues():
     spec = Speculation([4, 5, 6], [q] * 3, path_conf=[0.9, 0.9, 0.3], path_top=[0.9, None, 0.3])
     assert abs(policy.path_odds(spec) - policy.acceptance(0.9) ** 2 * own) < 1e-12  # a rescued token: its conf
     assert policy.path_odds(Speculation()) == 1.0
+    # through a fork: the path's odds, the fork's (one candidate survives), and its first branch's tokens'
+    spec.fork = Fork(q, [7, 8], TOPK, 3, [[9], [2]], [[q], [q]], conf=[0.3, 0.2], branch_conf=[[0.9], [0.4]],
+                     odds=0.6)
+    assert abs(policy.line_odds(spec) - policy.path_odds(spec) * 0.6 * policy.acceptance(0.9)) < 1e-12
     assert not Policy(max_branches=3).held_back(0.0)  # hold 0: never
 
 
