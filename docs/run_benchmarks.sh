@@ -239,3 +239,12 @@ for t in 0 1; do
         --json docs/hold-self-h$h-t$t.json
   done
 done
+#   d. the app's default for the distilled drafts, chosen on the tuning prompts (no reported table uses them): hold
+#      0.5 against 0, T=0 and T=1, one run each
+for t in 0 1; do
+  for h in 0.5 0; do
+    $PY -m engine bench --methods ar,pearl,specbranch --draft embedded --dataset data/tuning_prompts.jsonl \
+        --max-new-tokens 64 --temperature $t --gamma 3 --draft-stop 0.3 --head-start 0.3 --epsilon 0.5 --branches 3 \
+        --hold $h --json docs/hold-tune-h$h-t$t.json
+  done
+done

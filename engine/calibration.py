@@ -12,6 +12,10 @@ reads a confidence as the posterior mean acceptance of its bin under a prior cen
 (PRIOR_WEIGHT pseudo-verdicts): before any verdict it is the paper's rule, and it moves to the measured rate as
 verdicts arrive. Only positions the target judged count (those after a rejection were never judged). The policy
 (parallel.Policy) reads it; it changes where the draft forks, never what is emitted, so it is lossless.
+
+The same class, with RESCUE_BINS and RESCUE_PRIOR_WEIGHT, keeps the rescue table: where a fork's first candidate was
+rejected, whether another was the target's token, by the share of the draft's remaining mass they covered. SpecBranch's
+hold (parallel.Policy.held_back) reads both to decide whether to draft at all.
 """
 from __future__ import annotations
 
@@ -51,5 +55,5 @@ class AcceptanceCalibration:
 
     def table(self) -> list[dict]:
         """The bins that have verdicts: their confidence range, verdicts and measured acceptance (for the bench)."""
-        return [{"confidence": [b / self.bins, (b + 1) / self.bins], "judged": n, "accepted": round(a, 4), "rate": round(a / n, 4)}
-                for b, (n, a) in enumerate(zip(self.judged, self.accepted)) if n]
+        return [{"confidence": [b / self.bins, (b + 1) / self.bins], "judged": n, "accepted": round(a, 4),
+                 "rate": round(a / n, 4)} for b, (n, a) in enumerate(zip(self.judged, self.accepted)) if n]

@@ -20,6 +20,8 @@ SpecBranch branches where the policy says: at the first token the target is unli
 q the draft's confidence read as the acceptance this engine measured at that confidence, engine/calibration.py;
 --no-calibrate reads q as is, the paper's rule), or where H-RAD predicts a rejection; k adapts to q, up to
 --branches; with measured costs (--branch-costs) only where the fork's expected saving exceeds what its k rows cost.
+With --hold, SpecBranch is rollback-aware: it drafts nothing where the measured odds that it holds up (the pending
+path's times its own token's, or a fork's) fall below the hold, and the target takes that position (Policy.held_back).
 """
 from __future__ import annotations
 
