@@ -29,8 +29,10 @@ from sessions.store import SessionStoreError, Store, default_db_path
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = {
-    # forks at every fresh draft step, and holds back where even a fork is unlikely to hold up (kind "held")
-    "specbranch": GenerationConfig(method="specbranch", max_new_tokens=20, gamma=3, epsilon=1.0, hold=0.5),
+    # forks at every fresh draft step, and holds back where even a fork is unlikely to hold up (kind "held"); by
+    # the draft's confidence as is, so what the shared engine measured in other tests' runs changes nothing here
+    "specbranch": GenerationConfig(method="specbranch", max_new_tokens=20, gamma=3, epsilon=1.0, hold=0.5,
+                                   calibrate=False),
     "sd": GenerationConfig(method="sd", max_new_tokens=20, gamma=3),
 }
 PROMPT_IDS = [2, 3, 4]
