@@ -482,7 +482,7 @@ async def draft_until_verdict(state: RunState, spec: Speculation, ds: DraftState
     steps = 0
     cap = min(2 * state.cfg.gamma, state.remaining)  # never past the token budget, so never past the context
     while ds.held is None and depth(spec) < cap and (steps == 0 or not target_job.done()):
-        if spec.fork is not None and policy.held_back(policy.line_odds(spec)):
+        if spec.fork is not None and policy.hold > 0 and policy.held_back(policy.line_odds(spec)):
             break
         await draft_step(state, spec, ds, policy, events)
         steps += 1
