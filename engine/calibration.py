@@ -14,8 +14,11 @@ verdicts arrive. Only positions the target judged count (those after a rejection
 (parallel.Policy) reads it; it changes where the draft forks, never what is emitted, so it is lossless.
 
 The same class, with RESCUE_BINS and RESCUE_PRIOR_WEIGHT, keeps the rescue table: where a fork's first candidate was
-rejected, whether another was the target's token, by the share of the draft's remaining mass they covered. SpecBranch's
-hold (parallel.Policy.held_back) reads both to decide whether to draft at all.
+rejected, whether another was the target's token, by the share of the draft's remaining mass they covered. Its prior is
+pooled: a bin with few verdicts reads the rate the other bins measured (itself starting at the share), not the share
+alone, because a far-off draft's share is a guess the pair's own rescues refute at once (the weak draft: 0 rescues in
+4 judged forks a run, docs/RESULTS.md §0j), and forks are too few to fill 5 bins one by one. SpecBranch's hold
+(parallel.Policy.held_back) reads both tables to decide whether to draft at all.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ class AcceptanceCalibration:
     judged: list[int] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)  # a verdict counts 1 or 0; a held-back position
     # (parallel.release_hold) its acceptance probability
+    pooled: bool = False  # the prior is centred on the other bins' rate (shrunk to the confidence), not on it alone
 
     def __post_init__(self):
         self.judged = self.judged or [0] * self.bins
@@ -48,10 +52,15 @@ class AcceptanceCalibration:
         self.accepted[b] += float(accepted)
 
     def acceptance(self, confidence: float) -> float:
-        """The odds that a token drafted at this confidence is accepted: the bin's verdicts, with the confidence
-        itself as a prior worth prior_weight verdicts."""
+        """The odds that a token drafted at this confidence is accepted: the bin's verdicts, with a prior worth
+        prior_weight verdicts at the confidence itself, or (pooled) at the rate the other bins measured, read with
+        the same prior: two levels of shrinkage, so a table's first verdicts move every bin a little."""
         b = self.bin_of(confidence)
-        return (self.accepted[b] + self.prior_weight * confidence) / (self.judged[b] + self.prior_weight)
+        prior = confidence
+        if self.pooled:
+            others_judged, others_accepted = sum(self.judged) - self.judged[b], sum(self.accepted) - self.accepted[b]
+            prior = (others_accepted + self.prior_weight * confidence) / (others_judged + self.prior_weight)
+        return (self.accepted[b] + self.prior_weight * prior) / (self.judged[b] + self.prior_weight)
 
     def table(self) -> list[dict]:
         """The bins that have verdicts: their confidence range, verdicts and measured acceptance (for the bench)."""

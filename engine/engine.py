@@ -166,9 +166,9 @@ class Engine:
         of the draft's mass they cover."""
         key = (table, cfg.temperature, cfg.top_k, cfg.top_p)
         if key not in self._calibration:  # the draft's mass on its alternatives is a weaker guess than its confidence
-            # (a far-off draft spreads it where the target never goes): let a few rescues outweigh it
-            self._calibration[key] = AcceptanceCalibration(RESCUE_PRIOR_WEIGHT, RESCUE_BINS) if table == "rescue" \
-                else AcceptanceCalibration(PRIOR_WEIGHT)
+            # (a far-off draft spreads it where the target never goes): let a few rescues, in any bin, outweigh it
+            self._calibration[key] = AcceptanceCalibration(RESCUE_PRIOR_WEIGHT, RESCUE_BINS, pooled=True) \
+                if table == "rescue" else AcceptanceCalibration(PRIOR_WEIGHT)
         return self._calibration[key]
 
     def branch_costs(self, max_rows: int) -> BranchCosts:

@@ -205,6 +205,28 @@ def test_calibration_starts_at_the_confidence_and_moves_to_the_measured_rate():
     assert abs(wide.acceptance(0.59) - 2 * 0.59 / 3) < 1e-12 and wide.acceptance(0.61) == 0.61
 
 
+def test_a_pooled_table_moves_every_bin_with_its_first_verdicts():
+    """The rescue table's prior (Engine.calibration): an empty table reads the share itself; verdicts in one bin
+    move the others toward the rate measured there (a prior at the share, worth W verdicts, over those verdicts),
+    and a bin's own verdicts then count over that."""
+    pooled = AcceptanceCalibration(RESCUE_PRIOR_WEIGHT, RESCUE_BINS, pooled=True)
+    w = RESCUE_PRIOR_WEIGHT
+    assert pooled.acceptance(0.7) == 0.7 and pooled.acceptance(0.1) == 0.1
+    for _ in range(4):
+        pooled.record(0.1, False)  # four forks whose alternatives all missed, in the lowest bin
+    others = w * 0.7 / (4 + w)  # what bin [0.6, 0.8) reads as its prior: the other bins' 0 of 4, over the share
+    assert abs(pooled.acceptance(0.7) - others) < 1e-12 and pooled.acceptance(0.7) < 0.7 / 2
+    assert abs(pooled.acceptance(0.1) - w * 0.1 / (4 + w)) < 1e-12  # its own bin: no other bin has verdicts yet
+    pooled.record(0.7, True)
+    prior = w * 0.7 / (4 + w)
+    assert abs(pooled.acceptance(0.7) - (1 + w * prior) / (1 + w)) < 1e-12
+    assert abs(pooled.acceptance(0.1) - (0 + w * (1 + w * 0.1) / (1 + w)) / (4 + w)) < 1e-12
+    plain = AcceptanceCalibration(RESCUE_PRIOR_WEIGHT, RESCUE_BINS)
+    for _ in range(4):
+        plain.record(0.1, False)
+    assert plain.acceptance(0.7) == 0.7  # unpooled: a bin without verdicts keeps its prior
+
+
 def test_calibrated_policy_forks_where_the_draft_is_measured_wrong():
     """At confidence 0.3 the paper's rule (ε 0.5) forks 3 wide; once that bin measured every token accepted,
     the policy does not fork there, and where it measured every token rejected it forks as wide as allowed."""
