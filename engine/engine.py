@@ -160,11 +160,12 @@ class Engine:
                       hold=cfg.hold, **measured)
 
     def calibration(self, cfg: GenerationConfig, table: str = "acceptance") -> AcceptanceCalibration:
-        """What this engine's SpecBranch runs measured (engine/calibration.py), kept across runs, one table per way
-        of sampling (acceptance at T=0 is not acceptance at T=1): "acceptance", of the draft's own token by its
+        """What this engine's SpecBranch runs measured (engine/calibration.py), kept across runs, one table per
+        method (each variant learns from its own runs only, so a bench's rows do not read each other's verdicts) and
+        way of sampling (acceptance at T=0 is not acceptance at T=1): "acceptance", of the draft's own token by its
         confidence; "rescue", of a fork's other candidates, where its own was rejected, by the share of the rest
         of the draft's mass they cover."""
-        key = (table, cfg.temperature, cfg.top_k, cfg.top_p)
+        key = (table, cfg.method, cfg.temperature, cfg.top_k, cfg.top_p)
         if key not in self._calibration:  # the draft's mass on its alternatives is a weaker guess than its confidence
             # (a far-off draft spreads it where the target never goes): let a few rescues, in any bin, outweigh it
             self._calibration[key] = AcceptanceCalibration(RESCUE_PRIOR_WEIGHT, RESCUE_BINS, pooled=True) \

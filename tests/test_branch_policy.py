@@ -373,5 +373,7 @@ def test_held_positions_are_left_to_the_target_and_still_measured(tiny_dirs):
         assert free.token_ids == some.token_ids == want
         assert some.metrics["drafted_tokens"] < free.metrics["drafted_tokens"]
         assert engine.policy(GenerationConfig(method="pearl", hold=0.5)).hold == 0  # PEARL never holds back
+        # each variant keeps its own tables: SpecBranch's verdicts are not the ablation's
+        assert engine.calibration(GenerationConfig(method="specbranch-no-branch", hold=1.0)).table() == []
     finally:
         engine.close()
