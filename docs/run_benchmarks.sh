@@ -248,3 +248,22 @@ for t in 0 1; do
         --hold $h --json docs/hold-tune-h$h-t$t.json
   done
 done
+
+# 19. The rescue table's pooled prior (docs/RESULTS.md §0j): §18a's poorly aligned regime and §18b's distilled runs
+#     with hold 0.5 again, on the engine where a rescue bin with few verdicts reads what the other bins measured
+#   a. the poorly aligned regime, seeds 0-2 (each SpecBranch variant with its own calibration tables)
+for s in 0 1 2; do
+  $PY -m engine bench --methods ar,sd,pearl,specbranch,specbranch-no-branch --draft embedded-weak \
+      --dataset data/foreign_prompts.jsonl --max-new-tokens 64 --temperature 0 --seed $s --gamma 3 --draft-stop 0.3 \
+      --epsilon 0.5 --branches 3 --head-start 0.3 --hold 0.5 --json docs/pooled-weak-foreign-s$s.json
+done
+$PY -m engine summarize docs/pooled-weak-foreign-s{0,1,2}.json --json docs/pooled-weak-foreign.json
+#   b. the distilled draft with the app's settings for it, T=1 then T=0, seeds 0-2
+for t in 1 0; do
+  for s in 0 1 2; do
+    $PY -m engine bench --methods ar,pearl,specbranch --draft embedded --dataset all --limit 2 --max-new-tokens 64 \
+        --temperature $t --seed $s --gamma 3 --draft-stop 0.3 --head-start 0.3 --epsilon 0.5 --branches 3 \
+        --hold 0.5 --json docs/pooled-distilled-t$t-s$s.json
+  done
+  $PY -m engine summarize docs/pooled-distilled-t$t-s{0,1,2}.json --json docs/pooled-distilled-t$t.json
+done
