@@ -51,9 +51,9 @@ all at once. The target verifies along the draft's first choice, through the bra
 never shortens a round; if the target's token is another candidate instead, that branch's tokens are
 already drafted and survive (purple *rescued* tokens); only the other branches are rolled back.
 "Unsure" is measured, not assumed: the engine counts how often the target accepted tokens the draft drafted at
-each confidence, and forks where that rate is below ε. A draft that is right even when unsure (the app's 4-bit
-draft) then stops forking after its first few rounds; the paper's rule, which trusts the confidence as is, is
-`--no-calibrate` on the CLI.
+each confidence (each method keeps its own counts, for as long as the app runs), and forks where that rate is
+below ε. A draft that is right even when unsure (the app's 4-bit draft) then stops forking after its first few
+rounds; the paper's rule, which trusts the confidence as is, is `--no-calibrate` on the CLI.
 The *hold* slider makes SpecBranch rollback-aware: where the odds that what it would draft is accepted (those of
 the tokens still pending times its own, or a fork's, as measured) fall below the hold, the draft drafts nothing,
 and the target takes that token itself, as in plain decoding. The step's caption says "the draft held back". With
