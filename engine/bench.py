@@ -83,6 +83,19 @@ def pooled_positions(runs: list[dict]) -> list[float | None]:
     return [round(p / n, 4) if n else None for p, n in zip(passed, reached)]
 
 
+def calibration_report(entries: list[tuple[str, object, str]], args) -> dict:
+    """What each SpecBranch variant's runs measured (Engine.calibration keeps one table per method): the target's
+    acceptance of drafted tokens by the draft's confidence, and a fork's rescues by its alternatives' share.
+    The top-level pair is `specbranch`'s, where it ran (the key earlier reports have)."""
+    from .__main__ import config_from
+
+    tables = {label: {"acceptance_by_confidence": eng.calibration(config_from(args, m)).table(),
+                      "rescue_by_share": eng.calibration(config_from(args, m), "rescue").table()}
+              for label, eng, m in entries if m.startswith("specbranch")}
+    return {**tables.get("specbranch", {"acceptance_by_confidence": [], "rescue_by_share": []}),
+            "calibration_by_method": tables}
+
+
 def run_bench(entries: list[tuple[str, object, str]], args, log=None) -> dict:
     """entries: (label, engine, method). Every entry runs each prompt in turn; `ar` is the reference."""
     from .__main__ import config_from
@@ -138,9 +151,7 @@ def run_bench(entries: list[tuple[str, object, str]], args, log=None) -> dict:
         "identical_to_ar": ({m: f"{n}/{len(encoded)}" for m, n in outputs_match.items()}
                             if args.temperature == 0 and "ar" in methods else None),
         "results": results,
-        # what the SpecBranch runs measured: the target's acceptance of drafted tokens by the draft's confidence
-        "acceptance_by_confidence": engine.calibration(config_from(args, "specbranch")).table(),
-        "rescue_by_share": engine.calibration(config_from(args, "specbranch"), "rescue").table(),
+        **calibration_report(entries, args),
     }
     print(format_table(report))
     if args.json_out:

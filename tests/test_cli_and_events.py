@@ -73,6 +73,10 @@ def test_summarize_gives_mean_and_spread_over_seeds(capsys, tiny_dirs, tmp_path)
     assert row["n"] == 2 and abs(row["mean"] - sum(tps) / 2) < 1e-3
     assert abs(row["sd"] - abs(tps[0] - tps[1]) / 2 ** 0.5) < 1e-3
     assert [r["seed"] for r in summary["runs"]] == [0, 1]
+    # what the SpecBranch runs measured, by method (each keeps its own tables); the top-level pair is specbranch's
+    assert all(list(r["calibration_by_method"]) == ["specbranch"] for r in reports)
+    assert all(r["acceptance_by_confidence"] == r["calibration_by_method"]["specbranch"]["acceptance_by_confidence"]
+               and sum(b["judged"] for b in r["acceptance_by_confidence"]) > 0 for r in reports)
     assert "± " in capsys.readouterr().out
     (tmp_path / "bad.json").write_text("[1]")
     assert main(["summarize", str(tmp_path / "bad.json")]) == 2
