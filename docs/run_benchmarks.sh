@@ -210,21 +210,35 @@ for c in calibrate no-calibrate; do
   $PY -m engine summarize docs/calib-distilled-$c-t0-s{0,1,2}.json --json docs/calib-distilled-$c-t0.json
 done
 
+# the poorly aligned regime (docs/run_ablation.sh step 2's prompts and settings) with hold 0.5, seeds 0-2, into
+# docs/NAME-s<seed>.json and the pooled docs/NAME.json
+weak_with_hold() {
+  local name=$1
+  for s in 0 1 2; do
+    $PY -m engine bench --methods ar,sd,pearl,specbranch,specbranch-no-branch --draft embedded-weak \
+        --dataset data/foreign_prompts.jsonl --max-new-tokens 64 --temperature 0 --seed $s --gamma 3 \
+        --draft-stop 0.3 --epsilon 0.5 --branches 3 --head-start 0.3 --hold 0.5 --json docs/$name-s$s.json
+  done
+  $PY -m engine summarize docs/$name-s{0,1,2}.json --json docs/$name.json
+}
+
+# the distilled draft with the app's settings for it on the 6 benchmark prompts, at temperature T, seed S and hold
+# H, into docs/NAME.json
+distilled_with_hold() {
+  local t=$1 s=$2 h=$3 name=$4
+  $PY -m engine bench --methods ar,pearl,specbranch --draft embedded --dataset all --limit 2 --max-new-tokens 64 \
+      --temperature $t --seed $s --gamma 3 --draft-stop 0.3 --head-start 0.3 --epsilon 0.5 --branches 3 \
+      --hold $h --json docs/$name.json
+}
+
 # 18. SpecBranch's hold (--hold: draft nothing where the odds that it holds up fall below it; docs/RESULTS.md §0i)
-#   a. the poorly aligned regime (docs/run_ablation.sh step 2's prompts and settings) with hold 0.5, seeds 0-2
-for s in 0 1 2; do
-  $PY -m engine bench --methods ar,sd,pearl,specbranch,specbranch-no-branch --draft embedded-weak \
-      --dataset data/foreign_prompts.jsonl --max-new-tokens 64 --temperature 0 --seed $s --gamma 3 --draft-stop 0.3 \
-      --epsilon 0.5 --branches 3 --head-start 0.3 --hold 0.5 --json docs/hold-weak-foreign-s$s.json
-done
-$PY -m engine summarize docs/hold-weak-foreign-s{0,1,2}.json --json docs/hold-weak-foreign.json
+#   a. the poorly aligned regime with hold 0.5, seeds 0-2
+weak_with_hold hold-weak-foreign
 #   b. the distilled draft with the app's settings for it, hold 0.5 against 0 (§0h's rule), alternated, T=0 and T=1
 for t in 0 1; do
   for s in 0 1 2; do
     for h in 0.5 0; do
-      $PY -m engine bench --methods ar,pearl,specbranch --draft embedded --dataset all --limit 2 --max-new-tokens 64 \
-          --temperature $t --seed $s --gamma 3 --draft-stop 0.3 --head-start 0.3 --epsilon 0.5 --branches 3 \
-          --hold $h --json docs/hold-distilled-h$h-t$t-s$s.json
+      distilled_with_hold $t $s $h hold-distilled-h$h-t$t-s$s
     done
   done
   for h in 0.5 0; do
@@ -252,18 +266,11 @@ done
 # 19. The rescue table's pooled prior (docs/RESULTS.md §0j): §18a's poorly aligned regime and §18b's distilled runs
 #     with hold 0.5 again, on the engine where a rescue bin with few verdicts reads what the other bins measured
 #   a. the poorly aligned regime, seeds 0-2 (each SpecBranch variant with its own calibration tables)
-for s in 0 1 2; do
-  $PY -m engine bench --methods ar,sd,pearl,specbranch,specbranch-no-branch --draft embedded-weak \
-      --dataset data/foreign_prompts.jsonl --max-new-tokens 64 --temperature 0 --seed $s --gamma 3 --draft-stop 0.3 \
-      --epsilon 0.5 --branches 3 --head-start 0.3 --hold 0.5 --json docs/pooled-weak-foreign-s$s.json
-done
-$PY -m engine summarize docs/pooled-weak-foreign-s{0,1,2}.json --json docs/pooled-weak-foreign.json
+weak_with_hold pooled-weak-foreign
 #   b. the distilled draft with the app's settings for it, T=1 then T=0, seeds 0-2
 for t in 1 0; do
   for s in 0 1 2; do
-    $PY -m engine bench --methods ar,pearl,specbranch --draft embedded --dataset all --limit 2 --max-new-tokens 64 \
-        --temperature $t --seed $s --gamma 3 --draft-stop 0.3 --head-start 0.3 --epsilon 0.5 --branches 3 \
-        --hold 0.5 --json docs/pooled-distilled-t$t-s$s.json
+    distilled_with_hold $t $s 0.5 pooled-distilled-t$t-s$s
   done
   $PY -m engine summarize docs/pooled-distilled-t$t-s{0,1,2}.json --json docs/pooled-distilled-t$t.json
 done

@@ -89,9 +89,12 @@ def calibration_report(entries: list[tuple[str, object, str]], args) -> dict:
     The top-level pair is `specbranch`'s, where it ran (the key earlier reports have)."""
     from .__main__ import config_from
 
-    tables = {label: {"acceptance_by_confidence": eng.calibration(config_from(args, m)).table(),
-                      "rescue_by_share": eng.calibration(config_from(args, m), "rescue").table()}
-              for label, eng, m in entries if m.startswith("specbranch")}
+    tables = {}
+    for label, eng, m in entries:
+        if m.startswith("specbranch"):
+            cfg = config_from(args, m)
+            tables[label] = {"acceptance_by_confidence": eng.calibration(cfg).table(),
+                             "rescue_by_share": eng.calibration(cfg, "rescue").table()}
     return {**tables.get("specbranch", {"acceptance_by_confidence": [], "rescue_by_share": []}),
             "calibration_by_method": tables}
 
