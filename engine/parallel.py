@@ -67,6 +67,9 @@ class Speculation:
     path_conf: list[float] = field(default_factory=list)  # the draft's untempered probability of each path token
     path_top: list[float | None] = field(default_factory=list)  # its largest untempered probability where each
     # was drafted (None: not known, for a branch that became the path)
+    path_alts: list[tuple[float, list[int]] | None] = field(default_factory=list)  # greedy, with a rescue table:
+    # the fork the draft could have made at each path token, (alternatives_share, its top-k), so a rejection there
+    # tells the rescue table whether a fork would have rescued it (missed_rescue; None: not known)
 
     def tokens(self) -> list[int]:
         extra = [] if self.fork is None else [t for c, b in zip(self.fork.candidates, self.fork.branches) for t in [c, *b]]
@@ -180,6 +183,7 @@ class DraftState:
     held: torch.Tensor | None = None  # the draft's row q where it held back (Policy.held_back), the position after
     # rows[0]: it drafts no further until the target has produced that position's token, or a rejection drops it
     held_top: float = 0.0  # ... and its largest untempered probability there
+    held_alts: tuple[float, list[int]] | None = None  # ... and the fork it could have made there (Speculation.path_alts)
 
 
 async def draft_step(state: RunState, spec: Speculation, ds: DraftState, policy: Policy, events: list[Event]) -> None:
@@ -195,15 +199,18 @@ async def draft_step(state: RunState, spec: Speculation, ds: DraftState, policy:
         if ds.hrad_features is not None:
             hrad_predict(state, ds, policy, float(raw.max()))
         # the largest probabilities, best first (PEARL never forks: its confidence is all it needs)
-        top = raw.topk(min(policy.max_branches, raw.shape[-1])).values.tolist() if policy.max_branches > 1 \
-            else [float(raw.max())]
+        best = raw.topk(min(policy.max_branches, raw.shape[-1])) if policy.max_branches > 1 else None
+        top = best.values.tolist() if best is not None else [float(raw.max())]
+        # greedy, a fork's candidates are the draft's top k, so every rejection shows whether one would have rescued
+        alts = (alternatives_share(top, len(top)), best.indices.tolist()) \
+            if best is not None and state.cfg.greedy and policy.rescues is not None else None
         k = policy.branch_width(top, ds.fresh, ds.hrad_class, ds.linear_steps,
                                 steps_left=2 * state.cfg.gamma - len(spec.path) - 1)
         ds.fresh = False
         ds.linear_steps += 1
         odds = policy.path_odds(spec) * policy.holds_up(top, k) if policy.hold > 0 else 1.0
         if policy.held_back(odds):
-            ds.held, ds.held_top = q, top[0]
+            ds.held, ds.held_top, ds.held_alts = q, top[0], alts
             events.append(DraftProposed(state.step, [], [], [], parent_position=len(seq), kind="held",
                                         confidence=top[0], odds=odds))
             return
@@ -229,6 +236,7 @@ async def draft_step(state: RunState, spec: Speculation, ds: DraftState, policy:
         spec.path_q.append(q)
         spec.path_conf.append(float(raw[x]))
         spec.path_top.append(top[0])
+        spec.path_alts.append(alts)
         events.append(DraftProposed(state.step, [x], state.pieces([x]), [float(q[x])],
                                     parent_position=len(seq), top=[top_alternatives(q)]))
         return
@@ -342,7 +350,8 @@ class Outcome:
     row: int = 0  # the draft cache row to keep: the surviving branch's, when a fork was resolved
     judged: list[tuple[float, bool]] = field(default_factory=list)  # (draft's top probability, accepted) per
     # drafted token the target judged where that probability is known: what AcceptanceCalibration learns from
-    rescue: tuple[float, bool] | None = None  # (Fork.share, rescued) where a fork's first candidate was rejected
+    rescue: tuple[float, bool] | None = None  # (Fork.share, rescued) where a fork's first candidate was rejected,
+    # or, greedy, where a path token was rejected: whether a fork there would have rescued it (missed_rescue)
 
 
 def judged_path(spec: Speculation, accepted: int, rejected: bool) -> list[tuple[float, bool]]:
@@ -351,18 +360,31 @@ def judged_path(spec: Speculation, accepted: int, rejected: bool) -> list[tuple[
     return [(top, i < accepted) for i, top in enumerate(tops) if top is not None]
 
 
+def missed_rescue(alts: tuple[float, list[int]] | None, token: int) -> tuple[float, bool] | None:
+    """Where the target put `token` in place of a greedy draft's own (alts: the fork the draft could have made
+    there, Speculation.path_alts): (the alternatives' share, whether that fork would have rescued the position).
+    Exact, not estimated: greedy candidates are the draft's top k, and the rule accepts candidate j iff it is the
+    target's token. So the rescue table learns from every rejection, not only from the few forks the draft made."""
+    if alts is None or token == alts[1][0]:
+        return None
+    return alts[0], token in alts[1][1:]
+
+
 def resolve(state: RunState, spec: Speculation, rows: torch.Tensor, events: list[Event]) -> Outcome:
     """The verdict on the speculation. rows [n_fed + 1, V]: the target's rows for line_of(spec)[0..n_fed]."""
     verdict = check_line(state, spec.path, spec.path_q, rows, spec.fork is None, 0, events)
     n, path = verdict.accepted, spec.path
     if verdict.next_token is not None:  # a rejection on the path, or a bonus after it
         kind = BONUS if verdict.bonus else CORRECTION
+        missed = None if verdict.bonus or n >= len(spec.path_alts) else missed_rescue(spec.path_alts[n],
+                                                                                      verdict.next_token)
         return Outcome(path[:n] + [verdict.next_token], [ACCEPTED] * n + [kind], Speculation(), spec.tokens()[n:],
-                       "superseded" if verdict.bonus else "rejected", judged=judged_path(spec, n, not verdict.bonus))
+                       "superseded" if verdict.bonus else "rejected", judged=judged_path(spec, n, not verdict.bonus),
+                       rescue=missed)
     judged = judged_path(spec, n, False)
     if spec.fork is None or len(rows) <= len(path):  # the path holds up; the rest waits for the next round
-        return Outcome(path[:n], [ACCEPTED] * n, Speculation(path[n:], spec.path_q[n:], spec.fork,
-                                                             spec.path_conf[n:], spec.path_top[n:]), judged=judged)
+        return Outcome(path[:n], [ACCEPTED] * n, Speculation(path[n:], spec.path_q[n:], spec.fork, spec.path_conf[n:],
+                                                             spec.path_top[n:], spec.path_alts[n:]), judged=judged)
     fork = spec.fork  # the path was accepted and a target row reaches the branch point
     cv = verify_candidates(rows[len(path)], fork.q, fork.candidates, fork.scheme, state.generator, state.cfg.greedy)
     rescued = cv.index is not None and cv.index > 0
@@ -391,7 +413,8 @@ def resolve(state: RunState, spec: Speculation, rows: torch.Tensor, events: list
             return Outcome(tokens + [verdict.next_token], kinds + [BONUS if verdict.bonus else CORRECTION],
                            Speculation(), losers, why, judged=judged)
         branch, branch_q, branch_conf = branch[m:], branch_q[m:], branch_conf[m:]
-    return Outcome(tokens, kinds, Speculation(branch, branch_q, None, branch_conf, [None] * len(branch)), losers, why,
+    return Outcome(tokens, kinds, Speculation(branch, branch_q, None, branch_conf, [None] * len(branch),
+                                              [None] * len(branch)), losers, why,
                    cv.index, judged, rescue)
 
 
@@ -437,15 +460,19 @@ def release_hold(state: RunState, rows: torch.Tensor, out: Outcome, ds: DraftSta
     """After a verdict, before it is emitted, while the draft holds back at the position after its row 0. A
     rejection before that position makes the hold moot. Where the target produced its own token there (rows[i] is
     the target's row for position len(state.tokens) + i), the calibration learns the acceptance the held token
-    would have had, sum(min(p, q)) (1 or 0 when greedy), so it keeps measuring where the draft no longer drafts, and
-    the draft drafts on after that token. Else the hold stays: the target's next pass produces that position."""
+    would have had, sum(min(p, q)) (1 or 0 when greedy), and, greedy, the rescue table whether a fork would have
+    rescued it (missed_rescue), so both keep measuring where the draft no longer drafts; the draft drafts on after
+    that token. Else the hold stays: the target's next pass produces that position."""
     at = len(ds.rows[0])
     if common_prefix(ds.rows[0], state.tokens + out.tokens + out.pending.path) < at:
-        ds.held = None
+        ds.held, ds.held_alts = None, None
     elif len(state.tokens) + len(out.tokens) > at:
         if policy.calibration is not None:
             policy.calibration.record(ds.held_top, float(torch.minimum(rows[at - len(state.tokens)], ds.held).sum()))
-        ds.held = None
+        missed = missed_rescue(ds.held_alts, out.tokens[at - len(state.tokens)])
+        if policy.rescues is not None and missed is not None:
+            policy.rescues.record(*missed)
+        ds.held, ds.held_alts = None, None
 
 
 def hrad_features(state: RunState, hidden, position: int) -> torch.Tensor:
