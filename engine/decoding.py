@@ -37,6 +37,8 @@ class RunState:
     sent_text: str = ""
     generator: torch.Generator = field(default_factory=torch.Generator)  # verification draws
     draft_generator: torch.Generator = field(default_factory=torch.Generator)  # the draft's own samples
+    probe_generator: torch.Generator = field(default_factory=torch.Generator)  # forks a sampled SpecBranch run
+    # plays out where it made none, for its rescue table only (parallel.missed_rescue): never the output's draws
     target_seq: list[int] = field(default_factory=list)  # tokens the target cache holds (parallel methods)
     target_cache: object = None
     draft_cache: object = None
@@ -46,6 +48,7 @@ class RunState:
     def __post_init__(self):
         self.generator.manual_seed(self.cfg.seed)
         self.draft_generator.manual_seed(self.cfg.seed + 1_000_003)
+        self.probe_generator.manual_seed(self.cfg.seed + 2_000_003)
         self.target_cache = self.pair.target.new_cache()
         if self.pair.draft is not None:
             self.draft_cache = self.pair.draft.new_cache()

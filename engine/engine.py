@@ -164,7 +164,7 @@ class Engine:
         method (each variant learns from its own runs only, so a bench's rows do not read each other's verdicts) and
         way of sampling (acceptance at T=0 is not acceptance at T=1): "acceptance", of the draft's own token by its
         confidence; "rescue", of a fork's other candidates, where its own was rejected, by the share of the rest
-        of the draft's mass they cover."""
+        of the draft's mass they cover (also where the draft made no fork: parallel.missed_rescue)."""
         key = (table, cfg.method, cfg.temperature, cfg.top_k, cfg.top_p)
         if key not in self._calibration:  # the draft's mass on its alternatives is a weaker guess than its confidence
             # (a far-off draft spreads it where the target never goes): let a few rescues, in any bin, outweigh it

@@ -37,7 +37,8 @@ from .calibration import AcceptanceCalibration
 from .decoding import RunState, crop_draft, emit, forward, share_features, step_loop
 from .events import (ACCEPTED, BONUS, BRANCH_DRAFT, CORRECTION, DRAFT, RESCUED, VERIFY, BranchResolved, DraftProposed,
                      Event, Rollback, Verified)
-from .sampling import NO_REPLACEMENT, TOPK, draw_candidates, sample, top_alternatives, verify_block, verify_candidates
+from .sampling import (NO_REPLACEMENT, TOPK, candidate_q, draw_candidates, residual_distribution, sample,
+                       top_alternatives, verify_block, verify_candidates)
 
 REJECT_AT_ONCE, PARTLY, ALL_ACCEPTED = 0, 1, 2  # H-RAD classes
 
@@ -67,8 +68,8 @@ class Speculation:
     path_conf: list[float] = field(default_factory=list)  # the draft's untempered probability of each path token
     path_top: list[float | None] = field(default_factory=list)  # its largest untempered probability where each
     # was drafted (None: not known, for a branch that became the path)
-    path_alts: list[tuple[float, list[int]] | None] = field(default_factory=list)  # greedy, with a rescue table:
-    # the fork the draft could have made at each path token, (alternatives_share, its top-k), so a rejection there
+    path_alts: list[tuple[float, list[int]] | None] = field(default_factory=list)  # with a rescue table: the fork
+    # the draft could have made at each path token, (alternatives_share, the draft's top k), so a rejection there
     # tells the rescue table whether a fork would have rescued it (missed_rescue; None: not known)
 
     def tokens(self) -> list[int]:
@@ -201,9 +202,9 @@ async def draft_step(state: RunState, spec: Speculation, ds: DraftState, policy:
         # the largest probabilities, best first (PEARL never forks: its confidence is all it needs)
         best = raw.topk(min(policy.max_branches, raw.shape[-1])) if policy.max_branches > 1 else None
         top = best.values.tolist() if best is not None else [float(raw.max())]
-        # greedy, a fork's candidates are the draft's top k, so every rejection shows whether one would have rescued
+        # the fork the draft could make here: where its token is rejected, missed_rescue tells whether it would have paid
         alts = (alternatives_share(top, len(top)), best.indices.tolist()) \
-            if best is not None and state.cfg.greedy and policy.rescues is not None else None
+            if best is not None and policy.rescues is not None else None
         k = policy.branch_width(top, ds.fresh, ds.hrad_class, ds.linear_steps,
                                 steps_left=2 * state.cfg.gamma - len(spec.path) - 1)
         ds.fresh = False
@@ -351,7 +352,7 @@ class Outcome:
     judged: list[tuple[float, bool]] = field(default_factory=list)  # (draft's top probability, accepted) per
     # drafted token the target judged where that probability is known: what AcceptanceCalibration learns from
     rescue: tuple[float, bool] | None = None  # (Fork.share, rescued) where a fork's first candidate was rejected,
-    # or, greedy, where a path token was rejected: whether a fork there would have rescued it (missed_rescue)
+    # or where a path token was rejected: whether a fork there would have rescued it (missed_rescue)
 
 
 def judged_path(spec: Speculation, accepted: int, rejected: bool) -> list[tuple[float, bool]]:
@@ -360,14 +361,27 @@ def judged_path(spec: Speculation, accepted: int, rejected: bool) -> list[tuple[
     return [(top, i < accepted) for i, top in enumerate(tops) if top is not None]
 
 
-def missed_rescue(alts: tuple[float, list[int]] | None, token: int) -> tuple[float, bool] | None:
-    """Where the target put `token` in place of a greedy draft's own (alts: the fork the draft could have made
-    there, Speculation.path_alts): (the alternatives' share, whether that fork would have rescued the position).
-    Exact, not estimated: greedy candidates are the draft's top k, and the rule accepts candidate j iff it is the
-    target's token. So the rescue table learns from every rejection, not only from the few forks the draft made."""
-    if alts is None or token == alts[1][0]:
+def missed_rescue(p: torch.Tensor, q: torch.Tensor, alts: tuple[float, list[int]] | None, first: int | None,
+                  greedy: bool, probe: torch.Generator) -> tuple[float, bool] | None:
+    """At a position where the draft made no fork (alts: the fork it could have made, Speculation.path_alts; p, q:
+    the target's and the draft's rows there): (the alternatives' share, whether that fork would have rescued the
+    position), where its first candidate is rejected; None where it would have been accepted. `first`: the draft's
+    own token there, rejected by the target; None where the draft held back and drew none. Greedy it is exact: the
+    candidates are the draft's top k, and the rule accepts candidate j iff it is the target's token. Sampled it is
+    one play of that fork on draws of its own (`probe`, never the output's): candidates 2..k drawn from q without
+    the first, through the multi-candidate rule from the residual the first's rejection leaves, so its verdict has
+    the rescue's exact probability. Either way the rescue table learns from every rejection, not only from forks."""
+    if alts is None:
         return None
-    return alts[0], token in alts[1][1:]
+    share, top_k = alts
+    if greedy or first is None:  # the whole fork: its first candidate may survive
+        cands = top_k if greedy else draw_candidates(q, len(top_k), NO_REPLACEMENT, probe)
+        cv = verify_candidates(p, q, cands, TOPK if greedy else NO_REPLACEMENT, probe, greedy)
+        return None if cv.index == 0 else (share, cv.index is not None)
+    rest = candidate_q(q, [first], NO_REPLACEMENT)  # the draft's token was rejected: the rest of the fork
+    cv = verify_candidates(residual_distribution(p, q), rest, draw_candidates(rest, len(top_k) - 1, NO_REPLACEMENT,
+                                                                             probe), NO_REPLACEMENT, probe, False)
+    return share, cv.index is not None
 
 
 def resolve(state: RunState, spec: Speculation, rows: torch.Tensor, events: list[Event]) -> Outcome:
@@ -376,8 +390,8 @@ def resolve(state: RunState, spec: Speculation, rows: torch.Tensor, events: list
     n, path = verdict.accepted, spec.path
     if verdict.next_token is not None:  # a rejection on the path, or a bonus after it
         kind = BONUS if verdict.bonus else CORRECTION
-        missed = None if verdict.bonus or n >= len(spec.path_alts) else missed_rescue(spec.path_alts[n],
-                                                                                      verdict.next_token)
+        missed = None if verdict.bonus or n >= len(spec.path_alts) else missed_rescue(
+            rows[n], spec.path_q[n], spec.path_alts[n], path[n], state.cfg.greedy, state.probe_generator)
         return Outcome(path[:n] + [verdict.next_token], [ACCEPTED] * n + [kind], Speculation(), spec.tokens()[n:],
                        "superseded" if verdict.bonus else "rejected", judged=judged_path(spec, n, not verdict.bonus),
                        rescue=missed)
@@ -460,8 +474,8 @@ def release_hold(state: RunState, rows: torch.Tensor, out: Outcome, ds: DraftSta
     """After a verdict, before it is emitted, while the draft holds back at the position after its row 0. A
     rejection before that position makes the hold moot. Where the target produced its own token there (rows[i] is
     the target's row for position len(state.tokens) + i), the calibration learns the acceptance the held token
-    would have had, sum(min(p, q)) (1 or 0 when greedy), and, greedy, the rescue table whether a fork would have
-    rescued it (missed_rescue), so both keep measuring where the draft no longer drafts; the draft drafts on after
+    would have had, sum(min(p, q)) (1 or 0 when greedy), and the rescue table whether a fork would have rescued it
+    (missed_rescue), so both keep measuring where the draft no longer drafts; the draft drafts on after
     that token. Else the hold stays: the target's next pass produces that position."""
     at = len(ds.rows[0])
     if common_prefix(ds.rows[0], state.tokens + out.tokens + out.pending.path) < at:
@@ -469,7 +483,8 @@ def release_hold(state: RunState, rows: torch.Tensor, out: Outcome, ds: DraftSta
     elif len(state.tokens) + len(out.tokens) > at:
         if policy.calibration is not None:
             policy.calibration.record(ds.held_top, float(torch.minimum(rows[at - len(state.tokens)], ds.held).sum()))
-        missed = missed_rescue(ds.held_alts, out.tokens[at - len(state.tokens)])
+        missed = missed_rescue(rows[at - len(state.tokens)], ds.held, ds.held_alts, None, state.cfg.greedy,
+                               state.probe_generator)
         if policy.rescues is not None and missed is not None:
             policy.rescues.record(*missed)
         ds.held, ds.held_alts = None, None

@@ -13,7 +13,7 @@ from engine.decoding import RunState
 from engine.events import (ACCEPTED, BONUS, CORRECTION, RESCUED, VERIFY, BranchResolved, DraftProposed, TimingSpan,
                            Verified)
 from engine.parallel import (BranchCosts, Fork, Policy, Speculation, alternatives_share, feed_limit, judged_path,
-                             line_confidence, line_of, resolve)
+                             line_confidence, line_of, missed_rescue, resolve)
 from engine.sampling import TOPK
 
 V = 10
@@ -306,7 +306,8 @@ def test_engine_learns_where_its_draft_is_right(tiny_dirs):
 
 def test_resolve_reports_whether_a_fork_rescued(tiny_engine):
     """Where the first candidate is rejected, the fork's alternatives' share and whether one of them was the
-    target's token (what the rescue table learns); nothing where the first candidate was right."""
+    target's token (what the rescue table learns); nothing where the first candidate was right. Greedy, the same
+    where a path token is rejected, for the fork the draft could have made there (missed_rescue)."""
     state = greedy_state(tiny_engine)
     spec = forked([4], [5, 6], [[7, 8], [9, 2]])
     spec.fork.share = 0.6
@@ -314,6 +315,59 @@ def test_resolve_reports_whether_a_fork_rescued(tiny_engine):
     assert resolve(state, spec, one_hot_rows([4, 3, 7, 8]), []).rescue == (0.6, False)  # every candidate lost
     assert resolve(state, spec, one_hot_rows([4, 5, 7, 8]), []).rescue is None
     assert alternatives_share([0.6, 0.2, 0.1], 3) == (0.2 + 0.1) / 0.4 and alternatives_share([0.6, 0.2], 1) == 0
+    # greedy, a rejected path token tells whether the fork the draft could have made there (its share, its top 3)
+    # would have rescued it: the target's token among the draft's 2nd and 3rd
+    q = torch.full((V,), 1.0 / V, dtype=torch.float64)
+    spec = Speculation([4, 5, 6], [q] * 3, path_alts=[None, (0.5, [5, 7, 8]), (0.3, [6, 1, 2])])
+    assert resolve(state, spec, one_hot_rows([4, 7, 6, 1]), []).rescue == (0.5, True)
+    assert resolve(state, spec, one_hot_rows([4, 3, 6, 1]), []).rescue == (0.5, False)
+    assert resolve(state, spec, one_hot_rows([9, 5, 6, 1]), []).rescue is None  # no fork known at the first token
+    assert resolve(state, spec, one_hot_rows([4, 5, 6, 1]), []).rescue is None  # a bonus: nothing was rejected
+    assert resolve(state, spec, one_hot_rows([4, 5]), []).pending.path_alts == [(0.3, [6, 1, 2])]
+    probe = torch.Generator().manual_seed(0)
+    p7 = one_hot_rows([7])[0]
+    assert missed_rescue(p7, q, (0.5, [7, 5, 8]), None, True, probe) is None  # held: its own token was the target's
+    assert missed_rescue(p7, q, (0.5, [5, 8, 7]), None, True, probe) == (0.5, True)
+    assert missed_rescue(p7, q, None, 5, True, probe) is None
+
+
+def test_a_missed_rescue_sampled_plays_the_fork_with_its_exact_odds():
+    """Sampled, missed_rescue plays the fork the draft could have made: its verdicts come with the probabilities
+    that the multi-candidate rule (k = 3, candidates drawn without replacement) gives, enumerated here in float64.
+    Where the draft's own token x was rejected: a rescue with R(x), the odds that candidate 2 or 3 survives from the
+    residual that x's rejection leaves. Where it held back: no verdict with the odds that its first candidate would
+    have been accepted, sum(min(p, q)), and a rescue with sum_x q(x) (1 - min(1, p(x)/q(x))) R(x)."""
+    p = torch.tensor([0.05, 0.4, 0.3, 0.15, 0.1], dtype=torch.float64)
+    q = torch.tensor([0.5, 0.2, 0.1, 0.15, 0.05], dtype=torch.float64)
+    p1 = (p - q).clamp_min(0) / (p - q).clamp_min(0).sum()  # after any rejection of a token drawn from q
+
+    def without(dist, *drop):
+        out = dist.clone()
+        out[list(drop)] = 0
+        return out / out.sum()
+
+    def rescue_odds(x):  # candidates 2 and 3 drawn from q without x (and without candidate 2), tried against p1, p2
+        q1, total = without(q, x), 0.0
+        p2 = (p1 - q1).clamp_min(0) / (p1 - q1).clamp_min(0).sum()
+        for x2 in range(5):
+            if q1[x2] == 0:
+                continue
+            a2 = min(1.0, float(p1[x2] / q1[x2]))
+            q2 = without(q, x, x2)
+            a3 = sum(float(q2[x3]) * min(1.0, float(p2[x3] / q2[x3])) for x3 in range(5) if q2[x3] > 0)
+            total += float(q1[x2]) * (a2 + (1 - a2) * a3)
+        return total
+
+    probe, n, alts = torch.Generator().manual_seed(0), 20000, (0.4, [0, 1, 2])
+    rescued = sum(missed_rescue(p, q, alts, 0, False, probe)[1] for _ in range(n)) / n
+    assert abs(rescued - rescue_odds(0)) < 4 * (rescue_odds(0) * (1 - rescue_odds(0)) / n) ** 0.5
+    held = [missed_rescue(p, q, alts, None, False, probe) for _ in range(n)]
+    kept = float(torch.minimum(p, q).sum())
+    rescue = sum(float(q[x]) * (1 - min(1.0, float(p[x] / q[x]))) * rescue_odds(x) for x in range(5))
+    for share, want in ((None, kept), (True, rescue), (False, 1 - kept - rescue)):
+        got = sum((v is None) if share is None else (v is not None and v[1] == share) for v in held) / n
+        assert abs(got - want) < 4 * (want * (1 - want) / n) ** 0.5, (share, got, want)
+    assert all(v is None or v[0] == 0.4 for v in held)
 
 
 def test_hold_weighs_the_whole_path_and_the_forks_rescues():
@@ -362,8 +416,13 @@ def test_held_positions_are_left_to_the_target_and_still_measured(tiny_dirs):
         assert r.metrics["drafted_tokens"] == 0 and r.metrics["wasted_draft_tokens"] == 0
         held = [e for e in r.events if isinstance(e, DraftProposed) and e.kind == "held"]
         assert len(held) >= 20 and all(e.tokens == [] and 0 <= e.odds < 1 and 0 < e.confidence <= 1 for e in held)
-        judged = sum(b["judged"] for b in engine.calibration(cfg).table())
+        table = engine.calibration(cfg).table()
+        judged = sum(b["judged"] for b in table)
         assert judged >= len(held) - 1  # the last may be past the end
+        # ... and the rescue table (no fork was made): one verdict at each held position where the target's token
+        # was not the draft's own (greedy, the acceptance table recorded 0 there), whether a fork would have rescued it
+        missed = judged - sum(b["accepted"] for b in table)
+        assert missed > 0 and sum(b["judged"] for b in engine.calibration(cfg, "rescue").table()) == missed
         mine = [e for e in r.events if getattr(e, "step", None) == held[0].step]
         assert f"the draft held back (acceptance odds {held[0].odds:.2f}," in step_caption(mine, held[0].step)
         # a partial hold on the same engine: fewer tokens drafted than without it, output still AR's
