@@ -274,3 +274,28 @@ for t in 1 0; do
   done
   $PY -m engine summarize docs/pooled-distilled-t$t-s{0,1,2}.json --json docs/pooled-distilled-t$t.json
 done
+
+# 20. Every rejection teaches the rescue table (docs/RESULTS.md §0k): where the draft made no fork, the engine plays
+#     the fork it could have made (parallel.missed_rescue). §19's runs again, distilled first, then the weak regime
+#   a. the distilled draft with the app's settings for it, T=1 then T=0, seeds 0-2
+for t in 1 0; do
+  for s in 0 1 2; do
+    distilled_with_hold $t $s 0.5 missed-distilled-t$t-s$s
+  done
+  $PY -m engine summarize docs/missed-distilled-t$t-s{0,1,2}.json --json docs/missed-distilled-t$t.json
+done
+#   b. the poorly aligned regime, seeds 0-2
+weak_with_hold missed-weak-foreign
+#   c. could a self-draft that skips some of the target's layers (untrained) be cheaper at a similar α? Its greedy
+#      agreement with the full target, teacher-forced on the tuning prompts' greedy continuations
+PYTHONPATH=. $PY docs/layer_skip_agreement.py docs/layer-skip.json
+#   d. sampling by inverse CDF against torch.multinomial: the distilled draft at T=1, seed 0, alternated twice, each
+#      side from a worktree at its commit (A: ce05604, multinomial; B: 1951f57, inverse CDF)
+git worktree add -f /tmp/abA ce05604 && git worktree add -f /tmp/abB 1951f57
+for r in 1 2; do
+  for v in A B; do
+    (cd /tmp/ab$v && PYTHONPATH=. "$(realpath "$OLDPWD/$PY")" -m engine bench --methods ar,pearl,specbranch \
+        --draft embedded --dataset all --limit 2 --max-new-tokens 64 --temperature 1 --seed 0 --gamma 3 \
+        --draft-stop 0.3 --head-start 0.3 --epsilon 0.5 --branches 3 --hold 0.5 --json "$OLDPWD/docs/sampler-$v-$r.json")
+  done
+done
