@@ -57,7 +57,9 @@ rounds; the paper's rule, which trusts the confidence as is, is `--no-calibrate`
 The *hold* slider makes SpecBranch rollback-aware: where the odds that what it would draft is accepted (those of
 the tokens still pending times its own, or a fork's, as measured) fall below the hold, the draft drafts nothing,
 and the target takes that token itself, as in plain decoding. The step's caption says "the draft held back". With
-a draft that is often wrong, this is what keeps the rollback markers rare.
+a draft that is often wrong, this is what keeps the rollback markers rare. A fork's odds are counted the same way:
+wherever the target rejects the draft's token, fork or not, the engine plays the fork the draft could have made
+there and counts whether it would have rescued that position.
 
 **Which draft.** On a CPU the app drafts with the target itself, its weights read in 4 bits (the GGUF file
 they came from stores them so; docs/RESULTS.md §0f, §0h). A draft step then costs about a third of a target

@@ -202,7 +202,7 @@ async def draft_step(state: RunState, spec: Speculation, ds: DraftState, policy:
         # the largest probabilities, best first (PEARL never forks: its confidence is all it needs)
         best = raw.topk(min(policy.max_branches, raw.shape[-1])) if policy.max_branches > 1 else None
         top = best.values.tolist() if best is not None else [float(raw.max())]
-        # the fork the draft could make here: where its token is rejected, missed_rescue tells whether it would have paid
+        # the fork the draft could make here: where its token is rejected, missed_rescue plays it for the rescue table
         alts = (alternatives_share(top, len(top)), best.indices.tolist()) \
             if best is not None and policy.rescues is not None else None
         k = policy.branch_width(top, ds.fresh, ds.hrad_class, ds.linear_steps,
