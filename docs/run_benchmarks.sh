@@ -231,6 +231,17 @@ distilled_with_hold() {
       --hold $h --json docs/$name.json
 }
 
+# distilled_with_hold at hold 0.5, T=1 then T=0, seeds 0-2, into docs/PREFIX-t$t-s$s.json and their summaries
+distilled_seeds() {
+  local prefix=$1
+  for t in 1 0; do
+    for s in 0 1 2; do
+      distilled_with_hold $t $s 0.5 $prefix-t$t-s$s
+    done
+    $PY -m engine summarize docs/$prefix-t$t-s{0,1,2}.json --json docs/$prefix-t$t.json
+  done
+}
+
 # 18. SpecBranch's hold (--hold: draft nothing where the odds that it holds up fall below it; docs/RESULTS.md §0i)
 #   a. the poorly aligned regime with hold 0.5, seeds 0-2
 weak_with_hold hold-weak-foreign
@@ -268,22 +279,12 @@ done
 #   a. the poorly aligned regime, seeds 0-2 (each SpecBranch variant with its own calibration tables)
 weak_with_hold pooled-weak-foreign
 #   b. the distilled draft with the app's settings for it, T=1 then T=0, seeds 0-2
-for t in 1 0; do
-  for s in 0 1 2; do
-    distilled_with_hold $t $s 0.5 pooled-distilled-t$t-s$s
-  done
-  $PY -m engine summarize docs/pooled-distilled-t$t-s{0,1,2}.json --json docs/pooled-distilled-t$t.json
-done
+distilled_seeds pooled-distilled
 
 # 20. Every rejection teaches the rescue table (docs/RESULTS.md §0k): where the draft made no fork, the engine plays
 #     the fork it could have made (parallel.missed_rescue). §19's runs again, distilled first, then the weak regime
 #   a. the distilled draft with the app's settings for it, T=1 then T=0, seeds 0-2
-for t in 1 0; do
-  for s in 0 1 2; do
-    distilled_with_hold $t $s 0.5 missed-distilled-t$t-s$s
-  done
-  $PY -m engine summarize docs/missed-distilled-t$t-s{0,1,2}.json --json docs/missed-distilled-t$t.json
-done
+distilled_seeds missed-distilled
 #   b. the poorly aligned regime, seeds 0-2
 weak_with_hold missed-weak-foreign
 #   c. could a self-draft that skips some of the target's layers (untrained) be cheaper at a similar α? Its greedy
