@@ -231,10 +231,11 @@ distilled_with_hold() {
       --hold $h --json docs/$name.json
 }
 
-# distilled_with_hold at hold 0.5, T=1 then T=0, seeds 0-2, into docs/PREFIX-t$t-s$s.json and their summaries
+# distilled_with_hold at hold 0.5, seeds 0-2, at each of TEMPS (default: 1 then 0), into docs/PREFIX-t$t-s$s.json
+# and their summaries
 distilled_seeds() {
-  local prefix=$1
-  for t in 1 0; do
+  local prefix=$1 temps=${2:-1 0}
+  for t in $temps; do
     for s in 0 1 2; do
       distilled_with_hold $t $s 0.5 $prefix-t$t-s$s
     done
@@ -300,3 +301,5 @@ for r in 1 2; do
         --draft-stop 0.3 --head-start 0.3 --epsilon 0.5 --branches 3 --hold 0.5 --json "$OLDPWD/docs/sampler-$v-$r.json")
   done
 done
+#   e. the distilled draft at T=1 again, seeds 0-2, with the inverse-CDF sampler (at edebfc0)
+distilled_seeds sampled-distilled 1
