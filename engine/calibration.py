@@ -17,9 +17,10 @@ The same class, with RESCUE_BINS and RESCUE_PRIOR_WEIGHT, keeps the rescue table
 rejected, whether another was the target's token, by the share of the draft's remaining mass they covered. Its prior is
 pooled: a bin with few verdicts reads the rate the other bins measured (itself starting at the share), not the share
 alone, because a far-off draft's share is a guess the pair's own rescues refute at once (the weak draft: 0 rescues in
-4 judged forks a run, docs/RESULTS.md §0j), and forks are too few to fill 5 bins one by one. So every rejection of
-the draft's own token is a verdict too, fork or not (parallel.missed_rescue): greedy, whether the target's token was
-among the draft's top k, which is exactly what a fork there would have decided; sampled, one play of that fork.
+4 judged forks a run, docs/RESULTS.md §0j), and forks are too few to fill 5 bins one by one. So, where a decision
+reads the table (Policy.reads_rescues), every rejection of the draft's own token is a verdict too
+(parallel.missed_rescue): greedy, whether the target's token was among the draft's top k, which is exactly what a fork
+there would have decided; sampled, one play of that fork.
 SpecBranch's hold (parallel.Policy.held_back) reads both tables to decide whether to draft at all.
 """
 from __future__ import annotations

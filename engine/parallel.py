@@ -68,9 +68,9 @@ class Speculation:
     path_conf: list[float] = field(default_factory=list)  # the draft's untempered probability of each path token
     path_top: list[float | None] = field(default_factory=list)  # its largest untempered probability where each
     # was drafted (None: not known, for a branch that became the path)
-    path_alts: list[tuple[float, list[int]] | None] = field(default_factory=list)  # with a rescue table: the fork
-    # the draft could have made at each path token, (alternatives_share, the draft's top k), so a rejection there
-    # tells the rescue table whether a fork would have rescued it (missed_rescue; None: not known)
+    path_alts: list[tuple[float, list[int]] | None] = field(default_factory=list)  # where Policy.reads_rescues:
+    # the fork the draft could have made at each path token, (alternatives_share, the draft's top k), so a
+    # rejection there tells the rescue table whether a fork would have rescued it (missed_rescue; None: not known)
 
     def tokens(self) -> list[int]:
         extra = [] if self.fork is None else [t for c, b in zip(self.fork.candidates, self.fork.branches) for t in [c, *b]]
@@ -137,6 +137,12 @@ class Policy:
             odds *= spec.fork.odds * math.prod(self.acceptance(c) for c in first)
         return odds
 
+    @property
+    def reads_rescues(self) -> bool:
+        """Whether a decision reads the rescue table (the hold's odds, the measured-cost rule): only then is it worth
+        playing the forks the draft did not make (missed_rescue), which costs host time between the forwards."""
+        return self.rescues is not None and (self.hold > 0 or self.costs is not None)
+
     def held_back(self, odds: float) -> bool:
         """Rollback-aware drafting: below `hold` odds (path_odds times holds_up), what the draft would propose here
         would only be rolled back, so it proposes nothing and leaves the position to the target's own next token."""
@@ -184,7 +190,7 @@ class DraftState:
     held: torch.Tensor | None = None  # the draft's row q where it held back (Policy.held_back), the position after
     # rows[0]: it drafts no further until the target has produced that position's token, or a rejection drops it
     held_top: float = 0.0  # ... and its largest untempered probability there
-    held_alts: tuple[float, list[int]] | None = None  # ... and the fork it could have made there (Speculation.path_alts)
+    held_alts: tuple[float, list[int]] | None = None  # ... and the fork it could have made there (path_alts)
 
 
 async def draft_step(state: RunState, spec: Speculation, ds: DraftState, policy: Policy, events: list[Event]) -> None:
@@ -204,7 +210,7 @@ async def draft_step(state: RunState, spec: Speculation, ds: DraftState, policy:
         top = best.values.tolist() if best is not None else [float(raw.max())]
         # the fork the draft could make here: where its token is rejected, missed_rescue plays it for the rescue table
         alts = (alternatives_share(top, len(top)), best.indices.tolist()) \
-            if best is not None and policy.rescues is not None else None
+            if best is not None and policy.reads_rescues else None
         k = policy.branch_width(top, ds.fresh, ds.hrad_class, ds.linear_steps,
                                 steps_left=2 * state.cfg.gamma - len(spec.path) - 1)
         ds.fresh = False

@@ -397,6 +397,8 @@ def test_hold_weighs_the_whole_path_and_the_forks_rescues():
                      odds=0.6)
     assert abs(policy.line_odds(spec) - policy.path_odds(spec) * 0.6 * policy.acceptance(0.9)) < 1e-12
     assert not Policy(max_branches=3).held_back(0.0)  # hold 0: never
+    # the forks it did not make are played for the rescue table only where a decision reads it
+    assert policy.reads_rescues and not Policy(max_branches=3, rescues=rescues).reads_rescues
 
 
 def test_held_positions_are_left_to_the_target_and_still_measured(tiny_dirs):
