@@ -11,7 +11,7 @@ from .config import DRAFT_FORWARDS, DRAFT_MATMULS, METHODS, GenerationConfig, Sp
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="embedded", help="embedded | PATH.gguf | DIR | hub id")
     p.add_argument("--draft", default="embedded",
-                   help="embedded | embedded-weak | self | truncated:N | PATH.gguf | DIR | hub id")
+                   help="embedded | embedded-weak | self | self-skip:I,J,... | truncated:N | PATH.gguf | DIR | hub id")
     p.add_argument("--device", default=None, help="cuda, cuda:0, cpu (default: cuda when present)")
     p.add_argument("--draft-device", default=None)
     p.add_argument("--dtype", default=None, help="float32 (CPU default) | bfloat16 (CUDA default) | float16")
@@ -117,13 +117,13 @@ def build_engine(args, need_draft: bool):
     import torch
 
     from .engine import Engine
-    from .models import draft_matmul_kind, load_pair, pick_device, pick_dtype
+    from .models import draft_matmul_kind, is_self_draft, load_pair, pick_device, pick_dtype
 
     for device in (args.device, args.draft_device):  # refuse an unusable device before loading anything
         pick_device(device)
     if need_draft:  # and a draft matmul this machine cannot run
         ddev = pick_device(args.draft_device or args.device)
-        draft_matmul_kind(args.draft_matmul, ddev, pick_dtype(args.dtype, ddev), args.draft == "self")
+        draft_matmul_kind(args.draft_matmul, ddev, pick_dtype(args.dtype, ddev), is_self_draft(args.draft))
     torch.set_num_threads(max(1, args.threads))
     pair = load_pair(args.target, args.draft if need_draft else None, device=args.device,
                      draft_device=args.draft_device, dtype=args.dtype, trust_remote_code=args.trust_remote_code,
@@ -186,7 +186,7 @@ def parse_bench_methods(spec: str) -> list[tuple[str, str, str | None]]:
 def cmd_bench(args) -> None:
     from .bench import run_bench
     from .engine import Engine
-    from .models import draft_matmul_kind, load_draft, pair_of
+    from .models import draft_matmul_kind, is_self_draft, load_draft, pair_of
 
     entries = parse_bench_methods(args.methods)
     for _, method, _ in entries:
@@ -196,7 +196,7 @@ def cmd_bench(args) -> None:
     engines = {None: engine}
     t = engine.pair.target
     for draft in sorted({d for _, _, d in entries if d is not None}):  # other drafts share the loaded target
-        kind = draft_matmul_kind(args.draft_matmul, t.device, t.model.dtype, draft == "self")
+        kind = draft_matmul_kind(args.draft_matmul, t.device, t.model.dtype, is_self_draft(draft))
         model, tok, head_ids = load_draft(draft, t.model, t.tokenizer, t.device, t.model.dtype, args.trust_remote_code)
         engines[draft] = Engine(pair_of(t, draft, model, tok, head_ids, kind, args.draft_forward),
                                 threads=max(1, args.threads))

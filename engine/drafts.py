@@ -46,12 +46,31 @@ def draft_from_target(target, n_layers: int):
     return draft.eval()
 
 
-def twin_of(target):
+def twin_of(target, skip: tuple[int, ...] = ()):
     """The target's architecture over the target's own weight tensors (assigned, not copied), in modules of its
     own: a self-draft whose matmuls read those weights through another kernel (lm_head.fast_linears routes a
-    module's forward) then routes these modules, never the target's."""
-    twin = type(target)(copy.deepcopy(target.config))
-    twin.load_state_dict(target.state_dict(), assign=True)
+    module's forward) then routes these modules, never the target's. `skip`: decoder layers left out (a
+    layer-skipping self-draft, as in Draft & Verify, Zhang et al. 2023); the layers kept run in their order, with
+    the target's final norm and head."""
+    total = target.config.num_hidden_layers
+    keep = [i for i in range(total) if i not in set(skip)]
+    if any(not 0 <= i < total for i in skip) or not keep:
+        raise SpecBranchError(f"a layer-skipping self-draft leaves out layers among 0..{total - 1} and keeps one at "
+                              f"least; got {list(skip)}")
+    config = copy.deepcopy(target.config)
+    config.num_hidden_layers = len(keep)
+    if getattr(config, "layer_types", None):
+        config.layer_types = [config.layer_types[i] for i in keep]
+    twin = type(target)(config)
+    renamed = {}  # target layer keep[j] becomes the twin's layer j
+    for name, tensor in target.state_dict().items():
+        if name.startswith("model.layers."):
+            _, _, index, rest = name.split(".", 3)
+            if int(index) not in keep:
+                continue
+            name = f"model.layers.{keep.index(int(index))}.{rest}"
+        renamed[name] = tensor
+    twin.load_state_dict(renamed, assign=True)
     share_with_target(twin, target)
     return twin.to(target.device).eval()
 

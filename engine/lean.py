@@ -92,14 +92,26 @@ class KVBuffer:
         self.length = max(0, self.length + n) if n < 0 else min(self.length, n)
 
     def batch_repeat_interleave(self, k: int) -> None:
+        """Each row becomes k rows (a fork). Only the positions held are copied: past `length` a buffer is
+        written before it is read, so the new buffers start empty there."""
         for buf in (self.keys, self.values):
             for i, t in enumerate(buf):
-                buf[i] = t.repeat_interleave(k, dim=0)
+                new = t.new_empty(t.shape[0] * k, *t.shape[1:])
+                new.view(t.shape[0], k, *t.shape[1:])[:, :, :, : self.length] = t[:, None, :, : self.length]
+                buf[i] = new
 
     def batch_select_indices(self, idx: torch.Tensor) -> None:
+        """Keep these rows, in this order. One row (a fork resolved) is a view of it: nothing is copied."""
+        rows = idx.tolist()
         for buf in (self.keys, self.values):
             for i, t in enumerate(buf):
-                buf[i] = t[idx.to(t.device)].contiguous()
+                if len(rows) == 1:
+                    row = rows[0] % t.shape[0]
+                    buf[i] = t[row: row + 1]
+                else:
+                    new = t.new_empty(len(rows), *t.shape[1:])
+                    new[:, :, : self.length] = t[idx.to(t.device), :, : self.length]
+                    buf[i] = new
 
 
 class LeanLlama(torch.nn.Module):

@@ -7,6 +7,8 @@ A model spec is one of:
   embedded-head       the shipped feature-conditioned draft head (EAGLE-style, engine/head.py)
   self                (draft only) the target itself; with --draft-matmul bfloat16 or int4, the target's own
                       weights read through that kernel (a quantized self-draft)
+  self-skip:I,J,...   (draft only) the target without decoder layers I, J, ... (a layer-skipping self-draft), in
+                      4 bits where `self` would be
   truncated:N         (draft only) the target's first N layers + its final norm and head (layer skip)
   PATH.gguf           a GGUF file
   DIR                 a local transformers directory
@@ -288,6 +290,8 @@ def check_tokenizers(target_tok, draft_tok, target_name: str, draft_name: str) -
 def load_draft(spec: str, target_model, target_tok, device, dtype, trust_remote_code: bool):
     if spec == "self":
         return target_model, target_tok, None
+    if spec.startswith(SKIP_PREFIX):
+        return twin_of(target_model, skipped_layers(spec, target_model.config.num_hidden_layers)), target_tok, None
     if spec.startswith("truncated:"):
         try:
             n = int(spec.split(":", 1)[1])
@@ -308,6 +312,25 @@ def load_draft(spec: str, target_model, target_tok, device, dtype, trust_remote_
     return (*load_model(spec, device, dtype, trust_remote_code), None)
 
 
+SKIP_PREFIX = "self-skip:"
+
+
+def skipped_layers(spec: str, total: int) -> tuple[int, ...]:
+    """The layers a `self-skip:I,J,...` spec leaves out, checked against the target's depth."""
+    try:
+        skip = tuple(sorted({int(part) for part in spec[len(SKIP_PREFIX):].split(",") if part.strip()}))
+    except ValueError:
+        raise SpecBranchError(f"{SKIP_PREFIX}I,J,... needs layer indices, got {spec!r}") from None
+    if not skip or skip[0] < 0 or skip[-1] >= total or len(skip) >= total:
+        raise SpecBranchError(f"{spec!r}: name 1 to {total - 1} of the target's layers 0..{total - 1} to leave out")
+    return skip
+
+
+def is_self_draft(spec: str | None) -> bool:
+    """A draft that reads the target's own weights (`self`, `self-skip:...`): auto reads them in 4 bits."""
+    return spec == "self" or (spec or "").startswith(SKIP_PREFIX)
+
+
 def load_pair(target: str = "embedded", draft: str | None = "embedded", device: str | None = None,
               draft_device: str | None = None, dtype: str | None = None, trust_remote_code: bool = False,
               draft_matmul: str = "auto", draft_forward: str = "lean") -> ModelPair:
@@ -322,7 +345,7 @@ def load_pair(target: str = "embedded", draft: str | None = "embedded", device: 
     check_tokenizers(target_tok, draft_tok, target, draft)
     if isinstance(draft_model, FeatureHead) and ddev != dev:
         raise SpecBranchError("a draft head reads the target's features: it must sit on the target's device")
-    kind = draft_matmul_kind(draft_matmul, ddev, pick_dtype(dtype, ddev), draft == "self")
+    kind = draft_matmul_kind(draft_matmul, ddev, pick_dtype(dtype, ddev), is_self_draft(draft))
     return pair_of(LM(target, target_model, target_tok, target_vocab), draft, draft_model, draft_tok, head_ids, kind,
                    draft_forward)
 

@@ -51,6 +51,18 @@ def test_lean_decoder_equals_transformers_through_steps_rollback_and_forks():
     seq = torch.cat([ids[:, :31], nxt[1:2], ids[:, 31:34]], 1)
     torch.testing.assert_close(lean(ids[:, 31:34], cache), reference(model, seq)[:, -3:], rtol=1e-5, atol=1e-5)
     assert cache.rows == 1 and cache.get_seq_length() == 35
+    # fork again from that one-row view, keep two rows in swapped order, then the last one: only the positions
+    # held are copied (the buffers past them start empty), and it must not show
+    cache.batch_repeat_interleave(2)
+    lean(torch.tensor([[8], [9]]), cache)
+    cache.batch_select_indices(torch.tensor([1, 0]))
+    seqs = [torch.cat([seq, torch.tensor([[t]]), ids[:, 34:40]], 1) for t in (9, 8)]
+    got = lean(ids[:, 34:40].repeat(2, 1), cache)  # 36 -> 42 positions: past the 32 held when it forked
+    for row, s in enumerate(seqs):
+        torch.testing.assert_close(got[row], reference(model, s)[0, -6:], rtol=1e-5, atol=1e-5)
+    cache.batch_select_indices(torch.tensor([-1]))
+    torch.testing.assert_close(lean(ids[:, 2:3], cache)[0, -1],
+                               reference(model, torch.cat([seqs[1], ids[:, 2:3]], 1))[0, -1], rtol=1e-5, atol=1e-5)
     cache.crop(10)  # a non-negative crop keeps the first n, as transformers' caches do
     assert cache.get_seq_length() == 10
     with pytest.raises(ValueError, match="holds 1 rows, fed 2"):

@@ -16,6 +16,7 @@ from engine.lm_head import (INT4_GROUP, LAYER_MAX_ROWS, PACK_ROWS, SHORTLIST, Bf
                             ShortlistHead, bf16_supported, fast_linears, int4_fits, int4_supported, packed_matmul,
                             packed_weight)
 from engine.models import draft_matmul_kind, load_pair
+from transformers import LlamaForCausalLM
 
 
 def test_every_row_count_gives_the_linear_product():
@@ -222,3 +223,39 @@ def test_low_precision_draft_leaves_the_target_exact(tiny_dirs, matmul, layer, h
         assert ({p.data_ptr() for p in pair.draft.model.parameters()}
                 == {p.data_ptr() for p in pair.target.model.parameters()})
     assert_speculation_equals_ar(pair)
+
+
+@pytest.mark.parametrize("forward", ["lean", "transformers"])
+def test_layer_skipping_self_draft_is_the_target_without_those_layers(tmp_path, forward):
+    """`self-skip:1,2`: a twin over the target's own tensors (no copy) that runs its layers 0 and 3 only, with its
+    final norm and head; its logits are those of the target with the two layers deleted, and greedy output stays
+    the target's. auto reads its weights as it would `self`'s."""
+    from tests.conftest import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "four", seed=4, layers=4)
+    pair = load_pair(str(path), "self-skip:2,1", device="cpu", draft_matmul="float32", draft_forward=forward)
+    target, draft = pair.target.model, pair.draft.model
+    assert draft.config.num_hidden_layers == 2 and pair.draft.lean == (forward == "lean")
+    for mine, theirs in zip(draft.model.layers, [target.model.layers[0], target.model.layers[3]]):
+        assert mine.self_attn.q_proj.weight.data_ptr() == theirs.self_attn.q_proj.weight.data_ptr()
+    reference = LlamaForCausalLM.from_pretrained(path).eval()
+    reference.model.layers = torch.nn.ModuleList([reference.model.layers[0], reference.model.layers[3]])
+    ids = torch.tensor([[2, 3, 4, 5, 6, 7]])
+    with torch.inference_mode():
+        want = reference(input_ids=ids, use_cache=False).logits[0]
+    got = pair.draft.forward(ids, pair.draft.new_cache())[0]
+    torch.testing.assert_close(got, want[:, : got.shape[-1]], rtol=1e-5, atol=1e-5)
+    assert_speculation_equals_ar(pair)
+    assert draft_matmul_kind("auto", torch.device("cpu"), torch.float32, self_draft=True) == \
+        load_pair(str(path), "self-skip:1", device="cpu").draft.matmul
+
+
+@pytest.mark.parametrize("spec, why", [("self-skip:", "name 1 to 3"), ("self-skip:a", "needs layer indices"),
+                                       ("self-skip:4", "name 1 to 3"), ("self-skip:0,1,2,3", "name 1 to 3"),
+                                       ("self-skip:-1", "name 1 to 3")])
+def test_layer_skipping_self_draft_refuses_layers_the_target_has_not(tmp_path, spec, why):
+    from tests.conftest import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "four", seed=4, layers=4)
+    with pytest.raises(SpecBranchError, match=why):
+        load_pair(str(path), spec, device="cpu")
