@@ -231,6 +231,15 @@ distilled_with_hold() {
       --hold $h --json docs/$name.json
 }
 
+# the same settings with the layer-skipping self-draft self-skip:SKIP (the target without those layers, read in 4
+# bits), at temperature T, seed S and hold H, into docs/NAME.json
+skip_with_hold() {
+  local skip=$1 t=$2 s=$3 h=$4 name=$5
+  $PY -m engine bench --methods ar,pearl,specbranch --draft self-skip:$skip --dataset all --limit 2 \
+      --max-new-tokens 64 --temperature $t --seed $s --gamma 3 --draft-stop 0.3 --head-start 0.3 --epsilon 0.5 \
+      --branches 3 --hold $h --json docs/$name.json
+}
+
 # distilled_with_hold at hold 0.5, seeds 0-2, at each of TEMPS (default: 1 then 0), into docs/PREFIX-t$t-s$s.json
 # and their summaries
 distilled_seeds() {
@@ -303,3 +312,25 @@ for r in 1 2; do
 done
 #   e. the distilled draft at T=1 again, seeds 0-2, with the inverse-CDF sampler (at edebfc0)
 distilled_seeds sampled-distilled 1
+
+# 21. The regime the paper's branches are for: a draft right ~70-80 % of the time whose runners-up often hold the
+#     target's token (docs/RESULTS.md §0l). The layer-skipping self-draft, without the 4 layers (3, 4, 5, 25) or the
+#     2 (4, 5) whose loss §20c measured cheapest on the tuning prompts
+#   a. exploratory, on the tuning prompts: the distilled draft's settings, hold 0.5 and 0 (one run each; the JSON
+#      is not committed)
+for cfg in "3,4,5,25 0.5" "3,4,5,25 0" "4,5 0.5"; do
+  set -- $cfg
+  $PY -m engine bench --methods ar,pearl,specbranch --draft self-skip:$1 --dataset data/tuning_prompts.jsonl \
+      --max-new-tokens 64 --temperature 0 --gamma 3 --draft-stop 0.3 --head-start 0.3 --epsilon 0.5 --hold $2
+done
+#   b. the benchmark split, seeds 0-2, hold 0.5: both drafts at T=0, then the 2-layer one at T=1
+for skip in 3,4,5,25 4,5; do
+  for s in 0 1 2; do
+    skip_with_hold $skip 0 $s 0.5 skip${skip//,/-}-t0-s$s
+  done
+  $PY -m engine summarize docs/skip${skip//,/-}-t0-s{0,1,2}.json --json docs/skip${skip//,/-}-t0.json
+done
+for s in 0 1 2; do
+  skip_with_hold 4,5 1 $s 0.5 skip4-5-t1-s$s
+done
+$PY -m engine summarize docs/skip4-5-t1-s{0,1,2}.json --json docs/skip4-5-t1.json
