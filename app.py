@@ -17,13 +17,13 @@ def main() -> None:
     parser.add_argument("--draft", default=os.environ.get("SPECBRANCH_DRAFT"),
                         help="a draft spec (python -m engine --help); default: self, the target read in 4 bits, on "
                              "a CPU (engine.models.default_draft), else embedded. For more rejections and branches "
-                             "to watch: embedded or embedded-weak")
+                             "to watch: embedded or embedded-weak; for forks that rescue: self-skip:3,4,5,25")
     parser.add_argument("--device", default=os.environ.get("SPECBRANCH_DEVICE"))
     parser.add_argument("--draft-matmul", default=os.environ.get("SPECBRANCH_DRAFT_MATMUL", "auto"),
                         choices=DRAFT_MATMULS,
                         help="how the draft's matmuls read its weights: bfloat16, int4 or float32 (auto: int4 for "
-                             "--draft self on a CPU, bfloat16 for other drafts where the CPU runs it natively); "
-                             "output stays exact")
+                             "--draft self or self-skip:... on a CPU, bfloat16 for other drafts where the CPU runs it "
+                             "natively); output stays exact")
     parser.add_argument("--draft-forward", default=os.environ.get("SPECBRANCH_DRAFT_FORWARD", "lean"),
                         choices=DRAFT_FORWARDS,
                         help="lean: a Llama draft on the CPU runs engine/lean.py (fused matmuls, a KV cache that "
