@@ -51,12 +51,8 @@ def twin_of(target, skip: tuple[int, ...] = ()):
     own: a self-draft whose matmuls read those weights through another kernel (lm_head.fast_linears routes a
     module's forward) then routes these modules, never the target's. `skip`: decoder layers left out (a
     layer-skipping self-draft, as in Draft & Verify, Zhang et al. 2023); the layers kept run in their order, with
-    the target's final norm and head."""
-    total = target.config.num_hidden_layers
-    keep = [i for i in range(total) if i not in set(skip)]
-    if any(not 0 <= i < total for i in skip) or not keep:
-        raise SpecBranchError(f"a layer-skipping self-draft leaves out layers among 0..{total - 1} and keeps one at "
-                              f"least; got {list(skip)}")
+    the target's final norm and head (models.skipped_layers checks a spec's indices)."""
+    keep = [i for i in range(target.config.num_hidden_layers) if i not in set(skip)]
     config = copy.deepcopy(target.config)
     config.num_hidden_layers = len(keep)
     if getattr(config, "layer_types", None):

@@ -227,7 +227,7 @@ def test_low_precision_draft_leaves_the_target_exact(tiny_dirs, matmul, layer, h
 
 @pytest.mark.parametrize("forward", ["lean", "transformers"])
 def test_layer_skipping_self_draft_is_the_target_without_those_layers(tmp_path, forward):
-    """`self-skip:1,2`: a twin over the target's own tensors (no copy) that runs its layers 0 and 3 only, with its
+    """`self-skip:2,1` (any order): a twin over the target's own tensors (no copy) that runs its layers 0 and 3 only, with its
     final norm and head; its logits are those of the target with the two layers deleted, and greedy output stays
     the target's. auto reads its weights as it would `self`'s."""
     from tests.conftest import make_tiny_model
