@@ -8,6 +8,10 @@ import threading
 from app.ui import build_app, css_paths, defaults_for
 from engine.config import DRAFT_FORWARDS, DRAFT_MATMULS
 
+# the drafts a visitor may pick on the embedded target (the app's own comes first): the fast one, the one whose forks
+# rescue, and those that are wrong often enough to show rejections (docs/RESULTS.md §0h, §0l, §0e, §0i)
+EMBEDDED_CHOICES = ("self", "self-skip:3,4,5,25", "embedded", "embedded-weak", "embedded-head")
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="SpecBranch Studio")
@@ -37,17 +41,27 @@ def main() -> None:
         args.draft = default_draft(args.device)
 
     lock, loaded = threading.Lock(), {}
+    drafts = [args.draft, *(d for d in EMBEDDED_CHOICES if d != args.draft)] if args.target == "embedded" \
+        else [args.draft]
 
-    def get_engine():
+    def get_engine(draft=None):
+        """The engine for a draft spec (None: the app's own). The target is loaded once; each draft on first use,
+        paired with it. The queue runs one generation at a time, so the engines never share the target at once."""
+        draft = draft or args.draft
         with lock:
-            if "engine" not in loaded:
+            engines = loaded.setdefault("engines", {})
+            if draft not in engines:
                 from engine.engine import Engine
-                from engine.models import load_pair
+                from engine.models import load_pair, with_draft
 
-                loaded["engine"] = Engine(load_pair(args.target, args.draft, device=args.device,
-                                                    draft_matmul=args.draft_matmul,
-                                                    draft_forward=args.draft_forward))
-            return loaded["engine"]
+                if engines:
+                    pair = with_draft(next(iter(engines.values())).pair.target, draft,
+                                      draft_matmul=args.draft_matmul, draft_forward=args.draft_forward)
+                else:
+                    pair = load_pair(args.target, draft, device=args.device, draft_matmul=args.draft_matmul,
+                                     draft_forward=args.draft_forward)
+                engines[draft] = Engine(pair)
+            return engines[draft]
 
     def get_store():
         """(Store, "") or (None, why not): a broken store never stops the app from generating."""
@@ -68,8 +82,8 @@ def main() -> None:
 
     get_store()
     demo = build_app(get_engine, get_store, defaults_for(args.draft),
-                     about=f"target {args.target} · draft {args.draft} · draft matmul {args.draft_matmul} · "
-                           f"draft forward {args.draft_forward}")
+                     about=f"target {args.target} · draft matmul {args.draft_matmul} · "
+                           f"draft forward {args.draft_forward}", drafts=drafts)
     demo.queue(default_concurrency_limit=1).launch(server_name=args.host, server_port=args.port,
                                                    css_paths=css_paths())
 

@@ -64,11 +64,12 @@ there and counts whether it would have rescued that position.
 **Which draft.** On a CPU the app drafts with the target itself, its weights read in 4 bits (the GGUF file
 they came from stores them so; docs/RESULTS.md §0f, §0h). A draft step then costs about a third of a target
 step, and the draft agrees with the target on over 99 % of tokens, so speculation pays, but there is little to
-reject, roll back or branch. To watch those, start the app with `--draft embedded` (a distilled 6-layer draft,
-right about half the time) or `--draft embedded-weak`. To watch forks rescue, `--draft self-skip:3,4,5,25` (the
+reject, roll back or branch. To watch those, pick another draft in the Draft menu: `embedded` (a distilled
+6-layer draft, right about half the time) or `embedded-weak`. To watch forks rescue, `self-skip:3,4,5,25` (the
 target without 4 of its 30 layers, right about 70 % of the time): where it is unsure, its runners-up often hold
 the target's token, about a quarter of its forks rescue, and it still runs a little faster than plain decoding
-(docs/RESULTS.md §0l).
+(docs/RESULTS.md §0l). A draft loads on first use (seconds), and picking one sets the sliders to the settings the
+bench chose for its kind.
 
 **The charts.** *Branch tree*: one step, left to right: the committed prefix, the drafted path, the fork
 with its k candidates and each branch. Green accepted, purple rescued, red rejected, orange the target's
@@ -99,6 +100,19 @@ HRAD_LABEL = ("H-RAD (classifier places branch points). Off by default: on held-
 def defaults_for(draft: str | None) -> dict:
     """The sliders' starting values for the draft spec the app serves."""
     return SELF_DEFAULTS if draft == "self" else DEFAULTS
+
+
+SLIDER_KEYS = ("gamma", "epsilon", "draft_stop", "feed_stop", "head_start", "hold", "hrad")
+
+
+def slider_defaults(draft: str | None) -> list:
+    """The settings sliders (SLIDER_KEYS, in order) set to a newly picked draft's defaults."""
+    return [gr.update(value=defaults_for(draft)[key]) for key in SLIDER_KEYS]
+
+
+DRAFT_LABEL = ("Draft (loaded on first use; picking one sets the sliders to the settings the bench chose for it): "
+               "self, the target read in 4 bits, is right 99 % of the time; self-skip:3,4,5,25 about 70 %, where forks "
+               "rescue; embedded about 45 %; embedded-weak about 10 %")
 
 
 def examples() -> list[list]:
@@ -173,13 +187,21 @@ def no_store(reason: str):
     return lambda: (None, reason)
 
 
-def build_app(get_engine, get_store=None, defaults: dict | None = None, about: str = "") -> gr.Blocks:
-    """get_engine() returns the loaded Engine (loaded once, lazily); get_store() returns
-    (sessions.Store | None, reason) for recording and replay (None: nothing is recorded); defaults: the sliders'
-    starting values (defaults_for the draft the app serves; DEFAULTS if not given); about: a line under the title
-    (the pair the app serves), shown as text."""
+def build_app(get_engine, get_store=None, defaults: dict | None = None, about: str = "",
+              drafts: list[str] | None = None) -> gr.Blocks:
+    """get_engine(draft) returns the loaded Engine for a draft spec, one of `drafts` (None: the app's own), each
+    loaded once, lazily; get_store() returns (sessions.Store | None, reason) for recording and replay (None: nothing
+    is recorded); defaults: the sliders' starting values (defaults_for the draft the app serves; DEFAULTS if not
+    given); about: a line under the title (the pair the app serves), shown as text; drafts: the draft specs a
+    visitor may pick, the app's own first (None: no choice). A pick outside them is refused: a spec can name a path
+    or a hub id, so a visitor never types one."""
     get_store = get_store or no_store("recording is off")
     defaults = {**DEFAULTS, **(defaults or {})}
+
+    def engine_for(draft):
+        if drafts and draft not in drafts:
+            raise SpecBranchError(f"unknown draft {str(draft)!r}; choose one of {', '.join(drafts)}")
+        return get_engine(draft if drafts else None)
 
     def start_recording(owner, prompt, engine, cfg):
         """(recorder or None, message). Never raises: a broken store only means 'not recording'."""
@@ -203,7 +225,7 @@ def build_app(get_engine, get_store=None, defaults: dict | None = None, about: s
 
     def generate(prompt, history, method, max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, feed_stop,
                  head_start, hold, hrad, seed, chat,
-                 browser_id=None, show_rollbacks=False, request: gr.Request = None):
+                 browser_id=None, show_rollbacks=False, draft=None, request: gr.Request = None):
         history = list(history or [])
         events: list[Event] = []
         try:
@@ -211,7 +233,7 @@ def build_app(get_engine, get_store=None, defaults: dict | None = None, about: s
                               head_start, hold, hrad, seed)
             if not prompt or not prompt.strip():
                 raise SpecBranchError("the prompt is empty")
-            engine = get_engine()
+            engine = engine_for(draft)
             turns = [{"role": m["role"], "content": message_text(m)} for m in history if message_text(m)]
             ids = engine.encode(prompt, bool(chat), history=turns)
             engine.check_prompt(ids)
@@ -269,7 +291,7 @@ def build_app(get_engine, get_store=None, defaults: dict | None = None, about: s
 
     def compare(prompt, methods, max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, feed_stop,
                 head_start, hold, hrad, seed, chat,
-                browser_id=None, request: gr.Request = None):
+                browser_id=None, draft=None, request: gr.Request = None):
         """Run each chosen method once, one after another (clean timings); the race then replays them."""
         try:
             if not methods or len(methods) < 2:
@@ -279,7 +301,7 @@ def build_app(get_engine, get_store=None, defaults: dict | None = None, about: s
                 raise SpecBranchError("the prompt is empty")
             cfgs = [make_config(m, max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, feed_stop,
                                 head_start, hold, hrad, seed) for m in methods]
-            engine = get_engine()
+            engine = engine_for(draft)
             ids = engine.encode(prompt, bool(chat))
             engine.check_prompt(ids)
         except SpecBranchError as exc:
@@ -314,6 +336,10 @@ def build_app(get_engine, get_store=None, defaults: dict | None = None, about: s
                     "came from, every forward pass is on the timeline.")
         if about:
             gr.HTML(f'<div class="about">{html.escape(about)}</div>')
+        if drafts:
+            draft = gr.Dropdown(drafts, value=drafts[0], label=DRAFT_LABEL, elem_id="draft")
+        else:
+            draft = gr.State(None)
         events_state = gr.State([])
         browser = browser_id_state()
         with gr.Tab("Live"):
@@ -394,14 +420,16 @@ def build_app(get_engine, get_store=None, defaults: dict | None = None, about: s
         views = [tokens, metrics, notices, glance, tree, timeline, nav.strip, acceptance, cumulative]
         outputs = [chatbot, *views, nav.slider, nav.notice, events_state]
         demo.load(browser_identity, browser, browser, api_visibility="private")
-        run_event = send.click(generate, [prompt, chatbot, method, *controls, browser, show_rollbacks], outputs,
-                               concurrency_limit=1, concurrency_id="engine")
-        submit_event = prompt.submit(generate, [prompt, chatbot, method, *controls, browser, show_rollbacks], outputs,
-                                     concurrency_limit=1, concurrency_id="engine")
+        live = [prompt, chatbot, method, *controls, browser, show_rollbacks, draft]
+        run_event = send.click(generate, live, outputs, concurrency_limit=1, concurrency_id="engine")
+        submit_event = prompt.submit(generate, live, outputs, concurrency_limit=1, concurrency_id="engine")
         stop.click(None, cancels=[run_event, submit_event])
         wire_navigator(nav, show_step, [events_state], [nav.slider, nav.notice, tree, timeline, nav.strip])
         show_rollbacks.change(rerender_tokens, [show_rollbacks, events_state], tokens)
-        c_run.click(compare, [c_prompt, c_methods, *controls, browser], [c_notice, c_race, c_table, c_runs],
+        if drafts:  # a draft brings the settings the bench chose for its kind
+            draft.change(slider_defaults, draft, [gamma, epsilon, draft_stop, feed_stop, head_start, hold, hrad],
+                         api_visibility="private")
+        c_run.click(compare, [c_prompt, c_methods, *controls, browser, draft], [c_notice, c_race, c_table, c_runs],
                     concurrency_limit=1, concurrency_id="engine").then(race, [c_runs], [c_race, c_table, c_timeline])
     return demo
 

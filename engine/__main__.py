@@ -186,7 +186,7 @@ def parse_bench_methods(spec: str) -> list[tuple[str, str, str | None]]:
 def cmd_bench(args) -> None:
     from .bench import run_bench
     from .engine import Engine
-    from .models import draft_matmul_kind, is_self_draft, load_draft, pair_of
+    from .models import with_draft
 
     entries = parse_bench_methods(args.methods)
     for _, method, _ in entries:
@@ -196,9 +196,8 @@ def cmd_bench(args) -> None:
     engines = {None: engine}
     t = engine.pair.target
     for draft in sorted({d for _, _, d in entries if d is not None}):  # other drafts share the loaded target
-        kind = draft_matmul_kind(args.draft_matmul, t.device, t.model.dtype, is_self_draft(draft))
-        model, tok, head_ids = load_draft(draft, t.model, t.tokenizer, t.device, t.model.dtype, args.trust_remote_code)
-        engines[draft] = Engine(pair_of(t, draft, model, tok, head_ids, kind, args.draft_forward),
+        engines[draft] = Engine(with_draft(t, draft, trust_remote_code=args.trust_remote_code,
+                                           draft_matmul=args.draft_matmul, draft_forward=args.draft_forward),
                                 threads=max(1, args.threads))
     run_bench([(label, engines[d], m) for label, m, d in entries], args, SessionLog(args, engine))
 

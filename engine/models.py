@@ -341,13 +341,25 @@ def load_pair(target: str = "embedded", draft: str | None = "embedded", device: 
     if draft is None:
         return ModelPair(LM(target, target_model, target_tok, target_vocab), None)
     ddev = pick_device(draft_device) if draft_device else dev
-    draft_model, draft_tok, head_ids = load_draft(draft, target_model, target_tok, ddev, pick_dtype(dtype, ddev), trust_remote_code)
-    check_tokenizers(target_tok, draft_tok, target, draft)
-    if isinstance(draft_model, FeatureHead) and ddev != dev:
+    return with_draft(LM(target, target_model, target_tok, target_vocab), draft, ddev, pick_dtype(dtype, ddev),
+                      trust_remote_code, draft_matmul, draft_forward, same_device=ddev == dev)
+
+
+def with_draft(target: "LM", draft: str, device: torch.device | None = None, dtype: torch.dtype | None = None,
+               trust_remote_code: bool = False, draft_matmul: str = "auto", draft_forward: str = "lean",
+               same_device: bool = True) -> ModelPair:
+    """An already-loaded target paired with the draft `draft` (a spec, loaded here, on `device` in `dtype`: the
+    target's unless given): the second half of load_pair, and how the bench and the app put several drafts on one
+    loaded target. same_device: whether the draft sits where the target does (a draft head must)."""
+    device = device if device is not None else target.device
+    dtype = dtype if dtype is not None else next(target.model.parameters()).dtype
+    draft_model, draft_tok, head_ids = load_draft(draft, target.model, target.tokenizer, device, dtype,
+                                                  trust_remote_code)
+    check_tokenizers(target.tokenizer, draft_tok, target.name, draft)
+    if isinstance(draft_model, FeatureHead) and not same_device:
         raise SpecBranchError("a draft head reads the target's features: it must sit on the target's device")
-    kind = draft_matmul_kind(draft_matmul, ddev, pick_dtype(dtype, ddev), is_self_draft(draft))
-    return pair_of(LM(target, target_model, target_tok, target_vocab), draft, draft_model, draft_tok, head_ids, kind,
-                   draft_forward)
+    kind = draft_matmul_kind(draft_matmul, device, dtype, is_self_draft(draft))
+    return pair_of(target, draft, draft_model, draft_tok, head_ids, kind, draft_forward)
 
 
 def lean_draft(draft_model, target_model, forward: str) -> bool:
@@ -375,6 +387,7 @@ def pair_of(target: LM, draft_name: str, draft_model, draft_tok, head_ids, matmu
     if draft_model is target.model and matmul != "float32":  # route a twin's modules, never the target's
         draft_model = twin_of(target.model)
     common = min(target.vocab_size, draft_model.get_output_embeddings().weight.shape[0])  # e.g. Qwen2.5 padding rows
-    target = LM(target.name, target.model, target.tokenizer, common)
+    if common != target.vocab_size:  # else the target's LM serves as it is (its head's copies are not made again)
+        target = LM(target.name, target.model, target.tokenizer, common)
     lean = lean_draft(draft_model, target.model, forward)
     return ModelPair(target, LM(draft_name, draft_model, draft_tok, common, head_ids, matmul, lean))

@@ -18,11 +18,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_app(engine, store, **launch):
-    """The app on `engine` recording to `store`, launched on a free local port: (demo, url)."""
+def serve_app(engine, store, drafts: list[str] | None = None, **launch):
+    """The app on `engine` (an Engine, or with `drafts` to pick from, a function from a draft spec to its Engine)
+    recording to `store`, launched on a free local port: (demo, url)."""
     from app.ui import build_app
 
-    demo = build_app(lambda: engine, lambda: (store, ""))
+    demo = build_app(engine if drafts else lambda draft=None: engine, lambda: (store, ""), drafts=drafts)
     port = free_port()
     demo.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, **launch)
     return demo, f"http://127.0.0.1:{port}/"
@@ -108,8 +109,6 @@ def engine_with_draft(target_pair, draft_spec: str, matmul: str = "float32"):
     """An Engine on the already-loaded embedded target with another draft (no reload of the target); matmul: how
     the draft's matmuls read its weights (models.draft_matmul_kind)."""
     from engine.engine import Engine
-    from engine.models import load_draft, pair_of
+    from engine.models import with_draft
 
-    t = target_pair.target
-    model, tok, head_ids = load_draft(draft_spec, t.model, t.tokenizer, t.device, t.model.dtype, False)
-    return Engine(pair_of(t, draft_spec, model, tok, head_ids, matmul))
+    return Engine(with_draft(target_pair.target, draft_spec, draft_matmul=matmul))

@@ -231,7 +231,7 @@ def test_app_defaults_follow_the_draft_and_the_pair_line_is_text(tiny_engine):
     assert defaults_for("self") is SELF_DEFAULTS and defaults_for("embedded") is DEFAULTS
     assert default_draft("cpu") == ("self" if int4_supported() else "embedded")
     for defaults in (SELF_DEFAULTS, DEFAULTS):
-        demo = build_app(lambda: tiny_engine, defaults=defaults, about="target <b>x</b> · draft self")
+        demo = build_app(lambda draft=None: tiny_engine, defaults=defaults, about="target <b>x</b> · draft self")
         props = [c["props"] for c in demo.config["components"]]
         value = lambda label: next(p["value"] for p in props if str(p.get("label", "")).startswith(label))
         assert value("γ:") == defaults["gamma"] and value("ε:") == defaults["epsilon"]
@@ -239,3 +239,44 @@ def test_app_defaults_follow_the_draft_and_the_pair_line_is_text(tiny_engine):
         assert value("Hold") == defaults["hold"]
         about = [p["value"] for p in props if 'class="about"' in str(p.get("value", ""))]
         assert about == ['<div class="about">target &lt;b&gt;x&lt;/b&gt; · draft self</div>']
+
+
+def test_a_visitor_picks_a_draft_from_the_offered_ones_only(tiny_engine, app_store):
+    """With drafts to pick from, a run goes to the engine of the draft picked (each loaded on first use, here two
+    tiny engines on one target); a draft outside the list never reaches the engine loader (a spec can name a path);
+    picking a draft sets the sliders to its kind's defaults."""
+    from gradio_client import Client
+
+    from app.ui import SELF_DEFAULTS, SLIDER_KEYS, slider_defaults
+    from engine.config import GenerationConfig
+    from engine.engine import Engine
+    from engine.models import with_draft
+
+    own = Engine(with_draft(tiny_engine.pair.target, "self", draft_matmul="float32"))
+    engines, asked = {"tiny-draft": tiny_engine, "self": own}, []
+
+    def get_engine(draft):
+        asked.append(draft)
+        return engines[draft]
+
+    demo, url = serve_app(get_engine, app_store, drafts=list(engines))
+    try:
+        client = Client(url, verbose=False)
+        a = {**ARGS, "method": "sd"}
+        job = client.submit("a b c", [], "sd", *controls(a), draft="self", api_name="/generate")
+        history = list(job) and job.outputs()[-1][0]
+        want = own.run(own.encode("a b c", False), GenerationConfig(method="sd", max_new_tokens=24, gamma=3))
+        assert asked == ["self"] and content(history[-1]) == want.text
+        assert own.pair.draft.model is tiny_engine.pair.target.model  # the target's own weights, loaded once
+        job = client.submit("a b c", [], "sd", *controls(a), draft="/etc/passwd", api_name="/generate")
+        with pytest.raises(Exception, match="not in the list of choices"):  # gradio checks the dropdown first
+            job.result()
+        # and the handler itself, called past gradio's check, refuses it with a notice
+        generate = next(f.fn for f in demo.fns.values() if f.name == "generate")
+        *_, last = generate("a b c", [], "sd", *controls(a), draft="/etc/passwd")
+        assert "unknown draft" in last[3] and "choose one of tiny-draft, self" in last[3]
+        assert asked == ["self"]
+        assert [u["value"] for u in slider_defaults("self")] == [SELF_DEFAULTS[k] for k in SLIDER_KEYS]
+    finally:
+        demo.close()
+        own.close()
