@@ -8,9 +8,15 @@ import threading
 from app.ui import build_app, css_paths, defaults_for
 from engine.config import DRAFT_FORWARDS, DRAFT_MATMULS
 
-# the drafts a visitor may pick on the embedded target (the app's own comes first): the fast one, the one whose forks
-# rescue, and those that are wrong often enough to show rejections (docs/RESULTS.md §0h, §0l, §0e, §0i)
-EMBEDDED_CHOICES = ("self", "self-skip:3,4,5,25", "embedded", "embedded-weak", "embedded-head")
+# the drafts a visitor may pick on the embedded target (the app's own comes first), as the menu names them: the fast
+# one, the one whose forks rescue, and those wrong often enough to show rejections (docs/RESULTS.md §0h, §0l, §0e, §1)
+EMBEDDED_CHOICES = {
+    "self": "self: the target itself (in 4 bits on a CPU), right 99 % of the time, the fastest",
+    "self-skip:3,4,5,25": "self-skip:3,4,5,25: the target without 4 of its layers, right about 70 %; forks rescue",
+    "embedded": "embedded: a distilled 6-layer draft, right about 45 %",
+    "embedded-weak": "embedded-weak: a deliberately weak draft, right about 10 %",
+    "embedded-head": "embedded-head: a feature-conditioned head (EAGLE-style), right about 33 %",
+}
 
 
 def main() -> None:
@@ -41,8 +47,9 @@ def main() -> None:
         args.draft = default_draft(args.device)
 
     lock, loaded = threading.Lock(), {}
-    drafts = [args.draft, *(d for d in EMBEDDED_CHOICES if d != args.draft)] if args.target == "embedded" \
+    specs = [args.draft, *(d for d in EMBEDDED_CHOICES if d != args.draft)] if args.target == "embedded" \
         else [args.draft]
+    drafts = [(EMBEDDED_CHOICES.get(spec, spec), spec) for spec in specs]
 
     def get_engine(draft=None):
         """The engine for a draft spec (None: the app's own). The target is loaded once; each draft on first use,

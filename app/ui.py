@@ -110,9 +110,7 @@ def slider_defaults(draft: str | None) -> list:
     return [gr.update(value=defaults_for(draft)[key]) for key in SLIDER_KEYS]
 
 
-DRAFT_LABEL = ("Draft (loaded on first use; picking one sets the sliders to the settings the bench chose for it): "
-               "self, the target read in 4 bits, is right 99 % of the time; self-skip:3,4,5,25 about 70 %, where forks "
-               "rescue; embedded about 45 %; embedded-weak about 10 %")
+DRAFT_LABEL = "Draft (loaded on first use; picking one sets the sliders to the settings the bench chose for its kind)"
 
 
 def examples() -> list[list]:
@@ -188,19 +186,21 @@ def no_store(reason: str):
 
 
 def build_app(get_engine, get_store=None, defaults: dict | None = None, about: str = "",
-              drafts: list[str] | None = None) -> gr.Blocks:
+              drafts: list[tuple[str, str]] | None = None) -> gr.Blocks:
     """get_engine(draft) returns the loaded Engine for a draft spec, one of `drafts` (None: the app's own), each
     loaded once, lazily; get_store() returns (sessions.Store | None, reason) for recording and replay (None: nothing
     is recorded); defaults: the sliders' starting values (defaults_for the draft the app serves; DEFAULTS if not
-    given); about: a line under the title (the pair the app serves), shown as text; drafts: the draft specs a
-    visitor may pick, the app's own first (None: no choice). A pick outside them is refused: a spec can name a path
-    or a hub id, so a visitor never types one."""
+    given); about: a line under the title (the pair the app serves), shown as text; drafts: (what the menu says,
+    draft spec) for each draft a visitor may pick, the app's own first (None: no choice). A pick outside them is
+    refused: a spec can name a path or a hub id, so a visitor never types one."""
     get_store = get_store or no_store("recording is off")
     defaults = {**DEFAULTS, **(defaults or {})}
 
+    specs = [spec for _, spec in drafts or []]
+
     def engine_for(draft):
-        if drafts and draft not in drafts:
-            raise SpecBranchError(f"unknown draft {str(draft)!r}; choose one of {', '.join(drafts)}")
+        if drafts and draft not in specs:
+            raise SpecBranchError(f"unknown draft {str(draft)!r}; choose one of {', '.join(specs)}")
         return get_engine(draft if drafts else None)
 
     def start_recording(owner, prompt, engine, cfg):
@@ -337,7 +337,7 @@ def build_app(get_engine, get_store=None, defaults: dict | None = None, about: s
         if about:
             gr.HTML(f'<div class="about">{html.escape(about)}</div>')
         if drafts:
-            draft = gr.Dropdown(drafts, value=drafts[0], label=DRAFT_LABEL, elem_id="draft")
+            draft = gr.Dropdown(drafts, value=specs[0], label=DRAFT_LABEL, elem_id="draft")
         else:
             draft = gr.State(None)
         events_state = gr.State([])

@@ -18,7 +18,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_app(engine, store, drafts: list[str] | None = None, **launch):
+def serve_app(engine, store, drafts: list[tuple[str, str]] | None = None, **launch):
     """The app on `engine` (an Engine, or with `drafts` to pick from, a function from a draft spec to its Engine)
     recording to `store`, launched on a free local port: (demo, url)."""
     from app.ui import build_app

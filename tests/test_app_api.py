@@ -259,8 +259,11 @@ def test_a_visitor_picks_a_draft_from_the_offered_ones_only(tiny_engine, app_sto
         asked.append(draft)
         return engines[draft]
 
-    demo, url = serve_app(get_engine, app_store, drafts=list(engines))
+    demo, url = serve_app(get_engine, app_store, drafts=[(f"the {spec} draft", spec) for spec in engines])
     try:
+        menu = next(c["props"] for c in demo.config["components"] if c["props"].get("elem_id") == "draft")
+        assert [list(c) for c in menu["choices"]] == [["the tiny-draft draft", "tiny-draft"], ["the self draft", "self"]]
+        assert menu["value"] == "tiny-draft"  # the app's own draft first
         client = Client(url, verbose=False)
         a = {**ARGS, "method": "sd"}
         job = client.submit("a b c", [], "sd", *controls(a), draft="self", api_name="/generate")
