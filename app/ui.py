@@ -61,15 +61,15 @@ a draft that is often wrong, this is what keeps the rollback markers rare. A for
 wherever the target rejects the draft's token, fork or not, the engine plays the fork the draft could have made
 there and counts whether it would have rescued that position.
 
-**Which draft.** On a CPU the app drafts with the target itself, its weights read in 4 bits (the GGUF file
-they came from stores them so; docs/RESULTS.md §0f, §0h). A draft step then costs about a third of a target
-step, and the draft agrees with the target on over 99 % of tokens, so speculation pays, but there is little to
-reject, roll back or branch. To watch those, pick another draft in the Draft menu: `embedded` (a distilled
-6-layer draft, right about half the time) or `embedded-weak`. To watch forks rescue, `self-skip:3,4,5,25` (the
-target without 4 of its 30 layers, right about 70 % of the time): where it is unsure, its runners-up often hold
-the target's token, about a quarter of its forks rescue, and it still runs a little faster than plain decoding
-(docs/RESULTS.md §0l). A draft loads on first use (seconds), and picking one sets the sliders to the settings the
-bench chose for its kind.
+**Which draft.** On a CPU the app drafts with the target itself, its weights read in 4 bits (the GGUF file they came
+from stores them so; docs/RESULTS.md §0f, §0h). A draft step then costs about a third of a target step, and the
+draft agrees with the target on over 99 % of tokens, so speculation pays, but there is little to reject, roll back
+or branch. To watch those, pick another draft in the Draft menu: `embedded` (a distilled 6-layer draft, right about
+half the time) or `embedded-weak`. To watch forks rescue, `self-skip:3,4,5,25` (the target without 4 of its 30
+layers, right about 70 % of the time): where it is unsure, its runners-up often hold the target's token and about a
+quarter of its forks rescue. Over the benchmark prompts it ran about as fast as plain decoding (1.02–1.09× over 3
+seeds, docs/RESULTS.md §0l); one short run can be slower. A draft loads on first use (seconds), and picking one sets
+the sliders to the settings the bench chose for its kind.
 
 **The charts.** *Branch tree*: one step, left to right: the committed prefix, the drafted path, the fork
 with its k candidates and each branch. Green accepted, purple rescued, red rejected, orange the target's

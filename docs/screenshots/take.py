@@ -24,7 +24,7 @@ MAX_NEW = "64"
 
 def serve(db: Path) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, str(ROOT / "app.py"), "--port", str(PORT), "--db", str(db),
-                             "--target", "embedded", "--draft", "embedded"], cwd=ROOT)
+                             "--target", "embedded", "--draft", "self-skip:3,4,5,25"], cwd=ROOT)
     for _ in range(120):
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{PORT}/", timeout=2)
