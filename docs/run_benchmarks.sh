@@ -316,12 +316,14 @@ distilled_seeds sampled-distilled 1
 # 21. The regime the paper's branches are for: a draft right ~70-80 % of the time whose runners-up often hold the
 #     target's token (docs/RESULTS.md §0l). The layer-skipping self-draft, without the 4 layers (3, 4, 5, 25) or the
 #     2 (4, 5) whose loss §20c measured cheapest on the tuning prompts
-#   a. exploratory, on the tuning prompts: the distilled draft's settings, hold 0.5 and 0 (one run each; the JSON
-#      is not committed)
-for cfg in "3,4,5,25 0.5" "3,4,5,25 0" "4,5 0.5"; do
+#   a. exploratory, on the tuning prompts (one run each; the JSON is not committed): the 4-bit self-draft's settings,
+#      then the distilled draft's with hold 0.5 and 0, head start 0 and 0.6, and the 2-layer skip
+$PY -m engine bench --methods ar,pearl,specbranch --draft self-skip:3,4,5,25 --dataset data/tuning_prompts.jsonl \
+    --max-new-tokens 64 --temperature 0 --gamma 6 --draft-stop 0 --head-start 0.02 --epsilon 0.3
+for cfg in "3,4,5,25 0.5 0.3" "3,4,5,25 0 0.3" "4,5 0.5 0.3" "3,4,5,25 0.5 0" "3,4,5,25 0.5 0.6"; do
   set -- $cfg
   $PY -m engine bench --methods ar,pearl,specbranch --draft self-skip:$1 --dataset data/tuning_prompts.jsonl \
-      --max-new-tokens 64 --temperature 0 --gamma 3 --draft-stop 0.3 --head-start 0.3 --epsilon 0.5 --hold $2
+      --max-new-tokens 64 --temperature 0 --gamma 3 --draft-stop 0.3 --head-start $3 --epsilon 0.5 --hold $2
 done
 #   b. the benchmark split, seeds 0-2, hold 0.5: both drafts at T=0, then the 2-layer one at T=1
 for skip in 3,4,5,25 4,5; do
