@@ -52,19 +52,20 @@ def twin_of(target, skip: tuple[int, ...] = ()):
     module's forward) then routes these modules, never the target's. `skip`: decoder layers left out (a
     layer-skipping self-draft, as in Draft & Verify, Zhang et al. 2023); the layers kept run in their order, with
     the target's final norm and head (models.skipped_layers checks a spec's indices)."""
-    keep = [i for i in range(target.config.num_hidden_layers) if i not in set(skip)]
+    skipped = set(skip)
+    keep = {old: new for new, old in enumerate(i for i in range(target.config.num_hidden_layers) if i not in skipped)}
     config = copy.deepcopy(target.config)
     config.num_hidden_layers = len(keep)
     if getattr(config, "layer_types", None):
         config.layer_types = [config.layer_types[i] for i in keep]
     twin = type(target)(config)
-    renamed = {}  # target layer keep[j] becomes the twin's layer j
+    renamed = {}  # the target's layer `old` becomes the twin's layer keep[old]
     for name, tensor in target.state_dict().items():
         if name.startswith("model.layers."):
             _, _, index, rest = name.split(".", 3)
-            if int(index) not in keep:
+            if int(index) in skipped:
                 continue
-            name = f"model.layers.{keep.index(int(index))}.{rest}"
+            name = f"model.layers.{keep[int(index)]}.{rest}"
         renamed[name] = tensor
     twin.load_state_dict(renamed, assign=True)
     share_with_target(twin, target)
