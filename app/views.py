@@ -8,6 +8,7 @@ from engine.events import Event, Rollback, TokensEmitted, Verified
 from engine.metrics import FORMULAS, metrics_of
 from sessions.replay import run_label
 
+WALL_SPLIT = ("overlap", "target_alone_fraction", "draft_alone_fraction", "neither_fraction")  # metric_panel's order
 KIND_LABEL = {"accepted": "accepted draft token", "correction": "target correction", "bonus": "bonus token",
               "target": "target token", "rescued": "rescued by a branch"}
 
@@ -75,6 +76,8 @@ def metric_panel(events: list[Event]) -> str:
         value = m.get(key)
         if key == "idle_fraction":
             value = f"target {fmt(m.get('target_idle_fraction'))}, draft {fmt(m.get('draft_idle_fraction'))}"
+        elif key == "wall_split":
+            value = " / ".join(fmt(m.get(f)) for f in WALL_SPLIT)
         elif isinstance(value, list):
             value = ", ".join(fmt(x) for x in value)
         else:

@@ -47,6 +47,9 @@ def aggregate(runs: list[dict]) -> dict:
         "target_idle_fraction": weighted("target_idle_fraction"),
         "draft_idle_fraction": weighted("draft_idle_fraction"),
         "overlap": weighted("overlap"),
+        "target_alone_fraction": weighted("target_alone_fraction"),
+        "draft_alone_fraction": weighted("draft_alone_fraction"),
+        "neither_fraction": weighted("neither_fraction"),
         "target_forward_ms": weighted("target_forward_ms"),
         "draft_forward_ms": weighted("draft_forward_ms"),
         "host_overhead_ms_per_step": weighted("host_overhead_ms_per_step"),
@@ -166,9 +169,9 @@ def run_bench(entries: list[tuple[str, object, str]], args, log=None) -> dict:
 def format_table(report: dict) -> str:
     cols = ["tokens_per_s", "speedup_vs_ar", "acceptance_rate", "mean_accepted_length", "path_rollback_rate",
             "wasted_draft_rate", "wasted_draft_tokens", "target_idle_fraction", "draft_idle_fraction", "overlap",
-            "target_forward_ms", "draft_forward_ms", "host_overhead_ms_per_step", "branch_rescues"]
+            "draft_alone_fraction", "target_forward_ms", "draft_forward_ms", "host_overhead_ms_per_step", "branch_rescues"]
     head = ["method", "dataset", "tok/s", "speedup", "α", "τ", "path rollback", "wasted draft", "wasted tokens",
-            "idle T", "idle D", "overlap", "T ms", "D ms", "host ms/step", "rescues"]
+            "idle T", "idle D", "overlap", "D alone", "T ms", "D ms", "host ms/step", "rescues"]
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for m, per_ds in report["results"].items():
         for d, agg in per_ds.items():
@@ -180,7 +183,7 @@ def format_table(report: dict) -> str:
 
 
 SPREAD_KEYS = ("tokens_per_s", "speedup_vs_ar", "acceptance_rate", "mean_accepted_length", "path_rollback_rate",
-               "wasted_draft_rate", "branch_rescues", "overlap", "target_idle_fraction")
+               "wasted_draft_rate", "branch_rescues", "overlap", "target_idle_fraction", "draft_alone_fraction")
 
 
 def summarize_runs(reports: list[dict], dataset: str = "all") -> dict:
@@ -203,7 +206,8 @@ def summarize_runs(reports: list[dict], dataset: str = "all") -> dict:
 
 
 def format_spread_table(summary: dict) -> str:
-    head = ["method", "tok/s", "speedup", "α", "τ", "path rollback", "wasted draft", "rescues", "overlap", "idle T"]
+    head = ["method", "tok/s", "speedup", "α", "τ", "path rollback", "wasted draft", "rescues", "overlap", "idle T",
+            "D alone"]
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for m, row in summary["methods"].items():
         cells = [f"{row[k]['mean']:.3g} ± {row[k]['sd']:.2g}" if row[k] else "" for k in SPREAD_KEYS]

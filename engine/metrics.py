@@ -9,6 +9,9 @@ Definitions (SPECBRANCH.md §5):
   per-position acc.   P(accept at draft position i | positions < i accepted)
   idle fraction       per model: 1 - busy time / decode wall time
   overlap             time both models compute at once / decode wall time
+  wall split          decode wall time, split four ways: both compute (overlap), the target alone, the draft
+                      alone (the target waits on the draft: SD's drafting, a parallel method's head start) and
+                      neither (host); the four add up to 1
   host overhead       decode time with no forward running on either worker, per step
 """
 from __future__ import annotations
@@ -29,6 +32,8 @@ FORMULAS = {
     "per_position_acceptance": "P(accept at i | all before i accepted)",
     "idle_fraction": "1 - busy time / decode wall time (per model)",
     "overlap": "time both models compute at once / decode wall time",
+    "wall_split": "decode wall time: both compute / the target alone / the draft alone (the target waits on it) / "
+                  "neither (host); adds up to 1",
 }
 
 
@@ -104,6 +109,7 @@ def compute_metrics(events: list[Event]) -> dict:
     busy = {w: busy_intervals(spans, w, window_start, window_end) for w in ("target", "draft")}
     wall = max(decode_s, 1e-9)
     either = _union(busy["target"] + busy["draft"])
+    both = _intersection(busy["target"], busy["draft"])
     steps = sum(1 for e in events if e.type == "step_started")
 
     def mean_ms(worker, kinds):
@@ -127,7 +133,11 @@ def compute_metrics(events: list[Event]) -> dict:
         "accepted_length_histogram": _histogram([v.accepted for v in verified]),
         "target_idle_fraction": round(1 - _length(busy["target"]) / wall, 6),
         "draft_idle_fraction": round(1 - _length(busy["draft"]) / wall, 6) if draft_forwards else None,
-        "overlap": round(_intersection(busy["target"], busy["draft"]) / wall, 6),
+        "overlap": round(both / wall, 6),
+        # the rest of the wall split: only one model computes (the other waits on it), or neither does
+        "target_alone_fraction": round((_length(busy["target"]) - both) / wall, 6),
+        "draft_alone_fraction": round((_length(busy["draft"]) - both) / wall, 6),
+        "neither_fraction": round(max(0.0, decode_s - _length(either)) / wall, 6),
         # engine overhead: decode time in which neither model runs a forward (Python, sampling, verification)
         "host_overhead_ms_per_step": round(1000 * (decode_s - _length(either)) / steps, 3) if steps else None,
         "branch_points": len(forks),

@@ -115,6 +115,20 @@ def test_metrics_from_known_spans():
     assert m["target_idle_fraction"] == 0.25  # target idle 2.0..2.5
     assert m["draft_idle_fraction"] == 0.5
     assert m["mean_accepted_length"] == 1.0  # 3 tokens / 3 target forwards
+    # the wall split: target alone 1.0..1.5 and 2.5..3.0, the draft alone 2.0..2.5, never neither
+    assert (m["target_alone_fraction"], m["draft_alone_fraction"], m["neither_fraction"]) == (0.5, 0.25, 0.0)
+
+
+def test_wall_split_of_a_serial_run():
+    """SD's shape: the target waits on the draft, then the draft on the target, with a host gap between; the four
+    shares of the decode wall (1.0..3.0 s) add up to 1."""
+    spans = [TimingSpan("target", "prefill", 0, 0.0, 1.0), TimingSpan("draft", "draft", 1, 1.0, 1.4),
+             TimingSpan("target", "verify", 1, 1.5, 2.0), TimingSpan("draft", "draft", 2, 2.0, 2.3),
+             TimingSpan("target", "verify", 2, 2.3, 3.0)]
+    m = compute_metrics(spans + [TokensEmitted(0, [5], ["x"], ["target"], "x"), Finished("length", 1.0, 2.0, 1, {})])
+    split = (m["overlap"], m["target_alone_fraction"], m["draft_alone_fraction"], m["neither_fraction"])
+    assert split == (0.0, 0.6, 0.35, 0.05)  # target 0.5 + 0.7 s, draft 0.4 + 0.3 s, host 1.4..1.5 s
+    assert m["target_idle_fraction"] == 0.4  # = draft alone + neither
 
 
 def test_bad_event_dicts_are_refused():
