@@ -75,7 +75,10 @@ the sliders to the settings the bench chose for its kind.
 with its k candidates and each branch. Green accepted, purple rescued, red rejected, orange the target's
 correction, blue its bonus, dashed never verified; the orange outline follows what survives the step.
 Hover a node for p, q, p/q and u. Pick a step with ◀ ▶, the slider, or a marker under the timeline.
-*Timeline*: measured forward passes of each model; overlap means both computed at once.
+*Timeline*: measured forward passes of each model; overlap means both computed at once. The metric panel's *wall
+split* divides the run's time four ways: both models compute, the target alone, the draft alone (the target waits
+on it) and neither. On this 2-core CPU two models computing at once share the memory bus, so each forward runs
+slower beside the other: in one bench run a target pass cost 66 ms in SD and 87 ms in PEARL (docs/RESULTS.md §0m).
 *Per-position acceptance*: how often the i-th draft token survives given the ones before it did.
 *Race* (Compare, Replay): the runs, recorded one after another, replayed side by side on one clock.
 """

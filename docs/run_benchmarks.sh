@@ -336,3 +336,27 @@ for s in 0 1 2; do
   skip_with_hold 4,5 1 $s 0.5 skip4-5-t1-s$s
 done
 $PY -m engine summarize docs/skip4-5-t1-s{0,1,2}.json --json docs/skip4-5-t1.json
+
+# 22. Where the wall time goes (docs/RESULTS.md §0m): the wall split of SD, PEARL and SpecBranch in one run each
+#   a. the layer-skipping self-draft with the distilled draft's settings, and the 4-bit self-draft with its own
+$PY -m engine bench --methods ar,sd,pearl,specbranch --draft self-skip:3,4,5,25 --dataset all --limit 2 \
+    --max-new-tokens 64 --temperature 0 --seed 0 --gamma 3 --draft-stop 0.3 --head-start 0.3 --epsilon 0.5 \
+    --branches 3 --hold 0.5 --json docs/wallsplit-skip3-4-5-25-t0.json
+$PY -m engine bench --methods ar,sd,pearl,specbranch --draft self --dataset all --limit 2 --max-new-tokens 64 \
+    --temperature 0 --seed 0 --gamma 6 --draft-stop 0 --head-start 0.02 --epsilon 0.1 --branches 3 --hold 0 \
+    --json docs/wallsplit-self-t0.json
+#   b. which phase of the parallel loop the target waits in: the head start, or the draft step in flight at a verdict
+PYTHONPATH=. $PY docs/where_the_target_waits.py --draft self-skip:3,4,5,25 --json docs/waits-skip3-4-5-25.json
+#   c. tried and dropped: fork where the draft would hold (docs/fork-at-hold.patch, on 57414b8), alternated with the
+#      engine as it is, three pairs on the tuning prompts, from two worktrees
+git worktree add -f /tmp/abH 57414b8 && git worktree add -f /tmp/abF 57414b8 && (cd /tmp/abF && git apply "$OLDPWD/docs/fork-at-hold.patch")
+for r in 1 2 3; do
+  for v in F H; do
+    flag=$([[ $v == F ]] && echo --fork-at-hold || true)
+    name=$([[ $v == F ]] && echo fork || echo hold)
+    (cd /tmp/ab$v && PYTHONPATH=. "$(realpath "$OLDPWD/$PY")" -m engine bench --methods ar,pearl,specbranch \
+        --draft self-skip:3,4,5,25 --dataset data/tuning_prompts.jsonl --limit 6 --max-new-tokens 64 --temperature 0 \
+        --seed 0 --gamma 3 --draft-stop 0.3 --head-start 0.3 --epsilon 0.5 --branches 3 --hold 0.5 $flag \
+        --json "$OLDPWD/docs/fork-at-hold-tune-$r-$name.json")
+  done
+done
