@@ -24,6 +24,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="lean: a Llama draft on the CPU runs engine/lean.py (fused matmuls, a KV cache that rolls "
                         "back by a pointer); transformers: the model's own forward")
     p.add_argument("--threads", type=int, default=1, help="torch threads per model worker")
+    p.add_argument("--solo-threads", type=int, default=None,
+                   help="torch threads for a draft step the target waits on (SD's draft block, a parallel method's "
+                        "head start), when the draft has the cores to itself (default: the cores available, at most 2; "
+                        "1 turns it off)")
     p.add_argument("--trust-remote-code", action="store_true")
 
 
@@ -119,6 +123,8 @@ def build_engine(args, need_draft: bool):
     from .engine import Engine
     from .models import draft_matmul_kind, is_self_draft, load_pair, pick_device, pick_dtype
 
+    if args.solo_threads is not None and args.solo_threads < 1:
+        raise SpecBranchError(f"--solo-threads must be at least 1, got {args.solo_threads}")
     for device in (args.device, args.draft_device):  # refuse an unusable device before loading anything
         pick_device(device)
     if need_draft:  # and a draft matmul this machine cannot run
@@ -128,7 +134,7 @@ def build_engine(args, need_draft: bool):
     pair = load_pair(args.target, args.draft if need_draft else None, device=args.device,
                      draft_device=args.draft_device, dtype=args.dtype, trust_remote_code=args.trust_remote_code,
                      draft_matmul=args.draft_matmul, draft_forward=args.draft_forward)
-    return Engine(pair, threads=max(1, args.threads))
+    return Engine(pair, threads=max(1, args.threads), solo_threads=args.solo_threads)
 
 
 def cmd_generate(args) -> None:
@@ -198,7 +204,7 @@ def cmd_bench(args) -> None:
     for draft in sorted({d for _, _, d in entries if d is not None}):  # other drafts share the loaded target
         engines[draft] = Engine(with_draft(t, draft, trust_remote_code=args.trust_remote_code,
                                            draft_matmul=args.draft_matmul, draft_forward=args.draft_forward),
-                                threads=max(1, args.threads))
+                                threads=max(1, args.threads), solo_threads=args.solo_threads)
     run_bench([(label, engines[d], m) for label, m, d in entries], args, SessionLog(args, engine))
 
 

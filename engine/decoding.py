@@ -83,12 +83,13 @@ class RunState:
 
 
 async def forward(state: RunState, lm: LM, worker: Worker, cache, ids: list[int], kind: str,
-                  events: list[Event], hidden_states: bool = False, features: bool = False):
+                  events: list[Event], hidden_states: bool = False, features: bool = False, solo: bool = False):
     """Feed `ids` (appended to `cache`) on `worker` and record the span. Returns logits [T, V]; with
-    hidden_states/features, Out(logits [T, V], every layer's states [1, T, H] each, last features [T, H])."""
+    hidden_states/features, Out(logits [T, V], every layer's states [1, T, H] each, last features [T, H]).
+    solo: the other model waits on this forward (Worker.run)."""
     x = torch.tensor([ids], dtype=torch.long)
     out, span = await worker.run(lm.forward, x, cache, hidden_states, features, kind=kind, step=state.step,
-                                 t0=state.t0, tokens=len(ids))
+                                 t0=state.t0, tokens=len(ids), solo=solo)
     events.append(span)
     if hidden_states or features:
         return Out(out.logits[0], out.hidden_states, None if out.features is None else out.features[0])
@@ -141,7 +142,8 @@ async def draft_block(state: RunState, gamma: int, events: list[Event], kind: st
     feed = state.tokens[kv.cache_length(state.draft_cache):]  # committed tokens the draft has not seen yet
     tokens, q_rows = [], []
     for _ in range(gamma):
-        logits = await forward(state, draft, state.draft_worker, state.draft_cache, feed, kind, events)
+        # the target waits on the whole block: the draft may have the cores (Engine's solo_threads)
+        logits = await forward(state, draft, state.draft_worker, state.draft_cache, feed, kind, events, solo=True)
         q = state.probs(logits[-1])
         x = sample(q, state.draft_generator)
         tokens.append(x)

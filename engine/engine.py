@@ -21,7 +21,7 @@ from .events import Event, Finished, Notice, RunStarted, TimingSpan, TokensEmitt
 from .hrad import find_hrad
 from .metrics import compute_metrics
 from .models import ModelPair
-from .runtime import Worker, new_event_loop
+from .runtime import Worker, default_solo_threads, new_event_loop
 from .parallel import BranchCosts, Policy, parallel_decode
 from .sd import speculative_decode
 
@@ -40,10 +40,15 @@ class Result:
 
 
 class Engine:
-    def __init__(self, pair: ModelPair, threads: int = 1):
+    def __init__(self, pair: ModelPair, threads: int = 1, solo_threads: int | None = None):
+        """threads: torch threads per worker. solo_threads: the draft's, for a step the target waits on (SD's block,
+        a parallel method's head start), when it has the cores to itself (None: runtime.default_solo_threads()).
+        The target always keeps `threads`: on this CPU its 1-token step rounds differently on 2 threads, and the
+        output must not depend on how many threads ran it. The draft's numbers may: q is what its pass computed."""
         self.pair = pair
         self.target_worker = Worker("target", threads, pair.target.device)
-        self.draft_worker = Worker("draft", threads, pair.draft.device if pair.draft is not None else None)
+        self.draft_worker = Worker("draft", threads, pair.draft.device if pair.draft is not None else None,
+                                   solo_threads or max(threads, default_solo_threads()))
         self._busy = threading.Lock()  # one generation at a time per engine; others queue (any event loop)
         # waits for _busy happen here, one at a time (so in order), never on a loop's own executor: see _take_busy
         self._busy_waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-lock")

@@ -193,13 +193,15 @@ class DraftState:
     held_alts: tuple[float, list[int]] | None = None  # ... and the fork it could have made there (path_alts)
 
 
-async def draft_step(state: RunState, spec: Speculation, ds: DraftState, policy: Policy, events: list[Event]) -> None:
-    """One draft forward: extend the path by a token, or fork here, or extend every branch by one."""
+async def draft_step(state: RunState, spec: Speculation, ds: DraftState, policy: Policy, events: list[Event],
+                     solo: bool = False) -> None:
+    """One draft forward: extend the path by a token, or fork here, or extend every branch by one.
+    solo: the target waits on this step (the head start), so it may have the cores (Worker.run)."""
     draft, cache = state.pair.draft, state.draft_cache
     if spec.fork is None:
         seq = state.tokens + spec.path
         feed = seq[len(ds.rows[0]):]
-        logits = await forward(state, draft, state.draft_worker, cache, feed, DRAFT, events)
+        logits = await forward(state, draft, state.draft_worker, cache, feed, DRAFT, events, solo=solo)
         ds.rows[0] = seq
         raw = logits[-1].float().softmax(-1)  # confidence is read from the untempered distribution
         q = state.probs(logits[-1])
@@ -255,7 +257,7 @@ async def draft_step(state: RunState, spec: Speculation, ds: DraftState, policy:
     last = [(b[-1] if b else c) for c, b in zip(fork.candidates, fork.branches)]
     x = torch.tensor(last, dtype=torch.long)[:, None]  # [k, 1]
     logits, span = await state.draft_worker.run(draft.forward, x, cache, kind=BRANCH_DRAFT, step=state.step,
-                                                t0=state.t0, tokens=k)
+                                                t0=state.t0, tokens=k, solo=solo)
     events.append(span)
     raw = logits[:, -1].float().softmax(-1)  # [k, V], untempered
     ds.confidence = float(raw.amax(-1).max())  # the surest branch's
@@ -548,7 +550,7 @@ async def head_start(state: RunState, spec: Speculation, ds: DraftState, policy:
         return
     cap = min(state.cfg.gamma, state.remaining - 1)
     while ds.held is None and len(line_of(spec)) < cap and math.prod(line_confidence(spec)) >= state.cfg.head_start:
-        await draft_step(state, spec, ds, policy, events)
+        await draft_step(state, spec, ds, policy, events, solo=True)
 
 
 def parallel_decode(state: RunState, policy: Policy):

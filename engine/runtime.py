@@ -20,6 +20,7 @@ documented semantics of torch.cuda streams and events and is tested on CPU only 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
@@ -36,6 +37,16 @@ class OutOfMemory(SpecBranchError):
 
 def _init_thread(threads: int) -> None:
     torch.set_num_threads(threads)
+
+
+def default_solo_threads() -> int:
+    """Torch threads for a draft step the target waits on: the cores this process may use, at most 2 (on the 2-core
+    CPU a 4-bit draft step takes 11.6 ms on 2 threads against 15.5 on 1, docs/RESULTS.md §0n; more is unmeasured)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(2, cores))
 
 
 def span_seconds(anchor_s: float, ref_to_start_ms: float, ref_to_end_ms: float) -> tuple[float, float]:
@@ -72,9 +83,14 @@ def _record_on(obj, stream) -> None:
 
 
 class Worker:
-    def __init__(self, name: str, threads: int = 1, device: torch.device | str | None = None):
-        """`device`: the device of the model this worker runs (None: CPU). On CUDA the worker owns a stream there."""
+    def __init__(self, name: str, threads: int = 1, device: torch.device | str | None = None,
+                 solo_threads: int | None = None):
+        """`device`: the device of the model this worker runs (None: CPU). On CUDA the worker owns a stream there.
+        `solo_threads` (CPU): torch threads for a forward run with `solo=True`, one the other model waits on, so
+        that it has the cores to itself (default: `threads`; Engine passes default_solo_threads())."""
         self.name = name
+        self.threads = threads
+        self.solo_threads = solo_threads or threads
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.stream = None
         if self.device.type == "cuda":
@@ -87,14 +103,24 @@ class Worker:
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"specbranch-{name}",
                                            initializer=_init_thread, initargs=(threads,))
 
-    async def run(self, fn: Callable[..., Any], *args, kind: str, step: int, t0: float, tokens: int = 1):
+    async def run(self, fn: Callable[..., Any], *args, kind: str, step: int, t0: float, tokens: int = 1,
+                  solo: bool = False):
         """Run fn(*args) on this worker's thread; returns (result, TimingSpan). A forward that runs out of
-        device memory frees the allocator's cache and raises OutOfMemory (a SpecBranchError)."""
+        device memory frees the allocator's cache and raises OutOfMemory (a SpecBranchError). `solo`: the other
+        model waits on this forward, so on a CPU it runs on solo_threads."""
         if self.stream is None:
+            threads = self.solo_threads if solo else self.threads
+
             def call():
-                start = time.perf_counter()
-                result = fn(*args)
-                return result, round(start - t0, 6), round(time.perf_counter() - t0, 6), None
+                if threads != self.threads:  # the OpenMP team of this thread only; the other worker keeps its own
+                    torch.set_num_threads(threads)
+                try:
+                    start = time.perf_counter()
+                    result = fn(*args)
+                    return result, round(start - t0, 6), round(time.perf_counter() - t0, 6), None
+                finally:
+                    if threads != self.threads:
+                        torch.set_num_threads(self.threads)
         else:
             caller = torch.cuda.current_stream(self.device)
             ready = torch.cuda.Event()

@@ -1,5 +1,6 @@
 """The overlapped runtime: cancellation leaves nothing behind, concurrent generations queue safely,
-a slow draft is flagged, and bad branch settings are refused."""
+a slow draft is flagged, a step the other model waits on gets its own thread count, and bad branch settings are
+refused."""
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +11,7 @@ from engine.config import GenerationConfig
 from engine.engine import Engine
 from engine.events import Finished, Notice, RunStarted, TokensEmitted
 from engine.models import load_pair
-from engine.runtime import new_event_loop
+from engine.runtime import Worker, new_event_loop
 
 from .conftest import make_tiny_model
 
@@ -76,8 +77,46 @@ def test_hrad_missing_gives_visible_notice(tiny_engine):
     (["--gamma", "0"], "gamma (draft length) must be an integer >= 1"),
     (["--epsilon", "1.5"], "epsilon must be in [0, 1]"),
     (["--epsilon", "-0.1"], "epsilon must be in [0, 1]"),
+    (["--solo-threads", "0"], "--solo-threads must be at least 1, got 0"),
 ])
 def test_bad_branch_settings(capsys, tiny_dirs, extra, message):
     code = main(["generate", "--method", "specbranch", "--target", str(tiny_dirs["target"]), "--draft",
                  str(tiny_dirs["draft"]), "--prompt", "a b", *extra])
     assert code == 2 and message in capsys.readouterr().err
+
+
+def test_a_solo_forward_runs_on_its_own_threads_and_gives_them_back():
+    """Worker.run(solo=True) runs on solo_threads, on that worker's thread only; its next forward, and the other
+    worker's, run on `threads` again. The function reports what torch sees inside it."""
+    import torch
+
+    draft, target = Worker("draft", 1, solo_threads=2), Worker("target", 1)
+
+    async def threads_in(worker, solo):
+        seen, _ = await worker.run(torch.get_num_threads, kind="draft", step=0, t0=0.0, solo=solo)
+        return seen
+
+    loop = new_event_loop()
+    try:
+        seen = [loop.run_until_complete(threads_in(w, solo))
+                for w, solo in ((draft, True), (draft, False), (target, True), (draft, True), (target, False))]
+    finally:
+        loop.close()
+        draft.shutdown()
+        target.shutdown()
+    assert seen == [2, 1, 1, 2, 1]  # the target's worker has no solo threads of its own (solo_threads = threads)
+
+
+def test_greedy_output_with_the_draft_on_two_threads_equals_ar(tiny_dirs):
+    """SD's draft block and a parallel method's head start run the draft on solo threads; the draft's numbers may
+    change with them, the output may not."""
+    engine = Engine(load_pair(str(tiny_dirs["target"]), str(tiny_dirs["draft"]), device="cpu",
+                              draft_matmul="float32"), solo_threads=2)
+    try:
+        ids = engine.encode("the quick brown fox", chat=False)
+        ar = engine.run(ids, GenerationConfig(method="ar", max_new_tokens=40)).token_ids
+        for method, extra in (("sd", {}), ("pearl", {"head_start": 0.01}), ("specbranch", {"head_start": 0.01})):
+            cfg = GenerationConfig(method=method, max_new_tokens=40, gamma=3, epsilon=1.0, **extra)
+            assert engine.run(ids, cfg).token_ids == ar, method
+    finally:
+        engine.close()
