@@ -169,7 +169,8 @@ def run_bench(entries: list[tuple[str, object, str]], args, log=None) -> dict:
 def format_table(report: dict) -> str:
     cols = ["tokens_per_s", "speedup_vs_ar", "acceptance_rate", "mean_accepted_length", "path_rollback_rate",
             "wasted_draft_rate", "wasted_draft_tokens", "target_idle_fraction", "draft_idle_fraction", "overlap",
-            "draft_alone_fraction", "target_forward_ms", "draft_forward_ms", "host_overhead_ms_per_step", "branch_rescues"]
+            "draft_alone_fraction", "target_forward_ms", "draft_forward_ms", "host_overhead_ms_per_step",
+            "branch_rescues"]
     head = ["method", "dataset", "tok/s", "speedup", "α", "τ", "path rollback", "wasted draft", "wasted tokens",
             "idle T", "idle D", "overlap", "D alone", "T ms", "D ms", "host ms/step", "rescues"]
     lines = [" | ".join(head), " | ".join("---" for _ in head)]

@@ -120,3 +120,24 @@ def test_greedy_output_with_the_draft_on_two_threads_equals_ar(tiny_dirs):
             assert engine.run(ids, cfg).token_ids == ar, method
     finally:
         engine.close()
+
+
+def test_the_host_loop_runs_on_one_thread(tiny_engine):
+    """A thread that never set its torch thread count (the app's stream thread) gets an OpenMP team as wide as the
+    machine for the host work between forwards, which on 2 cores takes a core from the workers: a generation runs
+    its host side on one thread."""
+    import threading
+
+    import torch
+
+    seen = []
+
+    def run():
+        torch.set_num_threads(2)
+        tiny_engine.run(tiny_engine.encode("a b", chat=False), GenerationConfig(method="sd", max_new_tokens=4))
+        seen.append(torch.get_num_threads())
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert seen == [1]
