@@ -360,3 +360,18 @@ for r in 1 2 3; do
         --json "$OLDPWD/docs/fork-at-hold-tune-$r-$name.json")
   done
 done
+
+# 23. Both cores for a draft step the target waits on (docs/RESULTS.md §0n): the 4-bit self-draft with its settings,
+#     seeds 0-2, each with the default solo threads (2) and then --solo-threads 1; then the layer-skip draft, seed 0
+SELF="--draft self --dataset all --limit 2 --max-new-tokens 64 --temperature 0 --gamma 6 --draft-stop 0 --head-start 0.02 --epsilon 0.1 --branches 3 --hold 0"
+SKIP="--draft self-skip:3,4,5,25 --dataset all --limit 2 --max-new-tokens 64 --temperature 0 --gamma 3 --draft-stop 0.3 --head-start 0.3 --epsilon 0.5 --branches 3 --hold 0.5"
+for s in 0 1 2; do
+  $PY -m engine bench --methods ar,sd,pearl,specbranch $SELF --seed $s --json docs/solo-self-t0-s$s.json
+  $PY -m engine bench --methods ar,sd,pearl,specbranch $SELF --seed $s --solo-threads 1 --json docs/solo1-self-t0-s$s.json
+done
+$PY -m engine summarize docs/solo-self-t0-s{0,1,2}.json --json docs/solo-self-t0.json
+$PY -m engine summarize docs/solo1-self-t0-s{0,1,2}.json --json docs/solo1-self-t0.json
+$PY -m engine bench --methods ar,sd,pearl,specbranch $SKIP --seed 0 --json docs/solo-skip-t0-s0.json
+$PY -m engine bench --methods ar,sd,pearl,specbranch $SKIP --seed 0 --solo-threads 1 --json docs/solo1-skip-t0-s0.json
+#     and the engine's one-thread host loop on the app's path, before and after, alternated
+PYTHONPATH=. $PY docs/host_thread_ab.py

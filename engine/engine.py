@@ -116,8 +116,8 @@ class Engine:
     async def _generate(self, prompt_ids, cfg, prompt_text, collect_hrad):
         """The generation itself (the caller holds the engine's lock)."""
         # the host work between forwards (sampling, verification) runs here, on the caller's thread: one torch thread,
-        # like each worker's. A thread that never set its count gets an OpenMP team as wide as the machine, and on 2
-        # cores that team takes a core from the workers (docs/RESULTS.md §0n: the app's stream thread was one)
+        # like each worker's. A caller that never set its count keeps an OpenMP team as wide as the machine, and on 2
+        # cores that team takes a core from the workers (docs/RESULTS.md §0n: PEARL 16 % slower)
         torch.set_num_threads(1)
         state = RunState(self.pair, cfg, self.target_worker, self.draft_worker, list(prompt_ids),
                          len(prompt_ids), self.pair.eos_ids)

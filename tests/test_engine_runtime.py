@@ -123,9 +123,8 @@ def test_greedy_output_with_the_draft_on_two_threads_equals_ar(tiny_dirs):
 
 
 def test_the_host_loop_runs_on_one_thread(tiny_engine):
-    """A thread that never set its torch thread count (the app's stream thread) gets an OpenMP team as wide as the
-    machine for the host work between forwards, which on 2 cores takes a core from the workers: a generation runs
-    its host side on one thread."""
+    """A caller whose thread runs more torch threads would give the host work between forwards an OpenMP team that,
+    on 2 cores, takes a core from the workers: a generation runs its host side on one thread."""
     import threading
 
     import torch
