@@ -3,6 +3,7 @@ of events for any method. Generations on one engine are serialised by a lock (th
 from __future__ import annotations
 
 import asyncio
+import statistics
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import aclosing
 import threading
@@ -18,7 +19,7 @@ from .calibration import PRIOR_WEIGHT, RESCUE_BINS, RESCUE_PRIOR_WEIGHT, Accepta
 from .config import GenerationConfig, SpecBranchError
 from .costs import busy_draft, draft_features, forward_costs, measure
 from .decoding import RunState
-from .events import Event, Finished, Notice, RunStarted, TimingSpan, TokensEmitted
+from .events import DECODE, DRAFT, VERIFY, Event, Finished, Notice, RunStarted, TimingSpan, TokensEmitted
 from .hrad import find_hrad
 from .metrics import compute_metrics
 from .models import ModelPair
@@ -237,13 +238,15 @@ class Engine:
 
 
 def slow_draft_notice(events: list[Event]) -> Notice | None:
-    """After a few forwards of each model: warn once if one draft step costs more than one target step."""
-    spans = [e for e in events if isinstance(e, TimingSpan) and e.kind != "prefill"]
-    draft = [s.end - s.start for s in spans if s.worker == "draft"]
-    target = [s.end - s.start for s in spans if s.worker == "target"]
+    """After a few forwards of each model: warn once if one draft step costs more than one target step. Medians of
+    one-row draft steps and of the target's steps, so that a stall (the machine busy with something else for a
+    moment) or a fork's k-row steps do not raise it: it claims that this pair cannot pay off."""
+    spans = [e for e in events if isinstance(e, TimingSpan)]
+    draft = [s.end - s.start for s in spans if s.worker == "draft" and s.kind == DRAFT]
+    target = [s.end - s.start for s in spans if s.worker == "target" and s.kind in (DECODE, VERIFY)]
     if len(draft) < 3 or len(target) < 3:
         return None
-    d, t = sum(draft) / len(draft), sum(target) / len(target)
+    d, t = statistics.median(draft), statistics.median(target)
     if d <= t:
         return None
     return Notice("warning", f"the draft is slower than the target ({1000 * d:.1f} ms vs {1000 * t:.1f} ms a "

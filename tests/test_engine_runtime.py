@@ -67,6 +67,26 @@ def test_slow_draft_is_flagged(tmp_path, tiny_dirs):
     engine.close()
 
 
+def test_one_stalled_draft_step_or_a_forks_rows_raise_no_slow_draft_notice():
+    """The notice says a pair cannot pay off, so it reads typical steps: medians of one-row draft steps against the
+    target's. One stall (another program busy for a moment) and a fork's costlier k-row steps leave it quiet."""
+    from engine.engine import slow_draft_notice
+    from engine.events import TimingSpan
+
+    def spans(worker, kind, ms):
+        out, t = [], 0.0
+        for d in ms:
+            out.append(TimingSpan(worker, kind, 1, t, t + d / 1000))
+            t += d / 1000
+        return out
+
+    target = spans("target", "verify", [50, 52, 51])
+    quiet = spans("draft", "draft", [10, 11, 500, 10]) + spans("draft", "branch_draft", [300, 300]) + target
+    assert slow_draft_notice(quiet) is None  # the means (130 ms, 190 ms with the forks) would have raised it
+    slow = spans("draft", "draft", [60, 61, 62]) + target
+    assert "slower than the target (61.0 ms vs 51.0 ms" in slow_draft_notice(slow).message
+
+
 def test_hrad_missing_gives_visible_notice(tiny_engine):
     r = tiny_engine.run([2, 3], GenerationConfig(method="specbranch", max_new_tokens=4, hrad=True))
     assert any(isinstance(e, Notice) and "H-RAD off" in e.message for e in r.events)
