@@ -373,5 +373,9 @@ $PY -m engine summarize docs/solo-self-t0-s{0,1,2}.json --json docs/solo-self-t0
 $PY -m engine summarize docs/solo1-self-t0-s{0,1,2}.json --json docs/solo1-self-t0.json
 $PY -m engine bench --methods ar,sd,pearl,specbranch $SKIP --seed 0 --json docs/solo-skip-t0-s0.json
 $PY -m engine bench --methods ar,sd,pearl,specbranch $SKIP --seed 0 --solo-threads 1 --json docs/solo1-skip-t0-s0.json
-#     and the engine's one-thread host loop on the app's path, before and after, alternated
+for s in 0 1 2; do
+  $PY -m engine bench --methods ar,sd,pearl,specbranch ${SELF/--temperature 0/--temperature 1} --seed $s --json docs/solo-self-t1-s$s.json
+done
+$PY -m engine summarize docs/solo-self-t1-s{0,1,2}.json --json docs/solo-self-t1.json
+#     and the engine's one-thread host loop for a caller whose thread runs 2 threads, before and after, alternated
 PYTHONPATH=. $PY docs/host_thread_ab.py
