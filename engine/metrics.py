@@ -108,8 +108,9 @@ def compute_metrics(events: list[Event]) -> dict:
     window_start, window_end = prefill_end, prefill_end + decode_s
     busy = {w: busy_intervals(spans, w, window_start, window_end) for w in ("target", "draft")}
     wall = max(decode_s, 1e-9)
-    either = _union(busy["target"] + busy["draft"])
     both = _intersection(busy["target"], busy["draft"])
+    # engine overhead: decode time in which neither model runs a forward (Python, sampling, verification)
+    neither = decode_s - _length(_union(busy["target"] + busy["draft"]))
     steps = sum(1 for e in events if e.type == "step_started")
 
     def mean_ms(worker, kinds):
@@ -137,9 +138,8 @@ def compute_metrics(events: list[Event]) -> dict:
         # the rest of the wall split: only one model computes (the other waits on it), or neither does
         "target_alone_fraction": round((_length(busy["target"]) - both) / wall, 6),
         "draft_alone_fraction": round((_length(busy["draft"]) - both) / wall, 6),
-        "neither_fraction": round(max(0.0, decode_s - _length(either)) / wall, 6),
-        # engine overhead: decode time in which neither model runs a forward (Python, sampling, verification)
-        "host_overhead_ms_per_step": round(1000 * (decode_s - _length(either)) / steps, 3) if steps else None,
+        "neither_fraction": round(max(0.0, neither) / wall, 6),
+        "host_overhead_ms_per_step": round(1000 * neither / steps, 3) if steps else None,
         "branch_points": len(forks),
         "branch_rescues": sum(f.rescued for f in forks),
         "rescue_rate": round(sum(f.rescued for f in forks) / len(forks), 6) if forks else None,
