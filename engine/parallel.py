@@ -137,6 +137,27 @@ class Policy:
             odds *= spec.fork.odds * math.prod(self.acceptance(c) for c in first)
         return odds
 
+    def line_acceptance(self, spec: "Speculation") -> list[float]:
+        """The odds that each token of line_of(spec) is accepted, for the draft-length rules (the head start, the
+        feed stop); 1.0 where nothing was recorded. Without measurements (PEARL, --no-calibrate): the draft's own
+        probability of the token. With them: the acceptance measured at the draft's largest probability where the
+        token was drafted (path_odds' reading; a branch token, whose position's largest probability is not kept,
+        at its own). The two differ when sampling: the rule accepts a token drawn from q with probability
+        sum(min(p, q)) whichever token it is, so a near-copy of the target is accepted almost always, also where it
+        drew a token it gave 0.1, and only a measured table can say so (docs/RESULTS.md §0o)."""
+        def read(tops, confs, n):
+            tops = list(tops[:n]) + [None] * (n - len(tops))
+            confs = list(confs[:n]) + [None] * (n - len(confs))
+            if self.calibration is None:
+                return [1.0 if c is None else c for c in confs]
+            return [1.0 if t is None and c is None else self.acceptance(c if t is None else t)
+                    for t, c in zip(tops, confs)]
+        out = read(spec.path_top, spec.path_conf, len(spec.path))
+        if spec.fork is not None:
+            f = spec.fork
+            out += read([f.top], f.conf[:1], 1) + read([], f.branch_conf[0] if f.branch_conf else [], len(f.branches[0]))
+        return out
+
     @property
     def reads_rescues(self) -> bool:
         """Whether a decision reads the rescue table (the hold's odds, the measured-cost rule): only then is it worth
@@ -307,26 +328,15 @@ def line_of(spec: Speculation) -> list[int]:
     return spec.path + [spec.fork.candidates[0]] + spec.fork.branches[0]
 
 
-def line_confidence(spec: Speculation) -> list[float]:
-    """The draft's probability of each token of line_of(spec) (1.0 where none was recorded)."""
-    def padded(conf, tokens):
-        return list(conf[: len(tokens)]) + [1.0] * (len(tokens) - len(conf))
-    out = padded(spec.path_conf, spec.path)
-    if spec.fork is not None:
-        f = spec.fork
-        out += padded(f.conf[:1], f.candidates[:1]) + padded(f.branch_conf[0] if f.branch_conf else [], f.branches[0])
-    return out
-
-
-def feed_limit(confidences: list[float], stop: float) -> int:
+def feed_limit(acceptance: list[float], stop: float) -> int:
     """How many leading tokens of a line are worth feeding the target. Feeding token j only pays if tokens
-    1..j are all accepted (then its row yields one more token); the draft's odds of that are the product of
-    its confidences. Below `stop`, a longer verify pass costs more than it is expected to return (on a CPU
+    1..j are all accepted (then its row yields one more token); the odds of that are the product of their
+    `acceptance` (Policy.line_acceptance). Below `stop`, a longer verify pass costs more than it is expected to return (on a CPU
     each extra token fed costs a share of a step; 0 feeds everything). Token j+1 is judged all the same, by
     row j."""
     odds, n = 1.0, 0
-    for c in confidences:
-        odds *= c
+    for a in acceptance:
+        odds *= a
         if odds < stop:
             break
         n += 1
@@ -542,14 +552,15 @@ async def draft_until_verdict(state: RunState, spec: Speculation, ds: DraftState
 
 async def head_start(state: RunState, spec: Speculation, ds: DraftState, policy: Policy, events: list[Event]) -> None:
     """Before the target's pass, where the block it would verify is shorter than γ (after a rejection it is
-    empty: PEARL's pre-verify, a pass that can return one token only), let the draft step first while its odds
-    that the whole block is accepted (the product of its confidences) stay at least cfg.head_start. The target
+    empty: PEARL's pre-verify, a pass that can return one token only), let the draft step first while the odds
+    that the whole block is accepted (the product of Policy.line_acceptance) stay at least cfg.head_start. The target
     waits a draft step (a fraction of its own) for each token, and each token it then verifies returns a whole
     token when accepted. 0 = off."""
     if state.cfg.head_start <= 0:
         return
     cap = min(state.cfg.gamma, state.remaining - 1)
-    while ds.held is None and len(line_of(spec)) < cap and math.prod(line_confidence(spec)) >= state.cfg.head_start:
+    while ds.held is None and len(line_of(spec)) < cap and \
+            math.prod(policy.line_acceptance(spec)) >= state.cfg.head_start:
         await draft_step(state, spec, ds, policy, events, solo=True)
 
 
@@ -566,7 +577,7 @@ def parallel_decode(state: RunState, policy: Policy):
         # past the token budget, nor past where the draft's odds fall below cfg.feed_stop
         line = line_of(spec)
         n_fed = min(len(line), state.cfg.gamma, max(state.remaining - 1, 0),
-                    feed_limit(line_confidence(spec), state.cfg.feed_stop))
+                    feed_limit(policy.line_acceptance(spec), state.cfg.feed_stop))
         feed = state.tokens[len(state.target_seq):] + line[:n_fed]
         need_hidden = policy.hrad is not None or state.hrad_samples is not None
         target_job = asyncio.ensure_future(forward(state, state.pair.target, state.target_worker, state.target_cache,

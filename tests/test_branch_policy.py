@@ -13,7 +13,7 @@ from engine.decoding import RunState
 from engine.events import (ACCEPTED, BONUS, CORRECTION, RESCUED, VERIFY, BranchResolved, DraftProposed, TimingSpan,
                            Verified)
 from engine.parallel import (BranchCosts, Fork, Policy, Speculation, alternatives_share, feed_limit, judged_path,
-                             line_confidence, line_of, missed_rescue, resolve)
+                             line_of, missed_rescue, resolve)
 from engine.sampling import TOPK
 
 V = 10
@@ -44,21 +44,41 @@ def test_line_reads_the_first_branch():
 
 
 def test_feed_limit_follows_the_odds_along_the_first_branch():
-    """The line is fed while the product of the draft's confidences stays at or above the stop: through a
-    fork, the first candidate's probability counts, and so do its branch's tokens."""
+    """The line is fed while the product of its tokens' acceptance stays at or above the stop: through a fork, the
+    first candidate's counts, and so do its branch's tokens. With no calibration a token reads as its draft's
+    confidence: its largest probability where it was drafted, else the token's own."""
     q = torch.full((V,), 1.0 / V, dtype=torch.float64)
     fork = Fork(q, [5, 6], TOPK, 1, [[7, 8], [9]], [[q, q], [q]], conf=[0.4, 0.3], branch_conf=[[0.9, 0.5], [0.8]])
     spec = Speculation([4], [q], fork, path_conf=[0.9])
     assert line_of(spec) == [4, 5, 7, 8]
-    confidences = line_confidence(spec)
-    assert confidences == [0.9, 0.4, 0.9, 0.5]
+    acceptance = Policy().line_acceptance(spec)
+    assert acceptance == [0.9, 0.4, 0.9, 0.5]
     # odds along the line: 0.9, 0.36, 0.324, 0.162
-    assert [feed_limit(confidences, stop) for stop in (0.0, 0.2, 0.33, 0.5, 0.95)] == [4, 3, 2, 1, 0]
+    assert [feed_limit(acceptance, stop) for stop in (0.0, 0.2, 0.33, 0.5, 0.95)] == [4, 3, 2, 1, 0]
     # a token with no recorded confidence is fed as before; a partly verified path keeps its own odds
-    assert line_confidence(Speculation([4, 5], [q, q])) == [1.0, 1.0]
+    assert Policy().line_acceptance(Speculation([4, 5], [q, q])) == [1.0, 1.0]
     assert feed_limit([0.5, 0.5], 0.3) == 1 and feed_limit([], 0.3) == 0
 
 
+def test_line_acceptance_reads_the_measured_acceptance_where_a_token_was_drafted():
+    """Sampled, the rule accepts a token drawn from q with probability sum(min(p, q)) whichever token was drawn.
+    Unmeasured (PEARL), a token reads as its own probability. Measured (SpecBranch), it reads as the acceptance
+    measured at the draft's largest probability where it was drafted: a token the draft gave 0.1 at a position where
+    it was 0.8 sure, at a confidence where every token was accepted, reads near 1. A branch token, whose position's
+    largest probability is not kept, reads at its own."""
+    q = torch.full((V,), 1.0 / V, dtype=torch.float64)
+    spec = Speculation([4, 5], [q, q], path_conf=[0.1, 0.6], path_top=[0.8, None])
+    assert Policy().line_acceptance(spec) == [0.1, 0.6]
+    measured = AcceptanceCalibration()
+    for _ in range(200):
+        measured.record(0.8, True)
+    policy = Policy(calibration=measured)
+    first, second = policy.line_acceptance(spec)
+    assert first > 0.96 and second == measured.acceptance(0.6) == 0.6
+    fork = Fork(q, [6, 7], TOPK, 2, [[8], [9]], [[q], [q]], conf=[0.2, 0.1], branch_conf=[[0.3], [0.5]], top=0.8)
+    forked_spec = Speculation([4, 5], [q, q], fork, [0.1, 0.6], [0.8, None])
+    assert policy.line_acceptance(forked_spec) == [first, 0.6, first, 0.3]
+    assert Policy().line_acceptance(forked_spec) == [0.1, 0.6, 0.2, 0.3]
 def test_feed_stop_shortens_verify_passes_and_stays_greedy(tiny_engine):
     """Through the engine: with a feed stop the target is fed fewer drafted tokens per verify pass, and the
     output is still the target's own greedy output (the token after the fed ones is judged by the last row).

@@ -120,6 +120,27 @@ def test_long_runs_to_the_context_end_match_ar(tiny_engine, method, gamma):
             assert len(s.token_ids) == 64 - len(prompt) and s.finish_reason == "length"
 
 
+def test_sampled_head_start_reads_the_measured_acceptance(tiny_dirs):
+    """A draft that is the target is accepted at every token, also where it drew one it gave little mass. Sampled,
+    PEARL's head start reads each token's own probability and stops leading early; SpecBranch's reads the acceptance
+    it measured where each token was drafted (Policy.line_acceptance), so once its table has verdicts it leads the
+    target's passes to γ: fewer passes for the same number of tokens."""
+    engine = Engine(load_pair(str(tiny_dirs["target"]), str(tiny_dirs["target"]), device="cpu", draft_matmul="float32"))
+    try:
+        def passes(method, seed):
+            run = engine.run([2, 3, 4, 5], GenerationConfig(method=method, max_new_tokens=40, gamma=3, head_start=0.6,
+                                                            temperature=1.0, seed=seed))
+            assert run.metrics["acceptance_rate"] == 1.0 and len(run.token_ids) == 40
+            fed = [e.drafted for e in run.events if isinstance(e, Verified)]
+            return sum(fed) / len(fed), run.metrics["target_forwards"]
+        for seed in range(3):  # SpecBranch's first runs fill its table
+            passes("specbranch-no-branch", seed)
+        (measured, measured_passes), (pearl, pearl_passes) = passes("specbranch-no-branch", 3), passes("pearl", 3)
+        assert measured >= pearl + 0.5 and measured_passes < pearl_passes
+    finally:
+        engine.close()
+
+
 def test_head_start_verifies_drafted_tokens_after_a_rejection(tiny_engine):
     """Without a head start, the pass after a rejection is fed no drafted token (PEARL's pre-verify: its one row
     judges the first token drafted beside it, so it returns one token). With one, the draft leads: every pass is
