@@ -54,6 +54,9 @@ already drafted and survive (purple *rescued* tokens); only the other branches a
 each confidence (each method keeps its own counts, for as long as the app runs), and forks where that rate is
 below ε. A draft that is right even when unsure (the app's 4-bit draft) then stops forking after its first few
 rounds; the paper's rule, which trusts the confidence as is, is `--no-calibrate` on the CLI.
+The same counts set how far the draft leads the target (the head start): sampled, a near-copy of the target is
+accepted even where it drew a token it gave little mass, so SpecBranch leads whole blocks where PEARL, which reads
+each drawn token's probability, starts the target's pass early (docs/RESULTS.md §0o).
 The *hold* slider makes SpecBranch rollback-aware: where the odds that what it would draft is accepted (those of
 the tokens still pending times its own, or a fork's, as measured) fall below the hold, the draft drafts nothing,
 and the target takes that token itself, as in plain decoding. The step's caption says "the draft held back". With

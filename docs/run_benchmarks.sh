@@ -379,3 +379,23 @@ done
 $PY -m engine summarize docs/solo-self-t1-s{0,1,2}.json --json docs/solo-self-t1.json
 #     and the engine's one-thread host loop for a caller whose thread runs 2 threads, before and after, alternated
 PYTHONPATH=. $PY docs/host_thread_ab.py
+
+# 24. SpecBranch's draft length reads the acceptance it measured (docs/RESULTS.md §0o): the 4-bit self-draft with its
+#     settings, seeds 0-2 at T=1 and T=0; then an alternated A/B, seed 0, of a805781 (A) against e9ea3f3 (B)
+for T in 1 0; do
+  for s in 0 1 2; do
+    $PY -m engine bench --methods ar,sd,pearl,specbranch,specbranch-no-branch ${SELF/--temperature 0/--temperature $T} \
+        --seed $s --json docs/measured-self-t$T-s$s.json
+  done
+  $PY -m engine summarize docs/measured-self-t$T-s{0,1,2}.json --json docs/measured-self-t$T.json
+done
+git worktree add -f /tmp/abA a805781 && git worktree add -f /tmp/abB e9ea3f3
+for T in 0 1; do
+  for pair in "1 A B" "2 B A"; do
+    set -- $pair; r=$1; shift
+    for v in "$@"; do
+      (cd /tmp/ab$v && PYTHONPATH=. "$(realpath "$OLDPWD/$PY")" -m engine bench --methods ar,pearl,specbranch \
+          ${SELF/--temperature 0/--temperature $T} --seed 0 --json "$OLDPWD/docs/headstart-ab-t$T-$v-$r.json")
+    done
+  done
+done
