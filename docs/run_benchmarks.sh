@@ -399,3 +399,5 @@ for T in 0 1; do
     done
   done
 done
+#   and the poorly aligned regime again (hold 0.5; the head start and feed stop read the measured acceptance)
+weak_with_hold measured-weak-foreign
