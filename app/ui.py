@@ -89,12 +89,14 @@ slower beside the other: in one bench run a target pass cost 66 ms in SD and 87 
 
 # The Live and Compare defaults, chosen by the bench on data/tuning_prompts.jsonl for each kind of draft: a
 # distilled draft (docs/RESULTS.md §0, §0e), and the target itself read in 4 bits, which agrees with the target on
-# over 99 % of tokens, so it drafts long blocks without stopping and forks only where it is very unsure (§0f).
+# over 99 % of tokens, so it drafts long blocks without stopping and forks only where it is very unsure (§0f; γ 8
+# since SpecBranch's head start reads its measured acceptance, §0o: on the tuning prompts SpecBranch ran 2.49 / 2.63 /
+# 2.72× ar at T=0 and 2.30 / 2.60 / 2.38× at T=1 with γ 6 / 8 / 10).
 # SpecBranch's hold (§0i): 0.5 for a distilled draft (tuning prompts: 1.01× PEARL at T=1 against 0.86× without, a
 # tie at T=0, path rollback halved); 0 for the 4-bit self-draft, which it only slowed (0.71-0.75× PEARL)
 DEFAULTS = {"gamma": 3, "epsilon": 0.5, "draft_stop": 0.3, "feed_stop": 0.0, "head_start": 0.3, "hold": 0.5,
             "hrad": False}
-SELF_DEFAULTS = {"gamma": 6, "epsilon": 0.1, "draft_stop": 0.0, "feed_stop": 0.0, "head_start": 0.02, "hold": 0.0,
+SELF_DEFAULTS = {"gamma": 8, "epsilon": 0.1, "draft_stop": 0.0, "feed_stop": 0.0, "head_start": 0.02, "hold": 0.0,
                  "hrad": False}
 
 # H-RAD ships off: on held-out prompts it placed branch points no better than the draft's confidence alone
