@@ -43,8 +43,8 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-stop", type=float, default=0.0,
                    help="pearl, specbranch: end a round's drafting after a token drawn with confidence below this")
     p.add_argument("--feed-stop", type=float, default=0.0,
-                   help="pearl, specbranch: feed the target drafted tokens only while the odds that all "
-                        "are accepted (as the policy reads the draft's confidence) stay at least this (0 = up to γ; the next token is judged anyway)")
+                   help="pearl, specbranch: feed the target drafted tokens only while the odds that all are "
+                        "accepted stay at least this (0 = up to γ; the next token is judged anyway)")
     p.add_argument("--head-start", type=float, default=0.0,
                    help="pearl, specbranch: before a target pass on a block shorter than γ (after a rejection), let "
                         "the draft step first while its odds that the whole block is accepted stay >= this (0 = off)")

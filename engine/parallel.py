@@ -155,7 +155,8 @@ class Policy:
         out = read(spec.path_top, spec.path_conf, len(spec.path))
         if spec.fork is not None:
             f = spec.fork
-            out += read([f.top], f.conf[:1], 1) + read([], f.branch_conf[0] if f.branch_conf else [], len(f.branches[0]))
+            branch_conf = f.branch_conf[0] if f.branch_conf else []
+            out += read([f.top], f.conf[:1], 1) + read([], branch_conf, len(f.branches[0]))
         return out
 
     @property
@@ -331,9 +332,9 @@ def line_of(spec: Speculation) -> list[int]:
 def feed_limit(acceptance: list[float], stop: float) -> int:
     """How many leading tokens of a line are worth feeding the target. Feeding token j only pays if tokens
     1..j are all accepted (then its row yields one more token); the odds of that are the product of their
-    `acceptance` (Policy.line_acceptance). Below `stop`, a longer verify pass costs more than it is expected to return (on a CPU
-    each extra token fed costs a share of a step; 0 feeds everything). Token j+1 is judged all the same, by
-    row j."""
+    `acceptance` (Policy.line_acceptance). Below `stop`, a longer verify pass costs more than it is expected to
+    return (on a CPU each extra token fed costs a share of a step; 0 feeds everything). Token j+1 is judged all the
+    same, by row j."""
     odds, n = 1.0, 0
     for a in acceptance:
         odds *= a
@@ -553,9 +554,9 @@ async def draft_until_verdict(state: RunState, spec: Speculation, ds: DraftState
 async def head_start(state: RunState, spec: Speculation, ds: DraftState, policy: Policy, events: list[Event]) -> None:
     """Before the target's pass, where the block it would verify is shorter than γ (after a rejection it is
     empty: PEARL's pre-verify, a pass that can return one token only), let the draft step first while the odds
-    that the whole block is accepted (the product of Policy.line_acceptance) stay at least cfg.head_start. The target
-    waits a draft step (a fraction of its own) for each token, and each token it then verifies returns a whole
-    token when accepted. 0 = off."""
+    that the whole block is accepted (the product of Policy.line_acceptance) stay at least cfg.head_start. The
+    target waits a draft step (a fraction of its own) for each token, and each token it then verifies returns a
+    whole token when accepted. 0 = off."""
     if state.cfg.head_start <= 0:
         return
     cap = min(state.cfg.gamma, state.remaining - 1)

@@ -45,8 +45,8 @@ def test_line_reads_the_first_branch():
 
 def test_feed_limit_follows_the_odds_along_the_first_branch():
     """The line is fed while the product of its tokens' acceptance stays at or above the stop: through a fork, the
-    first candidate's counts, and so do its branch's tokens. With no calibration a token reads as its draft's
-    confidence: its largest probability where it was drafted, else the token's own."""
+    first candidate's counts, and so do its branch's tokens. With no calibration a token reads as the draft's
+    probability of it."""
     q = torch.full((V,), 1.0 / V, dtype=torch.float64)
     fork = Fork(q, [5, 6], TOPK, 1, [[7, 8], [9]], [[q, q], [q]], conf=[0.4, 0.3], branch_conf=[[0.9, 0.5], [0.8]])
     spec = Speculation([4], [q], fork, path_conf=[0.9])
@@ -79,6 +79,8 @@ def test_line_acceptance_reads_the_measured_acceptance_where_a_token_was_drafted
     forked_spec = Speculation([4, 5], [q, q], fork, [0.1, 0.6], [0.8, None])
     assert policy.line_acceptance(forked_spec) == [first, 0.6, first, 0.3]
     assert Policy().line_acceptance(forked_spec) == [0.1, 0.6, 0.2, 0.3]
+
+
 def test_feed_stop_shortens_verify_passes_and_stays_greedy(tiny_engine):
     """Through the engine: with a feed stop the target is fed fewer drafted tokens per verify pass, and the
     output is still the target's own greedy output (the token after the fed ones is judged by the last row).

@@ -122,9 +122,9 @@ def test_long_runs_to_the_context_end_match_ar(tiny_engine, method, gamma):
 
 def test_sampled_head_start_reads_the_measured_acceptance(tiny_dirs):
     """A draft that is the target is accepted at every token, also where it drew one it gave little mass. Sampled,
-    PEARL's head start reads each token's own probability and stops leading early; SpecBranch's reads the acceptance
-    it measured where each token was drafted (Policy.line_acceptance), so once its table has verdicts it leads the
-    target's passes to γ: fewer passes for the same number of tokens."""
+    PEARL's head start reads each token's own probability and stops leading early; SpecBranch's (here without forks,
+    which keeps its tables) reads the acceptance it measured where each token was drafted (Policy.line_acceptance),
+    so once its table has verdicts it leads the target's passes to γ: fewer passes for the same number of tokens."""
     engine = Engine(load_pair(str(tiny_dirs["target"]), str(tiny_dirs["target"]), device="cpu", draft_matmul="float32"))
     try:
         def passes(method, seed):
