@@ -404,7 +404,7 @@ weak_with_hold measured-weak-foreign
 
 # 25. γ for the 4-bit self-draft now that SpecBranch's head start leads whole blocks (docs/RESULTS.md §0o): on the
 #     tuning prompts, γ 6, 8 and 10 at T=1 and T=0 (one run each; the γ 6 runs have no sd row), then the benchmark
-#     split with γ 8, seeds 0-2
+#     split with γ 8, seeds 0-4 at T=1 (3 and 4 were run after the others) and 0-2 at T=0
 TUNE="--draft self --dataset data/tuning_prompts.jsonl --limit 6 --max-new-tokens 64 --draft-stop 0 --head-start 0.02 --epsilon 0.1 --branches 3 --hold 0 --seed 0"
 for T in 1 0; do
   $PY -m engine bench --methods ar,pearl,specbranch $TUNE --gamma 6 --temperature $T --json docs/tune-gamma-self-t$T-g6.json
@@ -413,9 +413,10 @@ for T in 1 0; do
   done
 done
 for T in 1 0; do
-  for s in 0 1 2; do
+  seeds=$([[ $T == 1 ]] && echo "0 1 2 3 4" || echo "0 1 2")
+  for s in $seeds; do
     $PY -m engine bench --methods ar,sd,pearl,specbranch,specbranch-no-branch ${SELF/--gamma 6/--gamma 8} \
         --temperature $T --seed $s --json docs/gamma8-self-t$T-s$s.json
   done
-  $PY -m engine summarize docs/gamma8-self-t$T-s{0,1,2}.json --json docs/gamma8-self-t$T.json
+  $PY -m engine summarize $(for s in $seeds; do echo docs/gamma8-self-t$T-s$s.json; done) --json docs/gamma8-self-t$T.json
 done
