@@ -213,6 +213,18 @@ class DraftState:
     # rows[0]: it drafts no further until the target has produced that position's token, or a rejection drops it
     held_top: float = 0.0  # ... and its largest untempered probability there
     held_alts: tuple[float, list[int]] | None = None  # ... and the fork it could have made there (path_alts)
+    after_hold: bool = False  # the target produced the position the draft held back at, and the draft has not
+    # stepped since: its next step's decision is counted in holds_again
+    holds_again: list[int] = field(default_factory=lambda: [1, 2])  # [first steps after a hold that held again, first
+    # steps after a hold], with a prior of 1 in 2
+
+    @property
+    def follows(self) -> bool:
+        """Right after a hold, where this run's draft has more often held again than drafted at its next step: the
+        draft follows the target. The target's next pass starts at once, without a head start (head_start), which
+        would most likely be a step that holds again while the target waits on it; the draft's next step runs
+        beside the pass, which judges the token it drafts, if any (PEARL's pre-verify)."""
+        return self.after_hold and 2 * self.holds_again[0] > self.holds_again[1]
 
 
 async def draft_step(state: RunState, spec: Speculation, ds: DraftState, policy: Policy, events: list[Event],
@@ -240,6 +252,10 @@ async def draft_step(state: RunState, spec: Speculation, ds: DraftState, policy:
         ds.fresh = False
         ds.linear_steps += 1
         odds = policy.path_odds(spec) * policy.holds_up(top, k) if policy.hold > 0 else 1.0
+        if ds.after_hold:
+            ds.holds_again[0] += policy.held_back(odds)
+            ds.holds_again[1] += 1
+            ds.after_hold = False
         if policy.held_back(odds):
             ds.held, ds.held_top, ds.held_alts = q, top[0], alts
             events.append(DraftProposed(state.step, [], [], [], parent_position=len(seq), kind="held",
@@ -506,7 +522,7 @@ def release_hold(state: RunState, rows: torch.Tensor, out: Outcome, ds: DraftSta
                                state.probe_generator)
         if policy.rescues is not None and missed is not None:
             policy.rescues.record(*missed)
-        ds.held, ds.held_alts = None, None
+        ds.held, ds.held_alts, ds.after_hold = None, None, True
 
 
 def hrad_features(state: RunState, hidden, position: int) -> torch.Tensor:
@@ -556,8 +572,8 @@ async def head_start(state: RunState, spec: Speculation, ds: DraftState, policy:
     empty: PEARL's pre-verify, a pass that can return one token only), let the draft step first while the odds
     that the whole block is accepted (the product of Policy.line_acceptance) stay at least cfg.head_start. The
     target waits a draft step (a fraction of its own) for each token, and each token it then verifies returns a
-    whole token when accepted. 0 = off."""
-    if state.cfg.head_start <= 0:
+    whole token when accepted. 0 = off. Nor where the draft follows the target (DraftState.follows)."""
+    if state.cfg.head_start <= 0 or ds.follows:
         return
     cap = min(state.cfg.gamma, state.remaining - 1)
     while ds.held is None and len(line_of(spec)) < cap and \

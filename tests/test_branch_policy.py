@@ -460,3 +460,49 @@ def test_held_positions_are_left_to_the_target_and_still_measured(tiny_dirs):
         assert engine.calibration(GenerationConfig(method="specbranch-no-branch", hold=1.0)).table() == []
     finally:
         engine.close()
+
+
+def test_a_draft_that_holds_again_after_a_hold_follows_the_target(tiny_engine):
+    """Where the target produced the position the draft held back at (release_hold), the draft's next step decides
+    again, and the run counts how often it held again. Where it has more often than not, the draft follows the
+    target: the next pass starts at once, with no head start, and the draft steps beside it. Otherwise it leads as
+    before. A rejection before the held position makes the hold moot and counts nothing."""
+    import asyncio
+
+    from engine.parallel import DraftState, Outcome, draft_step, head_start, release_hold
+
+    cfg = GenerationConfig(method="specbranch", gamma=3, epsilon=0.5, head_start=0.3, hold=0.5)
+    state = RunState(tiny_engine.pair, cfg, tiny_engine.target_worker, tiny_engine.draft_worker,
+                     tokens=[2, 3, 4], prompt_len=3, eos_ids=set())
+    q = torch.full((V,), 1.0 / V, dtype=torch.float64)
+    for outcome, released in ((Outcome([6], [CORRECTION], Speculation()), True),  # the target produced position 3
+                              (Outcome([], [], Speculation()), False)):  # nothing committed yet: the hold stays
+        ds = DraftState(rows=[[2, 3, 4]], held=q, held_top=0.1)
+        release_hold(state, one_hot_rows([6]), outcome, ds, Policy(max_branches=3, hold=0.5))
+        assert ds.after_hold is released and (ds.held is None) is released
+    ds = DraftState(rows=[[2, 3, 4, 9]], held=q)  # held at position 4, but the target rejected the token at 3
+    release_hold(state, one_hot_rows([6]), Outcome([6], [CORRECTION], Speculation()), ds, Policy(hold=0.5))
+    assert ds.held is None and not ds.after_hold
+
+    def step(ds: DraftState, policy: Policy, lead: bool) -> list:
+        """The draft's forwards at the start of a round (lead) or beside the pass, from a fresh cache."""
+        fresh, events = RunState(tiny_engine.pair, cfg, tiny_engine.target_worker, tiny_engine.draft_worker,
+                                 tokens=[2, 3, 4], prompt_len=3, eos_ids=set()), []
+        ds.rows, ds.held = [[]], None
+        asyncio.run(head_start(fresh, Speculation(), ds, policy, events) if lead else
+                    draft_step(fresh, Speculation(), ds, policy, events))
+        return [e for e in events if isinstance(e, TimingSpan)]
+
+    always, never = Policy(max_branches=3, hold=1.0), Policy(max_branches=3, hold=1e-9)  # hold again / draft on
+    ds = DraftState(rows=[[]], after_hold=True)
+    assert not ds.follows  # the prior (1 in 2) leads
+    assert len(step(ds, always, lead=True)) == 1 and ds.holds_again == [2, 3] and not ds.after_hold
+    ds.after_hold = True
+    assert ds.follows and step(ds, always, lead=True) == []  # held again more often than not: no step first
+    step(ds, always, lead=False)  # its step beside the pass is counted all the same
+    assert ds.holds_again == [3, 4] and not ds.after_hold and not ds.follows
+    ds = DraftState(rows=[[]], after_hold=True, holds_again=[1, 2])
+    step(ds, never, lead=False)
+    assert ds.holds_again == [1, 3] and ds.held is None and not ds.after_hold
+    ds.after_hold = True
+    assert not ds.follows and len(step(ds, never, lead=True)) >= 1  # it drafted on: the head start leads
