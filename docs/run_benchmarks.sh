@@ -420,3 +420,32 @@ for T in 1 0; do
   done
   $PY -m engine summarize $(for s in $seeds; do echo docs/gamma8-self-t$T-s$s.json; done) --json docs/gamma8-self-t$T.json
 done
+
+# 26. A draft that holds again after a hold follows the target: no head start before the pass (docs/RESULTS.md §0p).
+#     A: worktree at d667e96 (before), B: at b846f28 (after), both in /tmp/ab$v
+#   a. the tuning prompts, the distilled draft's settings, T=0, seed 0: A then B, then B then A (self-skip once)
+TUNEH="--methods ar,pearl,specbranch --dataset data/tuning_prompts.jsonl --max-new-tokens 64 --temperature 0 --seed 0 --gamma 3 --draft-stop 0.3 --head-start 0.3 --epsilon 0.5 --branches 3 --hold 0.5"
+for d in embedded-weak embedded self-skip:3,4,5,25; do
+  pairs=$([[ $d == self-skip* ]] && echo "1:A:B" || echo "1:A:B 2:B:A")
+  for pair in $pairs; do
+    IFS=: read -r r first second <<< "$pair"
+    for v in $first $second; do
+      (cd /tmp/ab$v && PYTHONPATH=. "$(realpath "$OLDPWD/$PY")" -m engine bench $TUNEH --draft $d \
+          --json "$OLDPWD/docs/follow-tune-$(echo $d | tr ':,' '__')-$v-$r.json")
+    done
+  done
+done
+#   b. the poorly aligned regime on B, seeds 0-2
+weak_with_hold follow-weak-foreign
+#   c. the distilled draft with the app's settings on the benchmark split, seed 0, A/B alternated, T=0 then T=1
+for t in 0 1; do
+  for pair in "1:A:B" "2:B:A"; do
+    IFS=: read -r r first second <<< "$pair"
+    for v in $first $second; do
+      (cd /tmp/ab$v && PYTHONPATH=. "$(realpath "$OLDPWD/$PY")" -m engine bench --methods ar,pearl,specbranch \
+          --draft embedded --dataset all --limit 2 --max-new-tokens 64 --temperature $t --seed 0 --gamma 3 \
+          --draft-stop 0.3 --head-start 0.3 --epsilon 0.5 --branches 3 --hold 0.5 \
+          --json "$OLDPWD/docs/follow-distilled-t$t-$v-$r.json")
+    done
+  done
+done
