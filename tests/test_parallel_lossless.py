@@ -127,15 +127,21 @@ def test_sampled_head_start_reads_the_measured_acceptance(tiny_dirs):
     so once its table has verdicts it leads the target's passes to γ: fewer passes for the same number of tokens."""
     engine = Engine(load_pair(str(tiny_dirs["target"]), str(tiny_dirs["target"]), device="cpu", draft_matmul="float32"))
     try:
-        def passes(method, seed):
-            run = engine.run([2, 3, 4, 5], GenerationConfig(method=method, max_new_tokens=40, gamma=3, head_start=0.6,
-                                                            temperature=1.0, seed=seed))
-            assert run.metrics["acceptance_rate"] == 1.0 and len(run.token_ids) == 40
-            fed = [e.drafted for e in run.events if isinstance(e, Verified)]
-            return sum(fed) / len(fed), run.metrics["target_forwards"]
-        for seed in range(3):  # SpecBranch's first runs fill its table
-            passes("specbranch-no-branch", seed)
-        (measured, measured_passes), (pearl, pearl_passes) = passes("specbranch-no-branch", 3), passes("pearl", 3)
+        def passes(method, seeds):
+            """Drafted tokens each pass judged, every run's last pass left out (it ends at the token budget), and
+            target passes, over runs of these seeds. How many tokens the draft adds beside a pass depends on how
+            fast the two run here, so a single run of PEARL can come close; pooled over three it does not."""
+            fed, n = [], 0
+            for seed in seeds:
+                run = engine.run([2, 3, 4, 5], GenerationConfig(method=method, max_new_tokens=40, gamma=3,
+                                                                head_start=0.6, temperature=1.0, seed=seed))
+                assert run.metrics["acceptance_rate"] == 1.0 and len(run.token_ids) == 40
+                fed += [e.drafted for e in run.events if isinstance(e, Verified)][:-1]
+                n += run.metrics["target_forwards"]
+            return sum(fed) / len(fed), n
+        passes("specbranch-no-branch", range(3))  # SpecBranch's first runs fill its table
+        (measured, measured_passes), (pearl, pearl_passes) = (passes(m, range(3, 6))
+                                                              for m in ("specbranch-no-branch", "pearl"))
         assert measured >= pearl + 0.5 and measured_passes < pearl_passes
     finally:
         engine.close()
