@@ -14,8 +14,8 @@ import html
 import unicodedata
 from dataclasses import dataclass, field
 
-from engine.events import (BranchResolved, DraftProposed, Event, Rollback, RunStarted, StepStarted, TokensEmitted,
-                           Verified)
+from engine.events import (BranchResolved, DraftProposed, Event, Rollback, RunStarted, StepStarted, TimingSpan,
+                           TokensEmitted, Verified)
 
 # Verdicts a node can have, with (fill, stroke, text colour, dashed border).
 STYLE = {
@@ -463,8 +463,20 @@ def fork_reason(facts: StepFacts) -> str:
     return f" (draft confidence {cands.confidence:.2f}, acceptance odds {cands.odds:.2f})"
 
 
-def step_caption(step_events_: list[Event], step: int) -> str:
-    """One sentence on what the target decided in the step (plain text)."""
+def followed(step_events_: list[Event], previous: list[Event]) -> bool:
+    """SpecBranch's draft held back in the previous step, and in this one the target's pass did not wait on a draft
+    step: the draft's first step here ended after the pass began (a head start ends before it). Where the draft has
+    more often held again than not after a hold, it follows the target so (engine.parallel.DraftState.follows)."""
+    if not any(isinstance(e, DraftProposed) and e.kind == "held" for e in previous):
+        return False
+    spans = [e for e in step_events_ if isinstance(e, TimingSpan)]
+    target = next((e for e in spans if e.worker == "target"), None)
+    draft = next((e for e in spans if e.worker == "draft"), None)
+    return target is not None and draft is not None and draft.end > target.start
+
+
+def step_caption(step_events_: list[Event], step: int, previous: list[Event] = ()) -> str:
+    """One sentence on what the target decided in the step (plain text). `previous`: the step before's events."""
     facts = StepFacts.of(step_events_)
     parts = []
     if facts.verdict is not None and facts.verdict.tokens:
@@ -475,6 +487,8 @@ def step_caption(step_events_: list[Event], step: int) -> str:
         parts.append(f"fork of {len(f.candidates)}{fork_reason(facts)}: "
                      + (f"candidate {f.survivor + 1} survived" + (" (rescued)" if f.rescued else "")
                         if f.survivor >= 0 else "every candidate lost"))
+    if followed(step_events_, previous):
+        parts.append("after the hold, the target's pass started without waiting on a draft step")
     held = next((d for d in facts.proposals if d.kind == "held"), None)
     if held is not None:  # SpecBranch's hold: nothing was drafted where it would likely be rolled back
         parts.append(f"the draft held back (acceptance odds {held.odds:.2f}, draft confidence {held.confidence:.2f}):"
@@ -489,5 +503,5 @@ def tree_html(events: list[Event], step: int | None) -> str:
         return '<div class="tree-view"><p>No steps yet.</p></div>'
     mine = step_events(events, step)
     return (f'<div class="tree-view" data-step="{int(step)}"><div class="tree-caption">'
-            f'{html.escape(step_caption(mine, step))}</div><div class="tree-legend">{TREE_LEGEND}</div>'
+            f'{html.escape(step_caption(mine, step, step_events(events, step - 1)))}</div><div class="tree-legend">{TREE_LEGEND}</div>'
             f'<div class="tree-scroll">{tree_svg(mine, prefix_before(events, step))}</div></div>')

@@ -63,8 +63,9 @@ and the target takes that token itself, as in plain decoding. The step's caption
 a draft that is often wrong, this is what keeps the rollback markers rare. A fork's odds are counted the same way:
 wherever the target rejects the draft's token, fork or not, the engine plays the fork the draft could have made
 there and counts whether it would have rescued that position. Where, in this run, the draft has more often held
-back again than drafted right after a hold, the target's next pass starts at once, and on the timeline the draft's
-next step runs beside that pass instead of before it (docs/RESULTS.md §0p).
+back again than drafted right after a hold, the target's next pass starts at once: on the timeline the draft's next
+step runs beside that pass instead of before it, and the step's caption says the pass did not wait on a draft step
+(docs/RESULTS.md §0p).
 
 **Which draft.** On a CPU the app drafts with the target itself, its weights read in 4 bits (the GGUF file they came
 from stores them so; docs/RESULTS.md §0f, §0h). A draft step then costs about a third of a target step, and the

@@ -2,6 +2,7 @@
 whose label boxes never overlap, and escaping. No model is needed."""
 from __future__ import annotations
 
+import html
 import itertools
 import re
 
@@ -139,3 +140,27 @@ def test_token_text_is_escaped_and_whitespace_visible():
     assert "<img" not in svg and "<script" not in svg and "onerror=\"" not in svg
     assert "&lt;img␣src=x␣onerror=&quot;alert(1)&quot;&gt;" in svg  # shown as text (spaces made visible)
     assert "␣b⏎" in svg and visible(" \t\r\x00") == "␣⇥␍\\x00"
+
+
+def test_the_caption_says_when_the_pass_did_not_wait_on_the_draft_after_a_hold():
+    """After a step where the draft held back, the caption says so when the target's pass started before the draft's
+    first step of the step ended (the draft followed it, engine.parallel.DraftState.follows), and not when the draft
+    led (its step ended before the pass began) or when nothing was held."""
+    from app.tree import step_caption, tree_html
+    from engine.events import TimingSpan
+
+    held = [StepStarted(1, START, 0.0), DraftProposed(1, [], [], [], parent_position=START + 1, kind="held",
+                                                       confidence=0.2, odds=0.1),
+            TokensEmitted(1, [5], ["e"], ["target"], "e")]
+
+    def step(draft_start: float, draft_end: float) -> list:
+        return [StepStarted(2, START + 1, 0.1), TimingSpan("draft", "draft", 2, draft_start, draft_end),
+                TimingSpan("target", "verify", 2, 0.105, 0.15), TokensEmitted(2, [6], ["f"], ["target"], "f")]
+
+    words = "the target's pass started without waiting on a draft step"
+    followed, led = step(0.1051, 0.11), step(0.1, 0.104)
+    assert words in step_caption(followed, 2, held)
+    assert words not in step_caption(led, 2, held)
+    assert words not in step_caption(followed, 2, held[:1] + held[2:])  # nothing held the step before
+    shown = html.escape(words)  # the tree view escapes its caption
+    assert shown in tree_html(held + followed, 2) and shown not in tree_html(held + led, 2)
