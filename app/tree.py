@@ -465,8 +465,9 @@ def fork_reason(facts: StepFacts) -> str:
 
 def followed(step_events_: list[Event], previous: list[Event]) -> bool:
     """SpecBranch's draft held back in the previous step, and in this one the target's pass did not wait on a draft
-    step: the draft's first step here ended after the pass began (a head start ends before it). Where the draft has
-    more often held again than not after a hold, it follows the target so (engine.parallel.DraftState.follows)."""
+    step: the draft's first step here ended after the pass began (a head start ends before it). This is how the
+    draft follows the target where it has more often held again than not after a hold (parallel.DraftState.follows).
+    It reads the measured spans only, so a replay shows what the live run did."""
     if not any(isinstance(e, DraftProposed) and e.kind == "held" for e in previous):
         return False
     spans = [e for e in step_events_ if isinstance(e, TimingSpan)]
@@ -502,6 +503,7 @@ def tree_html(events: list[Event], step: int | None) -> str:
     if step is None:
         return '<div class="tree-view"><p>No steps yet.</p></div>'
     mine = step_events(events, step)
+    caption = step_caption(mine, step, step_events(events, step - 1))
     return (f'<div class="tree-view" data-step="{int(step)}"><div class="tree-caption">'
-            f'{html.escape(step_caption(mine, step, step_events(events, step - 1)))}</div><div class="tree-legend">{TREE_LEGEND}</div>'
+            f'{html.escape(caption)}</div><div class="tree-legend">{TREE_LEGEND}</div>'
             f'<div class="tree-scroll">{tree_svg(mine, prefix_before(events, step))}</div></div>')
