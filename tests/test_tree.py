@@ -6,8 +6,10 @@ import html
 import itertools
 import re
 
-from app.tree import CELL_PX, PAD_X, boxes_overlap, build_tree, cells, layout, tree_svg, visible
-from engine.events import BranchResolved, DraftProposed, Rollback, StepStarted, TokensEmitted, Verified
+from app.tree import (CELL_PX, PAD_X, boxes_overlap, build_tree, cells, layout, step_caption, tree_html, tree_svg,
+                      visible)
+from engine.events import (BranchResolved, DraftProposed, Rollback, StepStarted, TimingSpan, TokensEmitted,
+                           Verified)
 
 START = 10  # committed tokens when the step begins
 
@@ -146,9 +148,6 @@ def test_the_caption_says_when_the_pass_did_not_wait_on_the_draft_after_a_hold()
     """After a step where the draft held back, the caption says so when the target's pass started before the draft's
     first step of the step ended (the draft followed it, engine.parallel.DraftState.follows), and not when the draft
     led (its step ended before the pass began) or when nothing was held."""
-    from app.tree import step_caption, tree_html
-    from engine.events import TimingSpan
-
     held = [StepStarted(1, START, 0.0), DraftProposed(1, [], [], [], parent_position=START + 1, kind="held",
                                                        confidence=0.2, odds=0.1),
             TokensEmitted(1, [5], ["e"], ["target"], "e")]
