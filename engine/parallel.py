@@ -57,6 +57,7 @@ class Fork:
     top: float | None = None  # the draft's largest untempered probability at the branch point
     share: float | None = None  # alternatives_share at the branch point (what Policy.rescues learns from)
     odds: float = 1.0  # Policy.holds_up at the branch point: the odds that one of the candidates survives
+    held: bool = False  # a branch step held back (draft_step): no branch is drafted further until the next verdict
 
 
 @dataclass
@@ -218,6 +219,10 @@ class DraftState:
     holds_again: list[int] = field(default_factory=lambda: [1, 2])  # [first steps after a hold that held again, first
     # steps after a hold], with a prior of 1 in 2
 
+    def holding(self, spec: Speculation) -> bool:
+        """The draft holds back: at the position after the path (held), or on the fork's branches (Fork.held)."""
+        return self.held is not None or (spec.fork is not None and spec.fork.held)
+
     @property
     def follows(self) -> bool:
         """Right after a hold, where this run's draft has more often held again than drafted at its next step: the
@@ -298,6 +303,17 @@ async def draft_step(state: RunState, spec: Speculation, ds: DraftState, policy:
                                                 t0=state.t0, tokens=k, solo=solo)
     events.append(span)
     raw = logits[:, -1].float().softmax(-1)  # [k, V], untempered
+    ds.fresh = False
+    # the hold, as on the path: where the first branch's line, with what this step would add (read, like a path
+    # token's, at the row's largest probability, before any draw, so that q stays what a kept token is drawn from),
+    # would most likely be rolled back, keep none of this step; the rows stay where they were (Fork.held)
+    odds = policy.line_odds(spec) * policy.acceptance(float(raw[0].max())) if policy.hold > 0 else 1.0
+    if policy.held_back(odds):
+        kv.rollback(cache, len(ds.rows[0]))  # undo what the step fed
+        fork.held = True
+        events.append(DraftProposed(state.step, [], [], [], branch=1, parent_position=len(ds.rows[0]) + 1,
+                                    kind="held", confidence=float(raw[0].max()), odds=odds))
+        return
     ds.confidence = float(raw.amax(-1).max())  # the surest branch's
     for i in range(k):
         ds.rows[i] = ds.rows[i] + [last[i]]
@@ -308,7 +324,6 @@ async def draft_step(state: RunState, spec: Speculation, ds: DraftState, policy:
         fork.branch_conf[i].append(float(raw[i, t]))
         events.append(DraftProposed(state.step, [t], state.pieces([t]), [float(q[t])], branch=i + 1,
                                     parent_position=len(ds.rows[i]), top=[top_alternatives(q)], kind="branch"))
-    ds.fresh = False
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -487,6 +502,8 @@ async def verify_round(state: RunState, spec: Speculation, n_fed: int, logits: t
     new = out.pending
     if new.fork is None:
         collapse_draft(state, ds, out.row)
+    else:  # the fork is still pending, behind fewer path tokens: its branches' odds are read afresh
+        new.fork.held = False
     # target: keep only the committed part of what it was fed; a head draft gets its features
     kept = common_prefix(state.target_seq, state.tokens)
     share_features(state, len(state.target_seq) - logits.shape[0], feats, kept)
@@ -555,10 +572,12 @@ async def draft_until_verdict(state: RunState, spec: Speculation, ds: DraftState
     post-verify mode; never beyond the tokens the run may still emit), or the draft's confidence in its last
     token falls below cfg.draft_stop (it would likely be rejected: drafting on wastes draft time, and
     verifying it wastes target time). With a hold, branches are drafted only while the first one's odds of holding
-    up (Policy.line_odds) stay at least the hold: past it, a branch token would only be rolled back."""
+    up (Policy.line_odds), with the next step's token, stay at least the hold: past it, a branch token would only be
+    rolled back (no step is taken where the line is already below; a step that would take it below keeps nothing,
+    draft_step)."""
     steps = 0
     cap = min(2 * state.cfg.gamma, state.remaining)  # never past the token budget, so never past the context
-    while ds.held is None and depth(spec) < cap and (steps == 0 or not target_job.done()):
+    while not ds.holding(spec) and depth(spec) < cap and (steps == 0 or not target_job.done()):
         if spec.fork is not None and policy.hold > 0 and policy.held_back(policy.line_odds(spec)):
             break
         await draft_step(state, spec, ds, policy, events)
@@ -576,7 +595,7 @@ async def head_start(state: RunState, spec: Speculation, ds: DraftState, policy:
     if state.cfg.head_start <= 0 or ds.follows:
         return
     cap = min(state.cfg.gamma, state.remaining - 1)
-    while ds.held is None and len(line_of(spec)) < cap and \
+    while not ds.holding(spec) and len(line_of(spec)) < cap and \
             math.prod(policy.line_acceptance(spec)) >= state.cfg.head_start:
         await draft_step(state, spec, ds, policy, events, solo=True)
 
