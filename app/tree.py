@@ -468,7 +468,7 @@ def followed(step_events_: list[Event], previous: list[Event]) -> bool:
     step: the draft's first step here ended after the pass began (a head start ends before it). This is how the
     draft follows the target where it has more often held again than not after a hold (parallel.DraftState.follows).
     It reads the measured spans only, so a replay shows what the live run did."""
-    if not any(isinstance(e, DraftProposed) and e.kind == "held" for e in previous):
+    if not any(isinstance(e, DraftProposed) and e.kind == "held" and e.branch == 0 for e in previous):
         return False
     spans = [e for e in step_events_ if isinstance(e, TimingSpan)]
     target = next((e for e in spans if e.worker == "target"), None)
@@ -490,10 +490,14 @@ def step_caption(step_events_: list[Event], step: int, previous: list[Event] = (
                         if f.survivor >= 0 else "every candidate lost"))
     if followed(step_events_, previous):
         parts.append("after the hold, the target's pass started without waiting on a draft step")
-    held = next((d for d in facts.proposals if d.kind == "held"), None)
+    held = next((d for d in facts.proposals if d.kind == "held" and d.branch == 0), None)
     if held is not None:  # SpecBranch's hold: nothing was drafted where it would likely be rolled back
         parts.append(f"the draft held back (acceptance odds {held.odds:.2f}, draft confidence {held.confidence:.2f}):"
                      " the target takes that token itself")
+    held = next((d for d in facts.proposals if d.kind == "held" and d.branch > 0), None)
+    if held is not None:  # ... and on a fork's branches: no branch token past where the line would likely fail
+        parts.append(f"the branches held back (odds that the first branch's line holds up with one more token "
+                     f"{held.odds:.2f}): no branch token until the target's verdict")
     parts.append(f"{len(facts.emitted_pieces)} token(s) committed, {facts.dropped} rolled back")
     return f"Step {step}: " + "; ".join(parts)
 

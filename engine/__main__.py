@@ -66,6 +66,10 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
                    help="specbranch: draft nothing where the odds that it is accepted (read as for ε) fall below "
                         "this, and leave that position to the target: no token is drafted only to be rolled back "
                         "(0 = off)")
+    p.add_argument("--hold-branches", action="store_true",
+                   help="specbranch, with --hold: also keep nothing of a branch step where the first branch's odds "
+                        "with the token it would add fall below the hold (fewer branch tokens rolled back; costs τ "
+                        "where branch tokens are often accepted, docs/RESULTS.md §0q)")
 
 
 def add_record_arguments(p: argparse.ArgumentParser) -> None:
@@ -114,7 +118,7 @@ def config_from(args, method: str) -> GenerationConfig:
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed, gamma=args.gamma, draft_stop=args.draft_stop,
                             feed_stop=args.feed_stop, head_start=args.head_start, branches=args.branches,
                             epsilon=args.epsilon, hrad=args.hrad, branch_costs=args.branch_costs,
-                            calibrate=args.calibrate, hold=args.hold).validate()
+                            calibrate=args.calibrate, hold=args.hold, hold_branches=args.hold_branches).validate()
 
 
 def build_engine(args, need_draft: bool):

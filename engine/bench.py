@@ -153,7 +153,8 @@ def run_bench(entries: list[tuple[str, object, str]], args, log=None) -> dict:
                           if eng.pair.draft and method != "ar" else None for label, eng, method in entries},
         "settings": {k: getattr(args, k) for k in ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "gamma",
                                                      "draft_stop", "feed_stop", "head_start", "branches", "epsilon",
-                                                     "hrad", "branch_costs", "calibrate", "hold", "limit", "dataset")},
+                                                     "hrad", "branch_costs", "calibrate", "hold", "hold_branches", "limit",
+                                                     "dataset")},
         "identical_to_ar": ({m: f"{n}/{len(encoded)}" for m, n in outputs_match.items()}
                             if args.temperature == 0 and "ar" in methods else None),
         "results": results,

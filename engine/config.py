@@ -61,6 +61,9 @@ class GenerationConfig:
     # (engine/calibration.py) before comparing it with ε; False: the confidence as is (the paper's rule)
     hold: float = 0.0  # specbranch: draft nothing where the odds that it is accepted (its own token, or one of a fork's
     # candidates; the acceptance read as for ε) fall below this: the target takes that position itself (0 = off)
+    hold_branches: bool = False  # specbranch, with a hold: a branch step keeps nothing where the first branch's odds
+    # with the token it would add fall below the hold (else only the odds before the step are read): fewer branch
+    # tokens rolled back, a little less τ where branch tokens are often accepted (docs/RESULTS.md §0q)
 
     @property
     def greedy(self) -> bool:
@@ -89,6 +92,8 @@ class GenerationConfig:
             raise SpecBranchError(f"head-start must be in [0, 1] (0 = off), got {self.head_start!r}")
         if not (0.0 <= self.hold <= 1.0):
             raise SpecBranchError(f"hold must be in [0, 1] (0 = off), got {self.hold!r}")
+        if self.hold_branches and self.hold <= 0:
+            raise SpecBranchError("hold-branches reads the hold: give a hold above 0 (--hold)")
         if not (0.0 <= self.epsilon <= 1.0):
             raise SpecBranchError(f"epsilon must be in [0, 1], got {self.epsilon!r}")
         return self

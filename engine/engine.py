@@ -164,11 +164,12 @@ class Engine:
         if cfg.method == "specbranch-no-branch":
             return Policy(max_branches=1, hold=cfg.hold, **measured)
         if cfg.method == "specbranch-fixed":
-            return Policy(max_branches=cfg.branches, fixed_at=max(0, cfg.gamma // 2 - 1), hold=cfg.hold, **measured)
+            return Policy(max_branches=cfg.branches, fixed_at=max(0, cfg.gamma // 2 - 1), hold=cfg.hold,
+                          hold_branches=cfg.hold_branches, **measured)
         use_hrad = cfg.hrad and cfg.method == "specbranch"
         return Policy(max_branches=cfg.branches, epsilon=cfg.epsilon, hrad=self.hrad if use_hrad else None,
                       costs=self.branch_costs(cfg.branches) if cfg.branch_costs and cfg.branches > 1 else None,
-                      hold=cfg.hold, **measured)
+                      hold=cfg.hold, hold_branches=cfg.hold_branches, **measured)
 
     def calibration(self, cfg: GenerationConfig, table: str = "acceptance") -> AcceptanceCalibration:
         """What this engine's SpecBranch runs measured (engine/calibration.py), kept across runs, one table per

@@ -109,6 +109,7 @@ class Policy:
     calibration: AcceptanceCalibration | None = None  # measured acceptance by confidence (None: confidence as is)
     rescues: AcceptanceCalibration | None = None  # measured rescues by the alternatives' share (None: the share as is)
     hold: float = 0.0  # draft nothing where the odds that it holds up fall below this (held_back; 0 = off)
+    hold_branches: bool = False  # ... and keep nothing of a branch step that would take the line below it (draft_step)
 
     def acceptance(self, confidence: float) -> float:
         """The odds that a token drafted at this confidence is accepted: measured, or the confidence itself."""
@@ -304,10 +305,11 @@ async def draft_step(state: RunState, spec: Speculation, ds: DraftState, policy:
     events.append(span)
     raw = logits[:, -1].float().softmax(-1)  # [k, V], untempered
     ds.fresh = False
-    # the hold, as on the path: where the first branch's line, with what this step would add (read, like a path
-    # token's, at the row's largest probability, before any draw, so that q stays what a kept token is drawn from),
-    # would most likely be rolled back, keep none of this step; the rows stay where they were (Fork.held)
-    odds = policy.line_odds(spec) * policy.acceptance(float(raw[0].max())) if policy.hold > 0 else 1.0
+    # --hold-branches: the hold, as on the path. Where the first branch's line, with what this step would add (read,
+    # like a path token's, at the row's largest probability, before any draw, so that q stays what a kept token is
+    # drawn from: a token redrawn until it looked likely would not be), would most likely be rolled back, keep none
+    # of this step; the rows stay where they were (Fork.held)
+    odds = policy.line_odds(spec) * policy.acceptance(float(raw[0].max())) if policy.hold_branches else 1.0
     if policy.held_back(odds):
         kv.rollback(cache, len(ds.rows[0]))  # undo what the step fed
         fork.held = True
@@ -572,9 +574,8 @@ async def draft_until_verdict(state: RunState, spec: Speculation, ds: DraftState
     post-verify mode; never beyond the tokens the run may still emit), or the draft's confidence in its last
     token falls below cfg.draft_stop (it would likely be rejected: drafting on wastes draft time, and
     verifying it wastes target time). With a hold, branches are drafted only while the first one's odds of holding
-    up (Policy.line_odds), with the next step's token, stay at least the hold: past it, a branch token would only be
-    rolled back (no step is taken where the line is already below; a step that would take it below keeps nothing,
-    draft_step)."""
+    up (Policy.line_odds) stay at least the hold: past it, a branch token would only be rolled back. With
+    hold_branches, also a step that would take them below keeps nothing (draft_step)."""
     steps = 0
     cap = min(2 * state.cfg.gamma, state.remaining)  # never past the token budget, so never past the context
     while not ds.holding(spec) and depth(spec) < cap and (steps == 0 or not target_job.done()):

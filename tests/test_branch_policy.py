@@ -506,3 +506,65 @@ def test_a_draft_that_holds_again_after_a_hold_follows_the_target(tiny_engine):
     assert ds.holds_again == [1, 3] and ds.held is None and not ds.after_hold
     ds.after_hold = True
     assert not ds.follows and len(step(ds, never, lead=True)) >= 1  # it drafted on: the head start leads
+
+
+def test_a_branch_step_below_the_hold_keeps_nothing(tiny_engine):
+    """With hold_branches the hold reads a branch step as it reads a path token: the first branch's line odds
+    (Policy.line_odds) times the acceptance read at the step's largest probability, before any draw. Where that falls
+    below the hold, the step keeps nothing (no branch token, the draft cache where it was), the fork holds until the
+    next verdict, and a "held" event on branch 1 says so; just above it, every branch grows by a token. Without it
+    (the default) only the odds before a step are read. Greedy output stays AR's either way."""
+    import asyncio
+
+    from engine import cache as kv
+    from engine.parallel import DraftState, draft_step, draft_until_verdict
+
+    cfg = GenerationConfig(method="specbranch", gamma=3, epsilon=1.0, hold=0.5)
+    state = RunState(tiny_engine.pair, cfg, tiny_engine.target_worker, tiny_engine.draft_worker,
+                     tokens=[2, 3, 4], prompt_len=3, eos_ids=set())
+    ds, spec, events = DraftState(rows=[[]]), Speculation(), []
+
+    def draft(hold: float = 0.0, strict: bool = False, until_verdict: bool = True) -> None:
+        """Draft steps with no verdict coming (one step, or on until the policy stops)."""
+        policy = Policy(max_branches=3, epsilon=1.0, hold=hold, hold_branches=strict)
+
+        async def go():
+            if not until_verdict:
+                return await draft_step(state, spec, ds, policy, events)
+            await draft_until_verdict(state, spec, ds, policy, asyncio.get_running_loop().create_future(), events)
+        asyncio.run(go())
+
+    draft(until_verdict=False)  # ε 1: the draft forks at its first step
+    draft(until_verdict=False)  # ... and steps its branches
+    fork = spec.fork
+    assert fork is not None and len(fork.candidates) >= 2 and all(len(b) == 1 for b in fork.branches)
+
+    def grew(before: list[list[int]]) -> bool:
+        return [len(b) for b in fork.branches] == [len(b) + 1 for b in before]
+
+    line, before = Policy(max_branches=3).line_odds(spec), [list(b) for b in fork.branches]
+    draft(hold=line)  # the default reads the line before a step: it takes one, then stops below the hold
+    assert grew(before) and not fork.held and not any(e.kind == "held" for e in events if isinstance(e, DraftProposed))
+    line, before = Policy(max_branches=3).line_odds(spec), [list(b) for b in fork.branches]
+    length, rows = kv.cache_length(state.draft_cache), [list(r) for r in ds.rows]
+    events.clear()
+    draft(hold=line, strict=True)  # the line alone holds up at the hold; with the next token it does not
+    held = [e for e in events if isinstance(e, DraftProposed) and e.kind == "held"]
+    assert len(held) == 1 and held[0].branch == 1 and held[0].tokens == [] and held[0].odds < line
+    assert abs(held[0].odds - line * held[0].confidence) < 1e-9  # no calibration: acceptance is the confidence
+    assert sum(isinstance(e, TimingSpan) for e in events) == 1  # one step taken, then no more this round
+    assert fork.held and fork.branches == before and ds.rows == rows
+    assert kv.cache_length(state.draft_cache) == length == len(ds.rows[0])
+    fork.held = False  # as after a verdict that leaves the fork pending (verify_round)
+    events.clear()
+    draft(hold=held[0].odds * (1 - 1e-6), strict=True, until_verdict=False)  # just below what it read: kept
+    assert grew(before) and not fork.held and kv.cache_length(state.draft_cache) == len(ds.rows[0]) == length + 1
+    assert not any(isinstance(e, DraftProposed) and e.kind == "held" for e in events)
+    # through the engine: forks whose branches hold, and the target's own greedy output
+    prompt = [2, 3, 4, 5]
+    want = tiny_engine.run(prompt, GenerationConfig(method="ar", max_new_tokens=40)).token_ids
+    for strict in (True, False):
+        r = tiny_engine.run(prompt, GenerationConfig(method="specbranch", max_new_tokens=40, gamma=3, epsilon=1.0,
+                                                     hold=0.3, hold_branches=strict, head_start=1e-9))
+        assert r.token_ids == want
+        assert any(isinstance(e, DraftProposed) and e.kind == "held" and e.branch == 1 for e in r.events) is strict

@@ -8,7 +8,7 @@ import torch
 
 from engine.config import GenerationConfig
 from engine.engine import Engine
-from engine.events import BranchResolved, TokensEmitted, Verified
+from engine.events import BranchResolved, DraftProposed, TokensEmitted, Verified
 from engine.lm_head import bf16_supported, int4_supported
 from engine.models import load_pair
 
@@ -23,6 +23,7 @@ N = 1500
     ("specbranch", dict(gamma=3, branches=3, epsilon=1.0)),  # ε = 1: fork at every fresh draft step
     ("specbranch", dict(gamma=3, branches=3, epsilon=1.0, feed_stop=0.5, hold=0.5)),  # shorter verify passes,
     # and the draft holds back where it is unsure
+    ("specbranch", dict(gamma=3, branches=3, epsilon=1.0, hold=0.5, hold_branches=True)),  # on the branches too
     ("specbranch", dict(gamma=3, branches=3, epsilon=1.0, head_start=0.2)),  # the draft leads short blocks
     ("specbranch", dict(gamma=2, branches=2, epsilon=1.0, top_k=5, top_p=0.9, temperature=0.8)),
 ])
@@ -51,15 +52,17 @@ def check_sampled(engine, method: str, extra: dict) -> None:
     extra = dict(extra)
     cfg = GenerationConfig(method=method, temperature=extra.pop("temperature", 1.0), max_new_tokens=3, **extra)
     counts: dict = {}
-    forks = rescues = 0
+    forks = rescues = branch_holds = 0
     for seed in range(N):
         r = engine.run(PROMPT, GenerationConfig(**{**cfg.to_dict(), "seed": seed}))
         key = tuple(r.token_ids[:3])
         counts[key] = counts.get(key, 0) + 1
         forks += sum(isinstance(e, BranchResolved) for e in r.events)
+        branch_holds += sum(isinstance(e, DraftProposed) and e.kind == "held" and e.branch > 0 for e in r.events)
         rescues += r.metrics["branch_rescues"]
     if method == "specbranch":
         assert forks > N / 2 and rescues > 0, "branches must be exercised, or this tests only PEARL"
+    assert (branch_holds > 0) is cfg.hold_branches  # a branch step kept nothing where, and only where, asked to
     vocab = engine.pair.target.vocab_size
     assert chi_square(counts, exact_joint(engine.pair.target.model, PROMPT, 3, cfg, vocab), N) > 1e-3
     assert chi_square(counts, exact_joint(engine.pair.draft.model, PROMPT, 3, cfg, vocab), N) < 1e-6
@@ -90,6 +93,7 @@ def greedy_references(embedded_target):
     ("pearl", dict(gamma=4)),
     ("specbranch", dict(gamma=4, branches=3, epsilon=0.9)),
     ("specbranch", dict(gamma=4, branches=3, epsilon=0.9, feed_stop=0.4, hold=0.3)),  # and a hold
+    ("specbranch", dict(gamma=4, branches=3, epsilon=0.9, hold=0.3, hold_branches=True)),  # on the branches too
     ("pearl", dict(gamma=3, head_start=0.3)),
 ])
 def test_greedy_equals_generate(embedded_target, greedy_references, method, extra):

@@ -163,3 +163,18 @@ def test_the_caption_says_when_the_pass_did_not_wait_on_the_draft_after_a_hold()
     assert words not in step_caption(followed, 2, held[:1] + held[2:])  # nothing held the step before
     shown = html.escape(words)  # the tree view escapes its caption
     assert shown in tree_html(held + followed, 2) and shown not in tree_html(held + led, 2)
+
+
+def test_the_caption_tells_a_branch_hold_from_a_path_hold():
+    """A hold on a fork's branches (a "held" proposal on branch 1) is captioned as such, with the line's odds it
+    read, and is not a path hold: the target takes no position for it, and the next step's pass did not follow it."""
+    branch_held = [*fork(survivor=0, rescued=False, tried=1)[:-1],
+                   DraftProposed(2, [], [], [], branch=1, parent_position=START + 4, kind="held", confidence=0.4,
+                                 odds=0.3125),
+                   fork(survivor=0, rescued=False, tried=1)[-1]]
+    caption = step_caption(branch_held, 2)
+    assert "the branches held back (odds that the first branch's line holds up with one more token 0.31)" in caption
+    assert "the target takes that token itself" not in caption
+    nxt = [StepStarted(3, START + 2, 0.1), TimingSpan("draft", "draft", 3, 0.1051, 0.11),
+           TimingSpan("target", "verify", 3, 0.105, 0.15), TokensEmitted(3, [6], ["f"], ["target"], "f")]
+    assert "started without waiting on a draft step" not in step_caption(nxt, 3, branch_held)
