@@ -59,9 +59,10 @@ accepted even where it drew a token it gave little mass, so SpecBranch leads who
 each drawn token's probability, starts the target's pass early (docs/RESULTS.md §0o).
 The *hold* slider makes SpecBranch rollback-aware: where the odds that what it would draft is accepted (those of
 the tokens still pending times its own, or a fork's, as measured) fall below the hold, the draft drafts nothing,
-and the target takes that token itself, as in plain decoding. The step's caption says "the draft held back". After
-a fork, the branches stop the same way: a branch step that would take the first branch's odds below the hold keeps
-nothing, and the caption says "the branches held back". With a draft that is often wrong, this is what keeps the rollback markers rare. A fork's odds are counted the same way:
+and the target takes that token itself, as in plain decoding. The step's caption says "the draft held back". With
+a draft that is often wrong, this is what keeps the rollback markers rare. (A run recorded with the CLI's
+`--hold-branches` also stops a fork's branches where one more token would take their odds below the hold; its
+caption says "the branches held back".) A fork's odds are counted the same way:
 wherever the target rejects the draft's token, fork or not, the engine plays the fork the draft could have made
 there and counts whether it would have rescued that position. Where, in this run, the draft has more often held
 back again than drafted right after a hold, the target's next pass starts at once: on the timeline the draft's next

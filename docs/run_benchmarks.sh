@@ -211,13 +211,14 @@ for c in calibrate no-calibrate; do
 done
 
 # the poorly aligned regime (docs/run_ablation.sh step 2's prompts and settings) with hold 0.5, seeds 0-2, into
-# docs/NAME-s<seed>.json and the pooled docs/NAME.json
+# docs/NAME-s<seed>.json and the pooled docs/NAME.json; further arguments go to every bench
 weak_with_hold() {
   local name=$1
+  shift
   for s in 0 1 2; do
     $PY -m engine bench --methods ar,sd,pearl,specbranch,specbranch-no-branch --draft embedded-weak \
         --dataset data/foreign_prompts.jsonl --max-new-tokens 64 --temperature 0 --seed $s --gamma 3 \
-        --draft-stop 0.3 --epsilon 0.5 --branches 3 --head-start 0.3 --hold 0.5 --json docs/$name-s$s.json
+        --draft-stop 0.3 --epsilon 0.5 --branches 3 --head-start 0.3 --hold 0.5 "$@" --json docs/$name-s$s.json
   done
   $PY -m engine summarize docs/$name-s{0,1,2}.json --json docs/$name.json
 }
@@ -449,3 +450,26 @@ for t in 0 1; do
     done
   done
 done
+
+# 27. The hold on a fork's branches, --hold-branches (docs/RESULTS.md §0q). Measured as A: worktree at a12eedb, B: at
+#     41afda6 (the rule with no flag), both in /tmp/ab$v; at 9d3c5dc or later the same A/B is one tree, the bench
+#     without (A) and with (B) --hold-branches.
+#   a. the tuning prompts (and the foreign tuning prompts), the distilled draft's settings, seed 0: pairs A/B then B/A
+HB_TUNE="--methods ar,pearl,specbranch --max-new-tokens 64 --seed 0 --gamma 3 --draft-stop 0.3 --head-start 0.3 --epsilon 0.5 --branches 3 --hold 0.5"
+hb_tune() {  # name draft dataset temperature pairs
+  local name=$1 d=$2 data=$3 t=$4 pairs=$5
+  for pair in $pairs; do
+    IFS=: read -r r first second <<< "$pair"
+    for v in $first $second; do
+      (cd /tmp/ab$v && PYTHONPATH=. "$(realpath "$OLDPWD/$PY")" -m engine bench $HB_TUNE --draft $d \
+          --dataset "$OLDPWD/$data" --temperature $t --json "$OLDPWD/docs/holdbranches-tune-$name-$v-$r.json")
+    done
+  done
+}
+hb_tune weak-foreign embedded-weak data/foreign_tuning_prompts.jsonl 0 "1:A:B 2:B:A"
+hb_tune weak embedded-weak data/tuning_prompts.jsonl 0 "1:A:B"
+hb_tune distilled-t0 embedded data/tuning_prompts.jsonl 0 "1:A:B 2:B:A 3:B:A 4:A:B"
+hb_tune distilled-t1 embedded data/tuning_prompts.jsonl 1 "1:A:B 2:B:A"
+hb_tune self-skip self-skip:3,4,5,25 data/tuning_prompts.jsonl 0 "1:A:B 2:B:A"
+#   b. the poorly aligned regime with --hold-branches, seeds 0-2 (at 9d3c5dc)
+weak_with_hold holdbranches-weak-foreign --hold-branches
