@@ -60,9 +60,9 @@ each drawn token's probability, starts the target's pass early (docs/RESULTS.md 
 The *hold* slider makes SpecBranch rollback-aware: where the odds that what it would draft is accepted (those of
 the tokens still pending times its own, or a fork's, as measured) fall below the hold, the draft drafts nothing,
 and the target takes that token itself, as in plain decoding. The step's caption says "the draft held back". With
-a draft that is often wrong, this is what keeps the rollback markers rare. (A run recorded with the CLI's
-`--hold-branches` also stops a fork's branches where one more token would take their odds below the hold; its
-caption says "the branches held back".) A fork's odds are counted the same way:
+a draft that is often wrong, this is what keeps the rollback markers rare. *Hold the branches too* (off by default)
+also stops a fork's branches where one more token would take their odds below the hold; the step's caption then says
+"the branches held back" (docs/RESULTS.md §0q). A fork's odds are counted the same way:
 wherever the target rejects the draft's token, fork or not, the engine plays the fork the draft could have made
 there and counts whether it would have rescued that position. Where, in this run, the draft has more often held
 back again than drafted right after a hold, the target's next pass starts at once: on the timeline the draft's next
@@ -99,10 +99,12 @@ slower beside the other: in one bench run a target pass cost 66 ms in SD and 87 
 # 2.72× ar at T=0 and 2.30 / 2.60 / 2.38× at T=1 with γ 6 / 8 / 10).
 # SpecBranch's hold (§0i): 0.5 for a distilled draft (tuning prompts: 1.01× PEARL at T=1 against 0.86× without, a
 # tie at T=0, path rollback halved); 0 for the 4-bit self-draft, which it only slowed (0.71-0.75× PEARL)
+# The hold on a fork's branches (§0q) halves PEARL's path rollback with a draft that is often wrong at the same speed,
+# but cost the distilled draft 7 % at T=0 on the tuning prompts: off for both
 DEFAULTS = {"gamma": 3, "epsilon": 0.5, "draft_stop": 0.3, "feed_stop": 0.0, "head_start": 0.3, "hold": 0.5,
-            "hrad": False}
+            "hold_branches": False, "hrad": False}
 SELF_DEFAULTS = {"gamma": 8, "epsilon": 0.1, "draft_stop": 0.0, "feed_stop": 0.0, "head_start": 0.02, "hold": 0.0,
-                 "hrad": False}
+                 "hold_branches": False, "hrad": False}
 
 # H-RAD ships off: on held-out prompts it placed branch points no better than the draft's confidence alone
 # (classification and speed, docs/RESULTS.md §0b); the checkbox says so where the user decides
@@ -110,12 +112,17 @@ HRAD_LABEL = ("H-RAD (classifier places branch points). Off by default: on held-
               "than confidence only (docs/RESULTS.md §0b)")
 
 
+HOLD_BRANCHES_LABEL = ("Hold the branches too (SpecBranch, with a hold): a branch step that would take the first "
+                       "branch's odds below the hold keeps nothing. Off by default: it cut path rollback at the same "
+                       "speed, except the distilled draft at T=0, 7 % slower (docs/RESULTS.md §0q)")
+
+
 def defaults_for(draft: str | None) -> dict:
     """The sliders' starting values for the draft spec the app serves."""
     return SELF_DEFAULTS if draft == "self" else DEFAULTS
 
 
-SLIDER_KEYS = ("gamma", "epsilon", "draft_stop", "feed_stop", "head_start", "hold", "hrad")
+SLIDER_KEYS = ("gamma", "epsilon", "draft_stop", "feed_stop", "head_start", "hold", "hold_branches", "hrad")
 
 
 def slider_defaults(draft: str | None) -> list:
@@ -136,7 +143,7 @@ def examples() -> list[list]:
 
 
 def make_config(method, max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, feed_stop, head_start,
-                hold, hrad, seed) -> GenerationConfig:
+                hold, hold_branches, hrad, seed) -> GenerationConfig:
     """Build and validate settings from the controls; raises SpecBranchError with the reason."""
     def number(value, name, cast):
         try:
@@ -150,7 +157,7 @@ def make_config(method, max_new, temperature, top_p, gamma, branches, epsilon, d
                             draft_stop=number(draft_stop, "draft stop", float),
                             feed_stop=number(feed_stop, "feed stop", float),
                             head_start=number(head_start, "head start", float), hold=number(hold, "hold", float),
-                            hrad=bool(hrad),
+                            hold_branches=bool(hold_branches), hrad=bool(hrad),
                             seed=number(seed, "seed", int)).validate()
 
 
@@ -237,13 +244,13 @@ def build_app(get_engine, get_store=None, defaults: dict | None = None, about: s
         return stored_ar_speed(store, owner, prompt, (pair.target.name, pair.draft.name if pair.draft else None))
 
     def generate(prompt, history, method, max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, feed_stop,
-                 head_start, hold, hrad, seed, chat,
+                 head_start, hold, hold_branches, hrad, seed, chat,
                  browser_id=None, show_rollbacks=False, draft=None, request: gr.Request = None):
         history = list(history or [])
         events: list[Event] = []
         try:
             cfg = make_config(method, max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, feed_stop,
-                              head_start, hold, hrad, seed)
+                              head_start, hold, hold_branches, hrad, seed)
             if not prompt or not prompt.strip():
                 raise SpecBranchError("the prompt is empty")
             engine = engine_for(draft)
@@ -303,7 +310,7 @@ def build_app(get_engine, get_store=None, defaults: dict | None = None, about: s
         return token_view(events or [], bool(show_rollbacks))
 
     def compare(prompt, methods, max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, feed_stop,
-                head_start, hold, hrad, seed, chat,
+                head_start, hold, hold_branches, hrad, seed, chat,
                 browser_id=None, draft=None, request: gr.Request = None):
         """Run each chosen method once, one after another (clean timings); the race then replays them."""
         try:
@@ -313,7 +320,7 @@ def build_app(get_engine, get_store=None, defaults: dict | None = None, about: s
             if not prompt or not prompt.strip():
                 raise SpecBranchError("the prompt is empty")
             cfgs = [make_config(m, max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, feed_stop,
-                                head_start, hold, hrad, seed) for m in methods]
+                                head_start, hold, hold_branches, hrad, seed) for m in methods]
             engine = engine_for(draft)
             ids = engine.encode(prompt, bool(chat))
             engine.check_prompt(ids)
@@ -383,6 +390,8 @@ def build_app(get_engine, get_store=None, defaults: dict | None = None, about: s
                                      label="Hold (SpecBranch): draft nothing where the odds that it is accepted, the "
                                            "pending tokens' included, fall below this; the target takes that token "
                                            "itself (0 = off)")
+                    hold_branches = gr.Checkbox(defaults["hold_branches"], label=HOLD_BRANCHES_LABEL,
+                                                elem_id="hold-branches")
                     hrad = gr.Checkbox(defaults["hrad"], label=HRAD_LABEL, elem_id="hrad")
                     seed = gr.Number(0, precision=0, label="Seed (integer)")
                     chat = gr.Checkbox(True, label="Chat template (off: raw text, e.g. code completion)")
@@ -428,8 +437,8 @@ def build_app(get_engine, get_store=None, defaults: dict | None = None, about: s
         with gr.Tab("How to read this"):
             gr.Markdown(TEACHING)
 
-        controls = [max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, feed_stop, head_start, hold, hrad,
-                    seed, chat]
+        controls = [max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, feed_stop, head_start, hold,
+                    hold_branches, hrad, seed, chat]
         views = [tokens, metrics, notices, glance, tree, timeline, nav.strip, acceptance, cumulative]
         outputs = [chatbot, *views, nav.slider, nav.notice, events_state]
         demo.load(browser_identity, browser, browser, api_visibility="private")
@@ -440,7 +449,8 @@ def build_app(get_engine, get_store=None, defaults: dict | None = None, about: s
         wire_navigator(nav, show_step, [events_state], [nav.slider, nav.notice, tree, timeline, nav.strip])
         show_rollbacks.change(rerender_tokens, [show_rollbacks, events_state], tokens)
         if drafts:  # a draft brings the settings the bench chose for its kind
-            draft.change(slider_defaults, draft, [gamma, epsilon, draft_stop, feed_stop, head_start, hold, hrad],
+            draft.change(slider_defaults, draft, [gamma, epsilon, draft_stop, feed_stop, head_start, hold, hold_branches,
+                                                  hrad],
                          api_visibility="private")
         c_run.click(compare, [c_prompt, c_methods, *controls, browser, draft], [c_notice, c_race, c_table, c_runs],
                     concurrency_limit=1, concurrency_id="engine").then(race, [c_runs], [c_race, c_table, c_timeline])

@@ -93,7 +93,7 @@ class GenerationConfig:
         if not (0.0 <= self.hold <= 1.0):
             raise SpecBranchError(f"hold must be in [0, 1] (0 = off), got {self.hold!r}")
         if self.hold_branches and self.hold <= 0:
-            raise SpecBranchError("hold-branches reads the hold: give a hold above 0 (--hold)")
+            raise SpecBranchError("hold-branches needs a hold above 0: it applies the hold to the branches")
         if not (0.0 <= self.epsilon <= 1.0):
             raise SpecBranchError(f"epsilon must be in [0, 1], got {self.epsilon!r}")
         return self

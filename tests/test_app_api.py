@@ -20,9 +20,9 @@ def client(tiny_engine, app_store):
 
 
 ARGS = dict(history=[], method="specbranch", max_new=24, temperature=0, top_p=1, gamma=3, branches=3, epsilon=1.0,
-            draft_stop=0.0, feed_stop=0.0, head_start=0.0, hold=0.0, hrad=True, seed=0, chat=False)
+            draft_stop=0.0, feed_stop=0.0, head_start=0.0, hold=0.0, hold_branches=False, hrad=True, seed=0, chat=False)
 CONTROLS = ("max_new", "temperature", "top_p", "gamma", "branches", "epsilon", "draft_stop", "feed_stop", "head_start",
-            "hold", "hrad", "seed", "chat")
+            "hold", "hold_branches", "hrad", "seed", "chat")
 
 
 def controls(a: dict) -> list:
@@ -88,13 +88,14 @@ def test_out_of_range_controls_are_refused_and_the_app_keeps_serving(client, ove
     (dict(head_start="soon"), "head start must be a number"),
     (dict(hold="-1"), "hold must be in [0, 1]"),
     (dict(hold="much"), "hold must be a number"),
+    (dict(hold_branches=True), "hold-branches needs a hold above 0"),
 ])
 def test_settings_validation_messages(args, message):
     from app.ui import make_config
     from engine.config import SpecBranchError
 
     base = dict(method="specbranch", max_new=8, temperature=0, top_p=1, gamma=3, branches=3, epsilon=0.5,
-                draft_stop=0.0, feed_stop=0.0, head_start=0.0, hold=0.0, hrad=True, seed=0)
+                draft_stop=0.0, feed_stop=0.0, head_start=0.0, hold=0.0, hold_branches=False, hrad=True, seed=0)
     with pytest.raises(SpecBranchError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         make_config(**{**base, **args})
 
@@ -102,6 +103,15 @@ def test_settings_validation_messages(args, message):
 def test_empty_prompt_gets_a_message(client):
     _, final = call(client, "   ")
     assert "prompt is empty" in final[3]
+
+
+def test_holding_the_branches_reaches_the_engine_settings(client):
+    """The "hold the branches too" checkbox is read: without a hold it is refused with the reason, and the app serves
+    on; with one the run goes through."""
+    _, final = call(client, "a b", hold=0.0, hold_branches=True)
+    assert "hold-branches needs a hold above 0" in final[3]
+    _, final = call(client, "a b", hold=0.3, hold_branches=True)
+    assert content(final[0][-1])
 
 
 def test_token_text_is_escaped():
@@ -236,7 +246,7 @@ def test_app_defaults_follow_the_draft_and_the_pair_line_is_text(tiny_engine):
         value = lambda label: next(p["value"] for p in props if str(p.get("label", "")).startswith(label))
         assert value("γ:") == defaults["gamma"] and value("ε:") == defaults["epsilon"]
         assert value("Draft stop") == defaults["draft_stop"] and value("Head start") == defaults["head_start"]
-        assert value("Hold") == defaults["hold"]
+        assert value("Hold (") == defaults["hold"] and value("Hold the branches") is defaults["hold_branches"] is False
         about = [p["value"] for p in props if 'class="about"' in str(p.get("value", ""))]
         assert about == ['<div class="about">target &lt;b&gt;x&lt;/b&gt; · draft self</div>']
 
