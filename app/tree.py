@@ -490,14 +490,15 @@ def step_caption(step_events_: list[Event], step: int, previous: list[Event] = (
                         if f.survivor >= 0 else "every candidate lost"))
     if followed(step_events_, previous):
         parts.append("after the hold, the target's pass started without waiting on a draft step")
-    held = next((d for d in facts.proposals if d.kind == "held" and d.branch == 0), None)
-    if held is not None:  # SpecBranch's hold: nothing was drafted where it would likely be rolled back
-        parts.append(f"the draft held back (acceptance odds {held.odds:.2f}, draft confidence {held.confidence:.2f}):"
-                     " the target takes that token itself")
-    held = next((d for d in facts.proposals if d.kind == "held" and d.branch > 0), None)
-    if held is not None:  # ... and on a fork's branches: no branch token past where the line would likely fail
+    holds = [d for d in facts.proposals if d.kind == "held"]
+    path_hold = next((d for d in holds if d.branch == 0), None)
+    if path_hold is not None:  # SpecBranch's hold: nothing was drafted where it would likely be rolled back
+        parts.append(f"the draft held back (acceptance odds {path_hold.odds:.2f}, draft confidence "
+                     f"{path_hold.confidence:.2f}): the target takes that token itself")
+    branch_hold = next((d for d in holds if d.branch > 0), None)
+    if branch_hold is not None:  # ... and on a fork's branches: no branch token past where the line would likely fail
         parts.append(f"the branches held back (odds that the first branch's line holds up with one more token "
-                     f"{held.odds:.2f}): no branch token until the target's verdict")
+                     f"{branch_hold.odds:.2f}): no branch token until the target's verdict")
     parts.append(f"{len(facts.emitted_pieces)} token(s) committed, {facts.dropped} rolled back")
     return f"Step {step}: " + "; ".join(parts)
 
