@@ -6,7 +6,7 @@ import os
 import threading
 
 from app.ui import build_app, css_paths, defaults_for
-from engine.config import DRAFT_FORWARDS, DRAFT_MATMULS
+from engine.config import DRAFT_FORWARDS, DRAFT_MATMULS, TARGET_FORWARDS
 
 # the drafts a visitor may pick on the embedded target (the app's own comes first), as the menu names them: the fast
 # one, the one whose forks rescue, and those wrong often enough to show rejections (docs/RESULTS.md §0h, §0l, §0e, §1)
@@ -38,6 +38,11 @@ def main() -> None:
                         choices=DRAFT_FORWARDS,
                         help="lean: a Llama draft on the CPU runs engine/lean.py (fused matmuls, a KV cache that "
                              "rolls back by a pointer); transformers: the model's own forward")
+    parser.add_argument("--target-forward", default=os.environ.get("SPECBRANCH_TARGET_FORWARD", "static"),
+                        choices=TARGET_FORWARDS,
+                        help="static: a Llama target on the CPU runs engine/static_forward.py (transformers' ops over "
+                             "a KV cache written in place: the same bits, without the per-step copies); transformers: "
+                             "the model's own forward")
     parser.add_argument("--db", default=None, help="session store (default: $SPECBRANCH_DB or the data dir)")
     parser.add_argument("--no-record", action="store_true", help="do not record sessions")
     args = parser.parse_args()
@@ -66,7 +71,7 @@ def main() -> None:
                                       draft_matmul=args.draft_matmul, draft_forward=args.draft_forward)
                 else:
                     pair = load_pair(args.target, draft, device=args.device, draft_matmul=args.draft_matmul,
-                                     draft_forward=args.draft_forward)
+                                     draft_forward=args.draft_forward, target_forward=args.target_forward)
                 engines[draft] = Engine(pair)
             return engines[draft]
 
@@ -90,7 +95,8 @@ def main() -> None:
     get_store()
     demo = build_app(get_engine, get_store, defaults_for(args.draft),
                      about=f"target {args.target} · draft matmul {args.draft_matmul} · "
-                           f"draft forward {args.draft_forward}", drafts=drafts)
+                           f"draft forward {args.draft_forward} · target forward {args.target_forward}",
+                     drafts=drafts)
     demo.queue(default_concurrency_limit=1).launch(server_name=args.host, server_port=args.port,
                                                    css_paths=css_paths())
 

@@ -5,7 +5,8 @@ import argparse
 import json
 import sys
 
-from .config import DRAFT_FORWARDS, DRAFT_MATMULS, METHODS, GenerationConfig, SpecBranchError, writable_file
+from .config import (DRAFT_FORWARDS, DRAFT_MATMULS, METHODS, TARGET_FORWARDS, GenerationConfig, SpecBranchError,
+                     writable_file)
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -23,6 +24,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-forward", default="lean", choices=DRAFT_FORWARDS,
                    help="lean: a Llama draft on the CPU runs engine/lean.py (fused matmuls, a KV cache that rolls "
                         "back by a pointer); transformers: the model's own forward")
+    p.add_argument("--target-forward", default="static", choices=TARGET_FORWARDS,
+                   help="static: a Llama target on the CPU runs engine/static_forward.py (transformers' ops over a KV "
+                        "cache written in place, the same bits without the per-step copies); transformers: the "
+                        "model's own forward")
     p.add_argument("--threads", type=int, default=1, help="torch threads per model worker")
     p.add_argument("--solo-threads", type=int, default=None,
                    help="torch threads for a draft step the target waits on (SD's draft block, a parallel method's "
@@ -137,7 +142,8 @@ def build_engine(args, need_draft: bool):
     torch.set_num_threads(max(1, args.threads))
     pair = load_pair(args.target, args.draft if need_draft else None, device=args.device,
                      draft_device=args.draft_device, dtype=args.dtype, trust_remote_code=args.trust_remote_code,
-                     draft_matmul=args.draft_matmul, draft_forward=args.draft_forward)
+                     draft_matmul=args.draft_matmul, draft_forward=args.draft_forward,
+                     target_forward=args.target_forward)
     return Engine(pair, threads=max(1, args.threads), solo_threads=args.solo_threads)
 
 

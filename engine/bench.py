@@ -149,6 +149,7 @@ def run_bench(entries: list[tuple[str, object, str]], args, log=None) -> dict:
         "draft_matmul": {label: eng.pair.draft.matmul if eng.pair.draft and method != "ar" else None
                          for label, eng, method in entries},
         # hf-assisted hands transformers' generate() the draft model itself: never the lean path
+        "target_forward": "static" if engine.pair.target.static else "transformers",
         "draft_forward": {label: ("lean" if eng.pair.draft.lean and method != "hf-assisted" else "transformers")
                           if eng.pair.draft and method != "ar" else None for label, eng, method in entries},
         "settings": {k: getattr(args, k) for k in ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "gamma",

@@ -37,6 +37,9 @@ METHODS = ("ar", "sd", "pearl", "specbranch", "specbranch-no-branch", "specbranc
 DRAFT_MATMULS = ("auto", "float32", "bfloat16", "int4")
 # how a draft's forward runs: engine/lean.py where the draft fits it (else transformers'), or always transformers'
 DRAFT_FORWARDS = ("lean", "transformers")
+# how the target's forward runs: engine/static_forward.py where the target fits it (else transformers'), or always
+# transformers'; both compute the same bits
+TARGET_FORWARDS = ("static", "transformers")
 
 
 @dataclass(frozen=True)

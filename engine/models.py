@@ -27,10 +27,11 @@ from pathlib import Path
 import torch
 
 from . import cache as kv
-from .config import DRAFT_FORWARDS, DRAFT_MATMULS, SpecBranchError
+from .config import DRAFT_FORWARDS, DRAFT_MATMULS, TARGET_FORWARDS, SpecBranchError
 from .drafts import draft_from_target, is_specbranch_draft, load_draft_dir, place, twin_of
 from .head import FeatureHead, HeadLM, is_head_dir, load_head_dir
-from .lean import LeanLlama, fits as lean_misfit
+from .lean import KVBuffer, LeanLlama, fits as lean_misfit
+from .static_forward import StaticLlama, fits as static_misfit
 from .lm_head import HeadMatmul, bf16_supported, draft_matmul, fast_linears, int4_supported
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -188,6 +189,7 @@ class LM:
     head_ids: torch.Tensor | None = None  # reduced LM head (FR-Spec): logits only for these ids, -inf elsewhere
     matmul: str = "float32"  # how a draft's matmuls read its weights (draft_matmul_kind); never the target's
     lean: bool = False  # a draft's decoder runs engine/lean.py's path (lean_fits); the target never does
+    static: bool = False  # the target's decoder runs engine/static_forward.py's path (static_target): same bits
 
     def __post_init__(self):
         fast_linears(self.model, self.matmul)  # a decode step's one row and a verify pass's few rows, each fast
@@ -198,6 +200,9 @@ class LM:
             self._head = draft_matmul(self.matmul, head.weight[self.head_ids], head=True)
         elif type(self.model).__name__ in PLAIN_HEAD and getattr(head, "bias", None) is None:
             self._head = draft_matmul(self.matmul, head.weight, head=True)
+        # the static path returns the final-norm states: only a plain head turns them into the model's logits
+        self.static = self.static and self._head is not None
+        self._static = StaticLlama(self.model) if self.static else None
 
     @property
     def device(self) -> torch.device:
@@ -208,7 +213,8 @@ class LM:
         return int(getattr(self.model.config, "max_position_embeddings", 2048))
 
     def new_cache(self):
-        return self._lean.new_cache() if self._lean is not None else kv.new_cache(self.model)
+        fast = self._lean or self._static
+        return fast.new_cache() if fast is not None else kv.new_cache(self.model)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache, hidden_states: bool = False, features: bool = False):
@@ -220,6 +226,9 @@ class LM:
             if hidden_states:
                 raise ValueError("a draft on the lean path keeps no per-layer hidden states")
             return self._logits(self._lean(input_ids, cache), None, features)
+        if self._static is not None and isinstance(cache, KVBuffer):  # a cache from new_cache
+            last, hidden = self._static(input_ids, cache, hidden_states)
+            return self._logits(last, hidden, features)
         if self._head is None:  # a model whose logits are more than a matmul of its last state (or unknown)
             out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True,
                              output_hidden_states=hidden_states)
@@ -333,15 +342,16 @@ def is_self_draft(spec: str | None) -> bool:
 
 def load_pair(target: str = "embedded", draft: str | None = "embedded", device: str | None = None,
               draft_device: str | None = None, dtype: str | None = None, trust_remote_code: bool = False,
-              draft_matmul: str = "auto", draft_forward: str = "lean") -> ModelPair:
+              draft_matmul: str = "auto", draft_forward: str = "lean", target_forward: str = "static") -> ModelPair:
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     target_model, target_tok = load_model(target, dev, dt, trust_remote_code)
     target_vocab = target_model.get_output_embeddings().weight.shape[0]
+    lm = LM(target, target_model, target_tok, target_vocab, static=static_target(target_model, target_forward))
     if draft is None:
-        return ModelPair(LM(target, target_model, target_tok, target_vocab), None)
+        return ModelPair(lm, None)
     ddev = pick_device(draft_device) if draft_device else dev
-    return with_draft(LM(target, target_model, target_tok, target_vocab), draft, ddev, pick_dtype(dtype, ddev),
+    return with_draft(lm, draft, ddev, pick_dtype(dtype, ddev),
                       trust_remote_code, draft_matmul, draft_forward, same_device=ddev == dev)
 
 
@@ -360,6 +370,15 @@ def with_draft(target: "LM", draft: str, device: torch.device | None = None, dty
         raise SpecBranchError("a draft head reads the target's features: it must sit on the target's device")
     kind = draft_matmul_kind(draft_matmul, device, dtype, is_self_draft(draft))
     return pair_of(target, draft, draft_model, draft_tok, head_ids, kind, draft_forward)
+
+
+def static_target(model, forward: str) -> bool:
+    """Whether the target runs engine/static_forward.py's path: asked for (forward "static", the default) and a model
+    that fits it (static_forward.fits: a Llama on the CPU with sdpa attention); else transformers' forward, which
+    computes the same bits. docs/RESULTS.md §0r has what it saves."""
+    if forward not in TARGET_FORWARDS:
+        raise SpecBranchError(f"unknown target forward {forward!r}; choose one of {', '.join(TARGET_FORWARDS)}")
+    return forward == "static" and static_misfit(model) is None
 
 
 def lean_draft(draft_model, target_model, forward: str) -> bool:
@@ -388,6 +407,6 @@ def pair_of(target: LM, draft_name: str, draft_model, draft_tok, head_ids, matmu
         draft_model = twin_of(target.model)
     common = min(target.vocab_size, draft_model.get_output_embeddings().weight.shape[0])  # e.g. Qwen2.5 padding rows
     if common != target.vocab_size:  # else the target's LM serves as it is (its head's copies are not made again)
-        target = LM(target.name, target.model, target.tokenizer, common)
+        target = LM(target.name, target.model, target.tokenizer, common, static=target.static)
     lean = lean_draft(draft_model, target.model, forward)
     return ModelPair(target, LM(draft_name, draft_model, draft_tok, common, head_ids, matmul, lean))

@@ -1,0 +1,76 @@
+"""The target's static-cache forward (engine/static_forward.py) computes transformers' forward bit for bit: the same
+logits, features and per-layer hidden states (torch.equal, not a tolerance) through prefill, single steps, verify
+passes, rollbacks and a cache that outgrows its buffers, on a tiny random Llama and on the embedded target; and it
+is used only where it fits."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import SpecBranchError
+from engine.lean import KVBuffer
+from engine.lm_head import fast_linears
+from engine.models import LM, static_target
+from engine.static_forward import StaticLlama, fits
+
+from .test_lean import tiny_llama
+
+
+def assert_same_passes(static: LM, plain: LM, ids: torch.Tensor, cache_capacity: int | None = None) -> None:
+    """Feed both LMs the same passes (a prefill, 1-token steps, verify passes) with rollbacks between them, as the
+    engine does, and require identical outputs."""
+    a = static._static.new_cache(cache_capacity) if cache_capacity else static.new_cache()
+    b = plain.new_cache()
+    assert isinstance(a, KVBuffer) and not isinstance(b, KVBuffer)
+    n = ids.shape[1]
+    cuts = [0, n // 2, n // 2 + 1, n // 2 + 5, n // 2 + 6]  # prefill, a step, a 4-token pass, a step
+    for i, (lo, hi) in enumerate(zip(cuts, cuts[1:])):
+        hidden = i % 2 == 0  # H-RAD reads the hidden states: they must match too
+        x, y = static.forward(ids[:, lo:hi], a, hidden_states=hidden, features=True), \
+            plain.forward(ids[:, lo:hi], b, hidden_states=hidden, features=True)
+        assert torch.equal(x.logits, y.logits) and torch.equal(x.features, y.features)
+        if hidden:
+            assert len(x.hidden_states) == len(y.hidden_states)
+            assert all(torch.equal(p, q) for p, q in zip(x.hidden_states, y.hidden_states))
+    for cache in (a, b):  # a rejected verify pass: roll both back by 3, then verify another block
+        cache.crop(-3)
+    assert a.get_seq_length() == b.get_seq_length() == cuts[-1] - 3
+    rest = ids[:, cuts[-1] - 3:]
+    assert torch.equal(static.forward(rest, a), plain.forward(rest, b))
+    assert a.get_seq_length() == b.get_seq_length() == n
+
+
+def test_static_forward_is_bit_identical_on_a_tiny_llama():
+    """Grouped-query attention and scaled rotary embeddings, linears routed as the engine routes a target's
+    (fast_linears); a buffer of 8 positions grows past its size twice."""
+    model = tiny_llama(seed=6)
+    fast_linears(model, "float32")
+    ids = torch.randint(0, 101, (1, 30), generator=torch.Generator().manual_seed(7))
+    static, plain = LM("tiny", model, None, 101, static=True), LM("tiny", model, None, 101)
+    assert static.static and static._static is not None and plain._static is None
+    assert_same_passes(static, plain, ids, cache_capacity=8)
+
+
+def test_static_forward_is_bit_identical_on_the_embedded_target(embedded_target):
+    """The target the app serves: loaded with the static path by default, and through it the same bits as
+    transformers' forward over a 150-token prompt and the passes after it."""
+    target = embedded_target.target
+    assert target.static
+    plain = LM(target.name, target.model, target.tokenizer, target.vocab_size)
+    ids = torch.randint(100, 40000, (1, 160), generator=torch.Generator().manual_seed(8))
+    assert_same_passes(target, plain, ids)
+
+
+def test_static_forward_only_where_it_fits():
+    assert fits(tiny_llama()) is None
+    assert "attention_bias" in fits(tiny_llama(attention_bias=True))  # what the lean path refuses, it refuses
+    eager = tiny_llama()
+    eager.config._attn_implementation = "eager"  # its masks are not the ones StaticLlama.mask builds
+    assert fits(eager) == "attention eager"
+    with pytest.raises(ValueError, match="does not fit this model: attention eager"):
+        StaticLlama(eager)
+    assert static_target(tiny_llama(), "static") and not static_target(tiny_llama(), "transformers")
+    assert not static_target(eager, "static")  # transformers' forward then, with its own cache
+    assert not isinstance(LM("tiny", eager, None, 101, static=static_target(eager, "static")).new_cache(), KVBuffer)
+    with pytest.raises(SpecBranchError, match="unknown target forward 'fast'; choose one of static, transformers"):
+        static_target(tiny_llama(), "fast")
