@@ -370,23 +370,23 @@ def build_app(get_engine, get_store=None, defaults: dict | None = None, about: s
                                         elem_id="max-new")
                     temperature = gr.Slider(0, 2, value=0, step=0.05, label="Temperature (0 = greedy, ≥ 0)")
                     top_p = gr.Slider(0.01, 1, value=1, step=0.01, label="Top-p, in (0, 1]")
-                    gamma = gr.Slider(1, 16, value=defaults["gamma"], step=1,
+                    gamma = gr.Slider(1, 16, value=defaults["gamma"], step=1, elem_id="gamma",
                                       label="γ: SD block length; PEARL/SpecBranch: tokens verified per round (1–16)")
                     branches = gr.Slider(1, 6, value=3, step=1, label="k: most branches at a branch point (1–6)")
-                    epsilon = gr.Slider(0, 1, value=defaults["epsilon"], step=0.05,
+                    epsilon = gr.Slider(0, 1, value=defaults["epsilon"], step=0.05, elem_id="epsilon",
                                         label="ε: branch where the draft's token is accepted less often than "
                                               "this: its confidence, read as the acceptance this engine measured "
                                               "at it [0, 1]")
-                    draft_stop = gr.Slider(0, 1, value=defaults["draft_stop"], step=0.05,
+                    draft_stop = gr.Slider(0, 1, value=defaults["draft_stop"], step=0.05, elem_id="draft-stop",
                                            label="Draft stop: end a round's drafting below this confidence (0 = off)")
-                    feed_stop = gr.Slider(0, 1, value=defaults["feed_stop"], step=0.05,
+                    feed_stop = gr.Slider(0, 1, value=defaults["feed_stop"], step=0.05, elem_id="feed-stop",
                                           label="Feed stop: verify drafted tokens only while the draft's odds that all "
                                                 "are accepted stay above this (0 = up to γ)")
-                    head_start = gr.Slider(0, 1, value=defaults["head_start"], step=0.01,
+                    head_start = gr.Slider(0, 1, value=defaults["head_start"], step=0.01, elem_id="head-start",
                                            label="Head start: after a rejection, the draft leads the target's next "
                                                  "pass while its odds that the block is accepted stay above this "
                                                  "(0 = off, the target starts at once as in PEARL)")
-                    hold = gr.Slider(0, 1, value=defaults["hold"], step=0.05,
+                    hold = gr.Slider(0, 1, value=defaults["hold"], step=0.05, elem_id="hold",
                                      label="Hold (SpecBranch): draft nothing where the odds that it is accepted, the "
                                            "pending tokens' included, fall below this; the target takes that token "
                                            "itself (0 = off)")
@@ -449,9 +449,9 @@ def build_app(get_engine, get_store=None, defaults: dict | None = None, about: s
         wire_navigator(nav, show_step, [events_state], [nav.slider, nav.notice, tree, timeline, nav.strip])
         show_rollbacks.change(rerender_tokens, [show_rollbacks, events_state], tokens)
         if drafts:  # a draft brings the settings the bench chose for its kind
-            draft.change(slider_defaults, draft, [gamma, epsilon, draft_stop, feed_stop, head_start, hold, hold_branches,
-                                                  hrad],
-                         api_visibility="private")
+            settings = {"gamma": gamma, "epsilon": epsilon, "draft_stop": draft_stop, "feed_stop": feed_stop,
+                        "head_start": head_start, "hold": hold, "hold_branches": hold_branches, "hrad": hrad}
+            draft.change(slider_defaults, draft, [settings[key] for key in SLIDER_KEYS], api_visibility="private")
         c_run.click(compare, [c_prompt, c_methods, *controls, browser, draft], [c_notice, c_race, c_table, c_runs],
                     concurrency_limit=1, concurrency_id="engine").then(race, [c_runs], [c_race, c_table, c_timeline])
     return demo

@@ -290,6 +290,11 @@ def test_a_visitor_picks_a_draft_from_the_offered_ones_only(tiny_engine, app_sto
         assert "unknown draft" in last[3] and "choose one of tiny-draft, self" in last[3]
         assert asked == ["self"]
         assert [u["value"] for u in slider_defaults("self")] == [SELF_DEFAULTS[k] for k in SLIDER_KEYS]
+        # ... into the sliders of those names, in that order
+        ids = {c["id"]: c["props"].get("elem_id") for c in demo.config["components"]}
+        picked = next(d for d in demo.config["dependencies"]
+                      if any(ids.get(target) == "draft" and event == "change" for target, event in d["targets"]))
+        assert [ids[o] for o in picked["outputs"]] == [key.replace("_", "-") for key in SLIDER_KEYS]
     finally:
         demo.close()
         own.close()
