@@ -200,9 +200,12 @@ class LM:
             self._head = draft_matmul(self.matmul, head.weight[self.head_ids], head=True)
         elif type(self.model).__name__ in PLAIN_HEAD and getattr(head, "bias", None) is None:
             self._head = draft_matmul(self.matmul, head.weight, head=True)
-        # the static path returns the final-norm states: only a plain head turns them into the model's logits
-        self.static = self.static and self._head is not None
-        self._static = StaticLlama(self.model) if self.static else None
+        # the static path returns the final-norm states: only a plain head turns them into the model's logits; and it
+        # runs only where it gives transformers' bits on this machine (StaticLlama.agrees)
+        self._static = StaticLlama(self.model) if self.static and self._head is not None else None
+        if self._static is not None and not self._static.agrees(self.model):
+            self._static = None
+        self.static = self._static is not None
 
     @property
     def device(self) -> torch.device:

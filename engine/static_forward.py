@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import torch
 
+from .cache import new_cache as transformers_cache
 from .lean import CAPACITY, KVBuffer, fits as lean_misfit
+from .lm_head import COPY_BUDGET, LAYER_MAX_ROWS, HeadMatmul
 
 
 def fits(model) -> str | None:
@@ -37,24 +39,49 @@ def fits(model) -> str | None:
     return None
 
 
+def fuse(linears: list, room: int):
+    """One matmul for linear layers that read the same input (q, k and v; gate and up): their weights stacked, in the
+    layouts fast_linears gave each of them (copies while they fit in `room` bytes). Each output column is the same dot
+    product as in its own layer's matmul; StaticLlama.agrees checks that the bits match on this machine. Where the
+    layers were not routed alike, the separate matmuls, concatenated. Returns (the matmul, bytes of copies)."""
+    routed = [m.forward for m in linears]
+    if not all(isinstance(r, HeadMatmul) and r.cpu for r in routed) or \
+            len({(r.wt is None, r.packed is None) for r in routed}) > 1:
+        return (lambda x: torch.cat([r(x) for r in routed], -1)), 0
+    w = torch.cat([m.weight for m in linears]).detach()
+    size = w.numel() * w.element_size()
+    copies = 1 + (routed[0].wt is not None) + (routed[0].packed is not None)
+    if size * copies > room:
+        return (lambda x: torch.cat([r(x) for r in routed], -1)), 0
+    return HeadMatmul(w, LAYER_MAX_ROWS, routed[0].wt is not None, routed[0].packed is not None), size * copies
+
+
 class StaticLlama:
     """forward(input_ids [B, T], cache: KVBuffer, hidden_states) -> (the final-norm hidden states [B, T, H], and
     with hidden_states the per-layer states as transformers returns them: the embeddings, each layer's output but the
-    last, then the final-norm states). Holds the model's modules, no copies of their weights."""
+    last, then the final-norm states). Holds the model's modules, and stacked copies of q, k, v and gate, up."""
 
     def __init__(self, model):
         why = fits(model)
         if why:
             raise ValueError(f"the static-cache forward does not fit this model: {why}")
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+        from transformers.models.llama.modeling_llama import rotate_half
+        self.config = model.config
         self.model = model.model
         self.attention = ALL_ATTENTION_FUNCTIONS["sdpa"]
-        self.rotary = apply_rotary_pos_emb
+        self.rotate_half = rotate_half
         self.layers = list(self.model.layers[: model.config.num_hidden_layers])
-        first = self.layers[0].self_attn
-        self.kv_heads = model.config.num_key_value_heads
-        self.head_dim = first.head_dim
+        self.heads, self.kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+        self.head_dim = self.layers[0].self_attn.head_dim
+        room, self.qkv, self.gate_up = COPY_BUDGET, [], []
+        for layer in self.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            qkv, used = fuse([a.q_proj, a.k_proj, a.v_proj], room)
+            gate_up, more = fuse([mlp.gate_proj, mlp.up_proj], room - used)
+            room -= used + more
+            self.qkv.append(qkv)
+            self.gate_up.append(gate_up)
 
     def new_cache(self, capacity: int = CAPACITY) -> KVBuffer:
         norm = self.model.norm.weight
@@ -75,26 +102,27 @@ class StaticLlama:
         b, t = input_ids.shape
         if cache.rows != b:
             raise ValueError(f"the cache holds {cache.rows} rows, fed {b}")
+        hq, hkv, d = self.heads, self.kv_heads, self.head_dim
         start = cache.length
         cache.reserve(t)
         x = self.model.embed_tokens(input_ids)  # [B, T, H]
         position_ids = (torch.arange(t, device=x.device) + start).unsqueeze(0)
-        cos, sin = self.model.rotary_emb(x, position_ids)
+        cos, sin = self.model.rotary_emb(x, position_ids)  # [1, T, D]
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         mask = self.mask(start, t, x.device)
-        shape = (b, t, -1, self.head_dim)
         hidden = [x] if hidden_states else None
         for i, layer in enumerate(self.layers):  # LlamaDecoderLayer.forward and LlamaAttention.forward, inlined
             a, mlp = layer.self_attn, layer.mlp
             h = layer.input_layernorm.forward(x)
-            q = a.q_proj.forward(h).view(shape).transpose(1, 2)  # [B, Hq, T, D]
-            k = a.k_proj.forward(h).view(shape).transpose(1, 2)  # [B, Hkv, T, D]
-            v = a.v_proj.forward(h).view(shape).transpose(1, 2)
-            q, k = self.rotary(q, k, cos, sin)
-            k, v = cache.write(i, k, v)  # [B, Hkv, start + T, D]: views of the buffers
-            o, _ = self.attention(a, q, k, v, mask, dropout=0.0, scaling=a.scaling)  # [B, T, Hq, D]
+            qkv = self.qkv[i](h).view(b, t, hq + 2 * hkv, d).transpose(1, 2)  # [B, Hq + 2 Hkv, T, D]
+            qk = qkv[:, : hq + hkv]  # apply_rotary_pos_emb's arithmetic, on q and k in one pass
+            qk = (qk * cos) + (self.rotate_half(qk) * sin)
+            k, v = cache.write(i, qk[:, hq:], qkv[:, hq + hkv:])  # [B, Hkv, start + T, D]: views of the buffers
+            o, _ = self.attention(a, qk[:, :hq], k, v, mask, dropout=0.0, scaling=a.scaling)  # [B, T, Hq, D]
             x = x + a.o_proj.forward(o.reshape(b, t, -1).contiguous())
             h = layer.post_attention_layernorm.forward(x)
-            x = x + mlp.down_proj.forward(mlp.act_fn(mlp.gate_proj.forward(h)) * mlp.up_proj.forward(h))
+            gate, up = self.gate_up[i](h).chunk(2, -1)
+            x = x + mlp.down_proj.forward(mlp.act_fn(gate) * up)
             if hidden is not None:
                 hidden.append(x)
         cache.advance(t)
@@ -102,3 +130,16 @@ class StaticLlama:
         if hidden is not None:
             hidden[-1] = x  # transformers ties the last hidden state to the final-norm one
         return x, (tuple(hidden) if hidden is not None else None)
+
+    @torch.inference_mode()
+    def agrees(self, model, seed: int = 0) -> bool:
+        """Whether this path gives transformers' bits on this machine: a prefill, a 1-token step and a 3-token pass
+        of random tokens, each path with its own cache. Where a BLAS computed a stacked matmul's columns otherwise
+        than the separate ones, it would not, and the target keeps transformers' forward (models.LM)."""
+        ids = torch.randint(0, self.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(seed))
+        mine, theirs = self.new_cache(), transformers_cache(model)
+        for lo, hi in ((0, 8), (8, 9), (9, 12)):
+            want = model.base_model(input_ids=ids[:, lo:hi], past_key_values=theirs, use_cache=True).last_hidden_state
+            if not torch.equal(self(ids[:, lo:hi], mine)[0], want):
+                return False
+        return True

@@ -9,7 +9,7 @@ import torch
 
 from engine.config import SpecBranchError
 from engine.lean import KVBuffer
-from engine.lm_head import fast_linears
+from engine.lm_head import HeadMatmul, fast_linears
 from engine.models import LM, static_target
 from engine.static_forward import StaticLlama, fits
 
@@ -41,14 +41,36 @@ def assert_same_passes(static: LM, plain: LM, ids: torch.Tensor, cache_capacity:
 
 
 def test_static_forward_is_bit_identical_on_a_tiny_llama():
-    """Grouped-query attention and scaled rotary embeddings, linears routed as the engine routes a target's
-    (fast_linears); a buffer of 8 positions grows past its size twice."""
+    """Grouped-query attention and scaled rotary embeddings; a buffer of 8 positions grows past its size twice. LM
+    routes the linears as the engine routes a target's (fast_linears), so q, k, v and gate, up run as one stacked
+    matmul each."""
     model = tiny_llama(seed=6)
-    fast_linears(model, "float32")
     ids = torch.randint(0, 101, (1, 30), generator=torch.Generator().manual_seed(7))
     static, plain = LM("tiny", model, None, 101, static=True), LM("tiny", model, None, 101)
     assert static.static and static._static is not None and plain._static is None
+    assert all(isinstance(f, HeadMatmul) for f in static._static.qkv + static._static.gate_up)
     assert_same_passes(static, plain, ids, cache_capacity=8)
+
+
+def test_linears_routed_otherwise_run_one_by_one():
+    """Where the linears are not routed alike (here: transformers' own), the path calls them one by one and
+    concatenates: transformers' bits again."""
+    model = tiny_llama(seed=10)
+    static = StaticLlama(model)
+    assert not any(isinstance(f, HeadMatmul) for f in static.qkv + static.gate_up)
+    assert static.agrees(model)
+
+
+def test_the_probe_catches_a_path_that_differs():
+    """StaticLlama.agrees is what keeps a machine whose BLAS computes a stacked matmul otherwise on transformers'
+    forward: one layer's stacked q, k, v off by about an ulp fails it."""
+    model = tiny_llama(seed=9)
+    fast_linears(model, "float32")
+    static = StaticLlama(model)
+    assert static.agrees(model)
+    first = static.qkv[1]
+    static.qkv[1] = lambda x: first(x) * (1 + 1e-6)
+    assert not static.agrees(model)
 
 
 def test_static_forward_is_bit_identical_on_the_embedded_target(embedded_target):
