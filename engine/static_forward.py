@@ -1,19 +1,22 @@
-"""The target's forward: transformers' Llama forward, op for op, over a KV cache where rollback is a pointer.
+"""The target's forward: transformers' Llama forward, op for op, with q, k, v and gate, up each as one stacked matmul,
+over a KV cache where rollback is a pointer.
 
-Why: a 1-token step of the embedded target spent 12-21 ms of its ~47 in `aten::cat` (torch.profiler, 200 tokens in the
-cache): transformers' DynamicCache concatenates every layer's whole K and V into new tensors at every step, and a
-verify pass that is rolled back does it again. Beside a draft running in the same process the step took 61-72 ms,
-against 52 ms with the draft in another process: those allocations and copies, and the forward's per-call machinery
-(decorators, output hooks, mask building per call), contend with the draft's thread (docs/RESULTS.md §0r).
+Why: a target step on the CPU is mostly matmuls of a few rows, streaming the weights: transformers' forward runs seven a
+layer (210 for the embedded target). Stacking q, k and v into one weight, and gate and up into another, makes it four
+(120), each output column the same dot product as in its own layer. A 1-token step of the embedded target took 42
+against 50 ms (medians of 75 alternated), and `ar` ran 1.12-1.23x as fast in the bench (docs/RESULTS.md §0r). Writing
+K and V in place instead of transformers' DynamicCache concatenation, and skipping the forward's per-call machinery,
+measured no faster alone (§0r); they stay because the path needs its own loop anyway.
 
-Here K and V are written into lean.KVBuffer's buffers, allocated once, and attention reads a view of them, so a step
-copies only its own new rows. Every other op is the one transformers runs, on the same values in the same order: the
-same modules' forwards (the routed linear layers of lm_head.fast_linears included), its rotary embedding and
-apply_rotary_pos_emb, its attention function (sdpa) with the mask transformers would build (none for one token or
-for a pass from position 0, where sdpa's causal flag takes over; else a bool mask over the cached positions). So the
-logits, the features and the hidden states are bit-identical to `model.base_model`'s
-(tests/test_static_forward.py checks torch.equal over prefill, 1-token and multi-token passes and rollbacks): the
-target's output, and so the exactness of every method, does not depend on which forward runs.
+Exactness: every other op is the one transformers runs, on the same values in the same order: the same modules'
+forwards (the routed linear layers of lm_head.fast_linears), the rotary embedding's table and apply_rotary_pos_emb's
+arithmetic (on q and k in one pass: elementwise, so the same bits), its attention function (sdpa) with the mask
+transformers would build (none for one new token or for a pass from position 0, where sdpa's causal flag takes over;
+else a bool mask over the cached positions). So the logits, the features and the hidden states are bit-identical to
+`model.base_model`'s (tests/test_static_forward.py checks torch.equal over prefill, 1-token and multi-token passes and
+rollbacks). A BLAS could in principle sum a stacked matmul's columns otherwise than the separate ones': the path checks
+the bits against transformers' forward when it is built (StaticLlama.agrees) and is not used where they differ, so
+the target's output, and the exactness of every method, never depends on which forward runs.
 """
 from __future__ import annotations
 

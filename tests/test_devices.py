@@ -134,14 +134,19 @@ def test_cpu_worker_uses_host_clocks_and_never_syncs_the_device(monkeypatch):
     assert 0 < span.start <= span.end  # perf_counter seconds since t0 = 0
 
 
-def test_tensors_in_a_cache_and_an_output_are_found(tiny_dirs):
-    """What the CUDA path `record_stream`s: every key/value of a transformers cache, and every output tensor."""
-    pair = load_pair(str(tiny_dirs["target"]), None, device="cpu")
+@pytest.mark.parametrize("target_forward", ["transformers", "static"])
+def test_tensors_in_a_cache_and_an_output_are_found(tiny_dirs, target_forward):
+    """What the CUDA path `record_stream`s: every key/value of a transformers cache or of a KV buffer (the static
+    forward's), and every output tensor."""
+    pair = load_pair(str(tiny_dirs["target"]), None, device="cpu", target_forward=target_forward)
     cache = pair.target.new_cache()
     out = pair.target.forward(torch.tensor([[2, 3, 4]]), cache, True, True)
     found = {id(t) for t in runtime._tensors(cache)}
-    for layer in cache.layers:
-        assert id(layer.keys) in found and id(layer.values) in found
+    kv = [(layer.keys, layer.values) for layer in cache.layers] if target_forward == "transformers" \
+        else list(zip(cache.keys, cache.values))
+    assert len(kv) == pair.target.model.config.num_hidden_layers
+    for keys, values in kv:
+        assert id(keys) in found and id(values) in found
     out_found = {id(t) for t in runtime._tensors(out)}
     assert {id(out.logits), id(out.features)} | {id(h) for h in out.hidden_states} <= out_found
     assert list(runtime._tensors(pair.target.model)) == []  # weights are never walked
