@@ -473,3 +473,42 @@ hb_tune distilled-t1 embedded data/tuning_prompts.jsonl 1 "1:A:B 2:B:A"
 hb_tune self-skip self-skip:3,4,5,25 data/tuning_prompts.jsonl 0 "1:A:B 2:B:A"
 #   b. the poorly aligned regime with --hold-branches, seeds 0-2 (at 9d3c5dc)
 weak_with_hold holdbranches-weak-foreign --hold-branches
+
+# 28. The target's static-cache forward, engine/static_forward.py (docs/RESULTS.md §0r). From a worktree at b369a1c
+#     (/tmp/sfA; the JSON's --json names a scratch folder, copied to docs/static-ab-*.json)
+#   a. A/B on the tuning prompts, T=0, seed 0: --target-forward static and transformers alternated, order flipped
+SELFT="--methods ar,sd,pearl,specbranch --draft self --dataset data/tuning_prompts.jsonl --max-new-tokens 64 --temperature 0 --seed 0 --gamma 8 --draft-stop 0 --head-start 0.02 --epsilon 0.1 --branches 3 --hold 0"
+DIST="--methods ar,sd,pearl,specbranch --draft embedded --dataset data/tuning_prompts.jsonl --max-new-tokens 64 --temperature 0 --seed 0 --gamma 3 --draft-stop 0.3 --head-start 0.3 --epsilon 0.5 --branches 3 --hold 0.5"
+for name in self dist; do
+  settings=$([[ $name == self ]] && echo "$SELFT" || echo "$DIST")
+  for p in "1 static transformers" "2 transformers static"; do
+    set -- $p; r=$1; shift
+    for f in "$@"; do
+      $PY -m engine bench $settings --target-forward $f --json docs/static-ab-$name-$f-$r.json
+    done
+  done
+done
+#   b. the benchmark split with the app's draft and settings (as §25's γ 8 runs), seeds 0-2 at T=0 and T=1
+for T in 0 1; do
+  for s in 0 1 2; do
+    $PY -m engine bench --methods ar,sd,pearl,specbranch,specbranch-no-branch ${SELF/--gamma 6/--gamma 8} \
+        --temperature $T --seed $s --json docs/static-self-t$T-s$s.json
+  done
+  $PY -m engine summarize $(for s in 0 1 2; do echo docs/static-self-t$T-s$s.json; done) --json docs/static-self-t$T.json
+done
+#   c. tried and dropped: half the hold for branch steps (docs/branch-hold-scale.patch applied to a worktree at f9e147e
+#      in /tmp/hbx; A: no flag, C: --hold-branches with SB_BHS=0.5)
+HB="--methods ar,pearl,specbranch --max-new-tokens 64 --seed 0 --gamma 3 --draft-stop 0.3 --head-start 0.3 --epsilon 0.5 --branches 3 --hold 0.5"
+for p in 1:A:C 2:C:A 3:C:A 4:A:C; do
+  IFS=: read -r r x y <<< "$p"
+  for v in $x $y; do
+    extra=$([[ $v == C ]] && echo "--hold-branches" || true)
+    (cd /tmp/hbx && SB_BHS=0.5 PYTHONPATH=. "$(realpath "$OLDPWD/$PY")" -m engine bench $HB --draft embedded \
+        --dataset data/tuning_prompts.jsonl --temperature 0 $extra --json "$OLDPWD/docs/branchhold-scale-dist-t0-$v-$r.json")
+  done
+done
+for r in 1 2; do
+  (cd /tmp/hbx && SB_BHS=0.5 PYTHONPATH=. "$(realpath "$OLDPWD/$PY")" -m engine bench $HB --draft embedded-weak \
+      --dataset data/foreign_tuning_prompts.jsonl --temperature 0 --hold-branches \
+      --json "$OLDPWD/docs/branchhold-scale-weakf-C-$r.json")
+done
