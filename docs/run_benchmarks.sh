@@ -488,7 +488,7 @@ for name in self dist; do
     done
   done
 done
-#   b. the benchmark split with the app's draft and settings (as §25's γ 8 runs), seeds 0-2 at T=0 and T=1
+#   b. the benchmark split with the app's draft and settings (as §25's γ 8 runs), seeds 0-2 at T=0 and T=1 (at f59c80c)
 for T in 0 1; do
   for s in 0 1 2; do
     $PY -m engine bench --methods ar,sd,pearl,specbranch,specbranch-no-branch ${SELF/--gamma 6/--gamma 8} \
@@ -512,3 +512,5 @@ for r in 1 2; do
       --dataset data/foreign_tuning_prompts.jsonl --temperature 0 --hold-branches \
       --json "$OLDPWD/docs/branchhold-scale-weakf-C-$r.json")
 done
+#   d. a target step beside a draft in a thread and in another process (exploratory; prints a table)
+PYTHONPATH=. $PY docs/beside_the_draft.py
