@@ -40,9 +40,9 @@ def main() -> None:
                              "rolls back by a pointer); transformers: the model's own forward")
     parser.add_argument("--target-forward", default=os.environ.get("SPECBRANCH_TARGET_FORWARD", "static"),
                         choices=TARGET_FORWARDS,
-                        help="static: a Llama target on the CPU runs engine/static_forward.py (transformers' ops over "
-                             "a KV cache written in place: the same bits, without the per-step copies); transformers: "
-                             "the model's own forward")
+                        help="static: a Llama target on the CPU runs engine/static_forward.py (transformers' ops, "
+                             "with q/k/v and gate/up each one stacked matmul, over a KV cache written in place: the "
+                             "same bits, checked at load, and a faster step); transformers: the model's own forward")
     parser.add_argument("--db", default=None, help="session store (default: $SPECBRANCH_DB or the data dir)")
     parser.add_argument("--no-record", action="store_true", help="do not record sessions")
     args = parser.parse_args()

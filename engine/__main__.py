@@ -25,9 +25,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="lean: a Llama draft on the CPU runs engine/lean.py (fused matmuls, a KV cache that rolls "
                         "back by a pointer); transformers: the model's own forward")
     p.add_argument("--target-forward", default="static", choices=TARGET_FORWARDS,
-                   help="static: a Llama target on the CPU runs engine/static_forward.py (transformers' ops over a KV "
-                        "cache written in place, the same bits without the per-step copies); transformers: the "
-                        "model's own forward")
+                   help="static: a Llama target on the CPU runs engine/static_forward.py (transformers' ops, with "
+                        "q/k/v and gate/up each one stacked matmul, over a KV cache written in place: the same bits, "
+                        "checked at load, and a faster step); transformers: the model's own forward")
     p.add_argument("--threads", type=int, default=1, help="torch threads per model worker")
     p.add_argument("--solo-threads", type=int, default=None,
                    help="torch threads for a draft step the target waits on (SD's draft block, a parallel method's "
