@@ -514,3 +514,5 @@ for r in 1 2; do
 done
 #   d. a target step beside a draft in a thread and in another process (exploratory; prints a table)
 PYTHONPATH=. $PY docs/beside_the_draft.py
+#   e. the same with the draft asked over a pipe, step by step, as an engine would (exploratory)
+for d in self embedded; do PYTHONPATH=. $PY docs/draft_in_a_process.py $d; done
