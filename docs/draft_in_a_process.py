@@ -1,5 +1,6 @@
-"""Feasibility (docs/RESULTS.md §0r; run: PYTHONPATH=. .venv/bin/python docs/draft_in_a_process.py self|embedded): the target steps in a thread of this process while the draft steps in another process, asked over a
-pipe for each step and answering with its logits row (49k floats), as an engine would; against both in threads."""
+"""Feasibility (docs/RESULTS.md §0r): the target steps in a thread of this process while the draft steps in another
+process, asked over a pipe for each step and answering with its logits row (49k floats), as an engine would; against
+both in threads. Run: PYTHONPATH=. .venv/bin/python docs/draft_in_a_process.py self|embedded"""
 import time, torch, statistics, threading, multiprocessing as mp, sys
 from engine.models import load_pair
 
