@@ -516,3 +516,5 @@ done
 PYTHONPATH=. $PY docs/beside_the_draft.py
 #   e. the same with the draft asked over a pipe, step by step, as an engine would (exploratory)
 for d in self embedded; do PYTHONPATH=. $PY docs/draft_in_a_process.py $d; done
+#   f. hf-assisted against the faster ar, the app's draft and settings, seed 0, T=0
+$PY -m engine bench --methods ar,specbranch,hf-assisted ${SELF/--gamma 6/--gamma 8} --seed 0 --json docs/static-hf-assisted-t0.json
