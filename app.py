@@ -95,7 +95,8 @@ def main() -> None:
     get_store()
     demo = build_app(get_engine, get_store, defaults_for(args.draft),
                      about=f"target {args.target} · draft matmul {args.draft_matmul} · "
-                           f"draft forward {args.draft_forward} · target forward {args.target_forward}",
+                           f"draft forward {args.draft_forward} where it fits · "
+                           f"target forward {args.target_forward} where it fits",
                      drafts=drafts)
     demo.queue(default_concurrency_limit=1).launch(server_name=args.host, server_port=args.port,
                                                    css_paths=css_paths())
