@@ -31,7 +31,7 @@ from .config import DRAFT_FORWARDS, DRAFT_MATMULS, TARGET_FORWARDS, SpecBranchEr
 from .drafts import draft_from_target, is_specbranch_draft, load_draft_dir, place, twin_of
 from .head import FeatureHead, HeadLM, is_head_dir, load_head_dir
 from .lean import KVBuffer, LeanLlama, fits as lean_misfit
-from .static_forward import StaticLlama, fits as static_misfit
+from .static_forward import fits as static_misfit, static_llama
 from .lm_head import HeadMatmul, bf16_supported, draft_matmul, fast_linears, int4_supported
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -202,9 +202,7 @@ class LM:
             self._head = draft_matmul(self.matmul, head.weight, head=True)
         # the static path returns the final-norm states: only a plain head turns them into the model's logits; and it
         # runs only where it gives transformers' bits on this machine (StaticLlama.agrees)
-        self._static = StaticLlama(self.model) if self.static and self._head is not None else None
-        if self._static is not None and not self._static.agrees(self.model):
-            self._static = None
+        self._static = static_llama(self.model) if self.static and self._head is not None else None
         self.static = self._static is not None
 
     @property

@@ -48,15 +48,25 @@ def fuse(linears: list, room: int):
     product as in its own layer's matmul; StaticLlama.agrees checks that the bits match on this machine. Where the
     layers were not routed alike, the separate matmuls, concatenated. Returns (the matmul, bytes of copies)."""
     routed = [m.forward for m in linears]
+    separate = (lambda x: torch.cat([r(x) for r in routed], -1)), 0
     if not all(isinstance(r, HeadMatmul) and r.cpu for r in routed) or \
             len({(r.wt is None, r.packed is None) for r in routed}) > 1:
-        return (lambda x: torch.cat([r(x) for r in routed], -1)), 0
-    w = torch.cat([m.weight for m in linears]).detach()
-    size = w.numel() * w.element_size()
-    copies = 1 + (routed[0].wt is not None) + (routed[0].packed is not None)
-    if size * copies > room:
-        return (lambda x: torch.cat([r(x) for r in routed], -1)), 0
-    return HeadMatmul(w, LAYER_MAX_ROWS, routed[0].wt is not None, routed[0].packed is not None), size * copies
+        return separate
+    one_row, packed = routed[0].wt is not None, routed[0].packed is not None
+    size = sum(m.weight.numel() * m.weight.element_size() for m in linears) * (1 + one_row + packed)
+    if size > room:
+        return separate
+    return HeadMatmul(torch.cat([m.weight for m in linears]).detach(), LAYER_MAX_ROWS, one_row, packed), size
+
+
+def static_llama(model) -> "StaticLlama | None":
+    """The model's static-cache forward, built and checked against transformers' bits (StaticLlama.agrees) once per
+    model, however many LMs wrap it (models.pair_of re-wraps a target for a draft's vocabulary); None where the bits
+    differ on this machine."""
+    if not hasattr(model, "_static_forward"):
+        path = StaticLlama(model)
+        model._static_forward = path if path.agrees(model) else None
+    return model._static_forward
 
 
 class StaticLlama:

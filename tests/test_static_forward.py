@@ -49,6 +49,8 @@ def test_static_forward_is_bit_identical_on_a_tiny_llama():
     static, plain = LM("tiny", model, None, 101, static=True), LM("tiny", model, None, 101)
     assert static.static and static._static is not None and plain._static is None
     assert all(isinstance(f, HeadMatmul) for f in static._static.qkv + static._static.gate_up)
+    # built and checked once per model: another LM over it (models.pair_of's re-wrap) reuses it
+    assert LM("tiny", model, None, 90, static=True)._static is static._static
     assert_same_passes(static, plain, ids, cache_capacity=8)
 
 
