@@ -6,7 +6,7 @@ import os
 import threading
 
 from app.ui import build_app, css_paths, defaults_for
-from engine.config import DRAFT_FORWARDS, DRAFT_MATMULS, TARGET_FORWARDS
+from engine.config import DRAFT_FORWARDS, DRAFT_MATMULS, DRAFT_WORKERS, TARGET_FORWARDS
 
 # the drafts a visitor may pick on the embedded target (the app's own comes first), as the menu names them: the fast
 # one, the one whose forks rescue, and those wrong often enough to show rejections (docs/RESULTS.md §0h, §0l, §0e, §1)
@@ -38,6 +38,11 @@ def main() -> None:
                         choices=DRAFT_FORWARDS,
                         help="lean: a Llama draft on the CPU runs engine/lean.py (fused matmuls, a KV cache that "
                              "rolls back by a pointer); transformers: the model's own forward")
+    parser.add_argument("--draft-worker", default=os.environ.get("SPECBRANCH_DRAFT_WORKER", "process"),
+                        choices=DRAFT_WORKERS,
+                        help="process: a draft on the CPU runs its forwards in a child process of its own, so the two "
+                             "models do not take turns at one Python interpreter (its logits are checked bit for bit "
+                             "at start); thread: on a thread of this process")
     parser.add_argument("--target-forward", default=os.environ.get("SPECBRANCH_TARGET_FORWARD", "static"),
                         choices=TARGET_FORWARDS,
                         help="static: a Llama target on the CPU runs engine/static_forward.py (transformers' ops, "
@@ -68,10 +73,14 @@ def main() -> None:
 
                 if engines:
                     pair = with_draft(next(iter(engines.values())).pair.target, draft,
-                                      draft_matmul=args.draft_matmul, draft_forward=args.draft_forward)
+                                      draft_matmul=args.draft_matmul, draft_forward=args.draft_forward,
+                                      draft_worker=args.draft_worker)
                 else:
                     pair = load_pair(args.target, draft, device=args.device, draft_matmul=args.draft_matmul,
-                                     draft_forward=args.draft_forward, target_forward=args.target_forward)
+                                     draft_forward=args.draft_forward, target_forward=args.target_forward,
+                                     draft_worker=args.draft_worker)
+                if pair.draft_worker_why and args.draft_worker == "process":
+                    print(f"the draft {draft!r} runs in this process: {pair.draft_worker_why}")
                 engines[draft] = Engine(pair)
             return engines[draft]
 
@@ -96,6 +105,7 @@ def main() -> None:
     demo = build_app(get_engine, get_store, defaults_for(args.draft),
                      about=f"target {args.target} · draft matmul {args.draft_matmul} · "
                            f"draft forward {args.draft_forward} where it fits · "
+                           f"draft worker {args.draft_worker} where it fits · "
                            f"target forward {args.target_forward} where it fits",
                      drafts=drafts)
     demo.queue(default_concurrency_limit=1).launch(server_name=args.host, server_port=args.port,

@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from .config import (DRAFT_FORWARDS, DRAFT_MATMULS, METHODS, TARGET_FORWARDS, GenerationConfig, SpecBranchError,
+from .config import (DRAFT_FORWARDS, DRAFT_MATMULS, DRAFT_WORKERS, METHODS, TARGET_FORWARDS, GenerationConfig, SpecBranchError,
                      writable_file)
 
 
@@ -28,6 +28,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="static: a Llama target on the CPU runs engine/static_forward.py (transformers' ops, with "
                         "q/k/v and gate/up each one stacked matmul, over a KV cache written in place: the same bits, "
                         "checked at load, and a faster step); transformers: the model's own forward")
+    p.add_argument("--draft-worker", default="process", choices=DRAFT_WORKERS,
+                   help="process: a draft on the CPU runs its forwards in a child process of its own (the models no "
+                        "longer take turns at one Python interpreter; the child loads the same draft and its logits "
+                        "are checked bit for bit at start); thread: on a thread of this process")
     p.add_argument("--threads", type=int, default=1, help="torch threads per model worker")
     p.add_argument("--solo-threads", type=int, default=None,
                    help="torch threads for a draft step the target waits on (SD's draft block, a parallel method's "
@@ -143,7 +147,9 @@ def build_engine(args, need_draft: bool):
     pair = load_pair(args.target, args.draft if need_draft else None, device=args.device,
                      draft_device=args.draft_device, dtype=args.dtype, trust_remote_code=args.trust_remote_code,
                      draft_matmul=args.draft_matmul, draft_forward=args.draft_forward,
-                     target_forward=args.target_forward)
+                     target_forward=args.target_forward, draft_worker=args.draft_worker)
+    if pair.draft_worker_why and args.draft_worker == "process":
+        print(f"note: the draft runs in this process: {pair.draft_worker_why}", file=sys.stderr)
     return Engine(pair, threads=max(1, args.threads), solo_threads=args.solo_threads)
 
 
@@ -213,7 +219,8 @@ def cmd_bench(args) -> None:
     t = engine.pair.target
     for draft in sorted({d for _, _, d in entries if d is not None}):  # other drafts share the loaded target
         engines[draft] = Engine(with_draft(t, draft, trust_remote_code=args.trust_remote_code,
-                                           draft_matmul=args.draft_matmul, draft_forward=args.draft_forward),
+                                           draft_matmul=args.draft_matmul, draft_forward=args.draft_forward,
+                                           draft_worker=args.draft_worker),
                                 threads=max(1, args.threads), solo_threads=args.solo_threads)
     run_bench([(label, engines[d], m) for label, m, d in entries], args, SessionLog(args, engine))
 

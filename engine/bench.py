@@ -152,6 +152,9 @@ def run_bench(entries: list[tuple[str, object, str]], args, log=None) -> dict:
         "target_forward": "static" if engine.pair.target.static else "transformers",
         "draft_forward": {label: ("lean" if eng.pair.draft.lean and method != "hf-assisted" else "transformers")
                           if eng.pair.draft and method != "ar" else None for label, eng, method in entries},
+        # hf-assisted runs the local draft's model on transformers' own loop, in this process
+        "draft_worker": {label: (eng.pair.draft_worker if method != "hf-assisted" else "thread")
+                         if eng.pair.draft and method != "ar" else None for label, eng, method in entries},
         "settings": {k: getattr(args, k) for k in ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "gamma",
                                                      "draft_stop", "feed_stop", "head_start", "branches", "epsilon",
                                                      "hrad", "branch_costs", "calibrate", "hold", "hold_branches", "limit",

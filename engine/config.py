@@ -37,6 +37,9 @@ METHODS = ("ar", "sd", "pearl", "specbranch", "specbranch-no-branch", "specbranc
 DRAFT_MATMULS = ("auto", "float32", "bfloat16", "int4")
 # how a draft's forward runs: engine/lean.py where the draft fits it (else transformers'), or always transformers'
 DRAFT_FORWARDS = ("lean", "transformers")
+# where a draft's forwards run: in a child process of their own where the draft fits (engine/draft_process.py), or on
+# a thread of this process
+DRAFT_WORKERS = ("process", "thread")
 # how the target's forward runs: engine/static_forward.py where the target fits it (else transformers'), or always
 # transformers'; both compute the same bits
 TARGET_FORWARDS = ("static", "transformers")

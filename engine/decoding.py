@@ -12,6 +12,7 @@ import torch
 
 from . import cache as kv
 from .config import GenerationConfig
+from .draft_process import step_fn
 from .events import (BONUS, CORRECTION, DECODE, DRAFT, PREFILL, TARGET, VERIFY, DraftProposed, Event, Rollback,
                      StepStarted, TokensEmitted, Verified)
 from .models import LM, ModelPair, Out
@@ -83,12 +84,14 @@ class RunState:
 
 
 async def forward(state: RunState, lm: LM, worker: Worker, cache, ids: list[int], kind: str,
-                  events: list[Event], hidden_states: bool = False, features: bool = False, solo: bool = False):
-    """Feed `ids` (appended to `cache`) on `worker` and record the span. Returns logits [T, V]; with
-    hidden_states/features, Out(logits [T, V], every layer's states [1, T, H] each, last features [T, H]).
-    solo: the other model waits on this forward (Worker.run)."""
+                  events: list[Event], hidden_states: bool = False, features: bool = False, solo: bool = False,
+                  ahead: int = 0):
+    """Feed `ids` (appended to `cache`) on `worker` and record the span. Returns logits [T, V] (a draft in its own
+    process: the last position's only, [1, V]); with hidden_states/features, Out(logits [T, V], every layer's states
+    [1, T, H] each, last features [T, H]). solo: the other model waits on this forward (Worker.run). ahead: a draft in
+    its own process steps on the argmax at once, on that many torch threads (draft_process.step_fn; 0 = not)."""
     x = torch.tensor([ids], dtype=torch.long)
-    out, span = await worker.run(lm.forward, x, cache, hidden_states, features, kind=kind, step=state.step,
+    out, span = await worker.run(step_fn(lm, ahead), x, cache, hidden_states, features, kind=kind, step=state.step,
                                  t0=state.t0, tokens=len(ids), solo=solo)
     events.append(span)
     if hidden_states or features:
@@ -141,9 +144,13 @@ async def draft_block(state: RunState, gamma: int, events: list[Event], kind: st
     draft = state.pair.draft
     feed = state.tokens[kv.cache_length(state.draft_cache):]  # committed tokens the draft has not seen yet
     tokens, q_rows = [], []
-    for _ in range(gamma):
-        # the target waits on the whole block: the draft may have the cores (Engine's solo_threads)
-        logits = await forward(state, draft, state.draft_worker, state.draft_cache, feed, kind, events, solo=True)
+    for i in range(gamma):
+        # the target waits on the whole block: the draft may have the cores (Engine's solo_threads); greedy, a draft in
+        # its own process takes the block's next step on them while this one is read (not after the last: the target's
+        # pass comes next)
+        ahead = state.draft_worker.solo_threads if state.cfg.greedy and i < gamma - 1 else 0
+        logits = await forward(state, draft, state.draft_worker, state.draft_cache, feed, kind, events, solo=True,
+                               ahead=ahead)
         q = state.probs(logits[-1])
         x = sample(q, state.draft_generator)
         tokens.append(x)

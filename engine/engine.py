@@ -236,6 +236,8 @@ class Engine:
         self._busy_waiter.shutdown(wait=False, cancel_futures=True)
         self.target_worker.shutdown()
         self.draft_worker.shutdown()
+        if hasattr(self.pair.draft, "close"):  # a draft in its own process (engine/draft_process.py)
+            self.pair.draft.close()
 
 
 def slow_draft_notice(events: list[Event]) -> Notice | None:

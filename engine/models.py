@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 
 from . import cache as kv
-from .config import DRAFT_FORWARDS, DRAFT_MATMULS, TARGET_FORWARDS, SpecBranchError
+from .config import DRAFT_FORWARDS, DRAFT_MATMULS, DRAFT_WORKERS, TARGET_FORWARDS, SpecBranchError
+from .draft_process import in_process
 from .drafts import draft_from_target, is_specbranch_draft, load_draft_dir, place, twin_of
 from .head import FeatureHead, HeadLM, is_head_dir, load_head_dir
 from .lean import KVBuffer, LeanLlama, fits as lean_misfit
@@ -263,6 +264,8 @@ class Out(NamedTuple):
 class ModelPair:
     target: LM
     draft: LM | None
+    draft_worker: str = "thread"  # where the draft's forwards run: "process" (engine/draft_process.py) or "thread"
+    draft_worker_why: str = ""  # why a draft asked to run in a process runs in this one
 
     @property
     def tokenizer(self):
@@ -343,7 +346,8 @@ def is_self_draft(spec: str | None) -> bool:
 
 def load_pair(target: str = "embedded", draft: str | None = "embedded", device: str | None = None,
               draft_device: str | None = None, dtype: str | None = None, trust_remote_code: bool = False,
-              draft_matmul: str = "auto", draft_forward: str = "lean", target_forward: str = "static") -> ModelPair:
+              draft_matmul: str = "auto", draft_forward: str = "lean", target_forward: str = "static",
+              draft_worker: str = "thread") -> ModelPair:
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     target_model, target_tok = load_model(target, dev, dt, trust_remote_code)
@@ -353,15 +357,19 @@ def load_pair(target: str = "embedded", draft: str | None = "embedded", device: 
         return ModelPair(lm, None)
     ddev = pick_device(draft_device) if draft_device else dev
     return with_draft(lm, draft, ddev, pick_dtype(dtype, ddev),
-                      trust_remote_code, draft_matmul, draft_forward, same_device=ddev == dev)
+                      trust_remote_code, draft_matmul, draft_forward, same_device=ddev == dev, draft_worker=draft_worker)
 
 
 def with_draft(target: "LM", draft: str, device: torch.device | None = None, dtype: torch.dtype | None = None,
                trust_remote_code: bool = False, draft_matmul: str = "auto", draft_forward: str = "lean",
-               same_device: bool = True) -> ModelPair:
+               same_device: bool = True, draft_worker: str = "thread") -> ModelPair:
     """An already-loaded target paired with the draft `draft` (a spec, loaded here, on `device` in `dtype`: the
     target's unless given): the second half of load_pair, and how the bench and the app put several drafts on one
-    loaded target. same_device: whether the draft sits where the target does (a draft head must)."""
+    loaded target. same_device: whether the draft sits where the target does (a draft head must). draft_worker
+    "process": the draft's forwards run in a child process that loads it by the same recipe, where it fits
+    (engine/draft_process.py); the pair's draft_worker says where they run."""
+    if draft_worker not in DRAFT_WORKERS:
+        raise SpecBranchError(f"unknown draft worker {draft_worker!r}; choose one of {', '.join(DRAFT_WORKERS)}")
     device = device if device is not None else target.device
     dtype = dtype if dtype is not None else next(target.model.parameters()).dtype
     draft_model, draft_tok, head_ids = load_draft(draft, target.model, target.tokenizer, device, dtype,
@@ -370,7 +378,17 @@ def with_draft(target: "LM", draft: str, device: torch.device | None = None, dty
     if isinstance(draft_model, FeatureHead) and not same_device:
         raise SpecBranchError("a draft head reads the target's features: it must sit on the target's device")
     kind = draft_matmul_kind(draft_matmul, device, dtype, is_self_draft(draft))
-    return pair_of(target, draft, draft_model, draft_tok, head_ids, kind, draft_forward)
+    pair = pair_of(target, draft, draft_model, draft_tok, head_ids, kind, draft_forward)
+    if draft_worker == "thread":
+        return pair
+    recipe = dict(target=target.name, draft=draft, device=str(device), dtype=DTYPE_NAMES.get(dtype),
+                  trust_remote_code=trust_remote_code, draft_matmul=kind, draft_forward=draft_forward,
+                  target_forward="transformers")  # the child needs the target's weights, not its fast forward
+    lm, why = in_process(pair.draft, recipe)
+    return ModelPair(pair.target, lm, "process" if lm is not pair.draft else "thread", why)
+
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def static_target(model, forward: str) -> bool:

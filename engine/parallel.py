@@ -35,6 +35,7 @@ from . import cache as kv
 from . import hrad
 from .calibration import AcceptanceCalibration
 from .decoding import RunState, crop_draft, emit, forward, share_features, step_loop
+from .draft_process import step_fn
 from .events import (ACCEPTED, BONUS, BRANCH_DRAFT, CORRECTION, DRAFT, RESCUED, VERIFY, BranchResolved, DraftProposed,
                      Event, Rollback, Verified)
 from .sampling import (NO_REPLACEMENT, TOPK, candidate_q, draw_candidates, residual_distribution, sample,
@@ -241,7 +242,8 @@ async def draft_step(state: RunState, spec: Speculation, ds: DraftState, policy:
     if spec.fork is None:
         seq = state.tokens + spec.path
         feed = seq[len(ds.rows[0]):]
-        logits = await forward(state, draft, state.draft_worker, cache, feed, DRAFT, events, solo=solo)
+        logits = await forward(state, draft, state.draft_worker, cache, feed, DRAFT, events, solo=solo,
+                               ahead=ahead_threads(state))
         ds.rows[0] = seq
         raw = logits[-1].float().softmax(-1)  # confidence is read from the untempered distribution
         q = state.probs(logits[-1])
@@ -300,8 +302,8 @@ async def draft_step(state: RunState, spec: Speculation, ds: DraftState, policy:
         ds.rows = [list(ds.rows[0]) for _ in range(k)]
     last = [(b[-1] if b else c) for c, b in zip(fork.candidates, fork.branches)]
     x = torch.tensor(last, dtype=torch.long)[:, None]  # [k, 1]
-    logits, span = await state.draft_worker.run(draft.forward, x, cache, kind=BRANCH_DRAFT, step=state.step,
-                                                t0=state.t0, tokens=k, solo=solo)
+    logits, span = await state.draft_worker.run(step_fn(draft, ahead_threads(state)), x, cache, kind=BRANCH_DRAFT,
+                                                step=state.step, t0=state.t0, tokens=k, solo=solo)
     events.append(span)
     raw = logits[:, -1].float().softmax(-1)  # [k, V], untempered
     ds.fresh = False
@@ -326,6 +328,13 @@ async def draft_step(state: RunState, spec: Speculation, ds: DraftState, policy:
         fork.branch_conf[i].append(float(raw[i, t]))
         events.append(DraftProposed(state.step, [t], state.pieces([t]), [float(q[t])], branch=i + 1,
                                     parent_position=len(ds.rows[i]), top=[top_alternatives(q)], kind="branch"))
+
+
+def ahead_threads(state: RunState) -> int:
+    """Greedy, the draft's next step feeds its argmax, so a draft in its own process takes it while this one is read
+    (draft_process.step_ahead), on the worker's own threads: the target's next pass may start beside it, and a step on
+    the solo threads would take a core from it. 0 (not) when sampling."""
+    return state.draft_worker.threads if state.cfg.greedy else 0
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

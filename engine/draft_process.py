@@ -1,0 +1,324 @@
+"""The draft in a process of its own (--draft-worker process): the draft's forwards run in a spawned child, asked
+over a pipe.
+
+Why: on the CPU every op of both forwards is dispatched from Python. As two threads of one process the models take
+turns at the interpreter: a target step beside the draft costs 47-48 ms in a thread against 37-42 ms alone, and
+37.5-41 ms beside the same draft in another process (docs/RESULTS.md §0r, docs/beside_the_draft.py). The parallel
+methods' overlap was lost to the shared process, not to the memory bus.
+
+How: the child loads the same draft by the same recipe (models.with_draft's arguments) and keeps its caches. Here a
+RemoteLM stands in for the draft: every attribute is the local draft's (its name, tokenizer, the model hf-assisted
+runs), but `forward` and `new_cache` go to the child. A forward is answered with the logits at the last position
+only, [B, 1, V]: the only row a draft's callers read (the next token's q; a prefill's logits are not read). A cache
+is mirrored by a RemoteCache that knows its length and rows, so a rollback (crop), a fork (batch_repeat_interleave)
+and its collapse (batch_select_indices) are one message each, answered by nothing: the pipe keeps them in order
+before the next forward. A forward runs on as many torch threads as the calling thread has (Worker.run sets them:
+its solo steps get the cores).
+At start the child's logits are checked bit for bit against the local draft's (RemoteLM.agrees); where the child
+cannot load or disagrees, the draft stays in this process (in_process says why). Output is exact either way: q is
+what the pass that drafted the token computed.
+Only a CPU draft with a recipe runs here: a draft head reads the target's features, and on a GPU the workers'
+streams overlap the models (engine/runtime.py).
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Client, Listener
+from pathlib import Path
+
+import torch
+
+from .config import SpecBranchError
+
+START_TIMEOUT_S = 300  # loading the models in the child (a dequantized GGUF loads in seconds; a hub id may download)
+
+
+def serve(conn) -> None:
+    """The child: load the draft by the recipe the parent sends first (models.load_pair's arguments) and answer the
+    parent until it closes the connection. An op that fails is reported with the next forward's answer."""
+    torch.set_num_threads(1)
+    try:
+        recipe = conn.recv()
+        from .models import load_pair
+
+        lm = load_pair(**recipe).draft
+    except Exception as exc:  # noqa: BLE001 - any failure is the parent's message
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", None))
+    caches, failed, threads = {}, None, 1
+    ahead = None  # (cache id, ids, logits): the step taken ahead on the argmax of the last answer, fed to its cache
+    while True:
+        try:
+            op, cid, arg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if ahead is not None:
+            taken, ahead = ahead, None
+            if op == "forward" and cid == taken[0] and arg[0] == taken[1] and failed is None:
+                answer(conn, taken[2], True)  # the step asked for is the one taken ahead: its logits, at once
+                ahead = step_ahead(lm, caches, cid, taken[2], arg[2]) if arg[2] else None
+                threads = torch.get_num_threads()
+                continue
+            caches[taken[0]].crop(-1)  # another request: undo the step taken ahead first
+        try:
+            if op == "forward":
+                if failed is None:
+                    ids, n, go_on = arg
+                    if n != threads:
+                        torch.set_num_threads(n)
+                        threads = n
+                    logits = lm.forward(torch.tensor(ids, dtype=torch.long), caches[cid])[:, -1].contiguous()
+                    answer(conn, logits, False)
+                    ahead = step_ahead(lm, caches, cid, logits, go_on) if go_on else None
+                    threads = torch.get_num_threads()
+                    continue
+            elif op == "new":
+                caches[cid] = lm.new_cache()
+            elif op == "free":
+                caches.pop(cid, None)
+            elif op == "crop":
+                caches[cid].crop(arg)
+            elif op == "repeat":
+                caches[cid].batch_repeat_interleave(arg)
+            elif op == "select":
+                caches[cid].batch_select_indices(torch.tensor(arg))
+        except Exception as exc:  # noqa: BLE001
+            failed = failed or f"{type(exc).__name__}: {exc}"
+        if op == "forward":
+            conn.send(("error", failed, False))
+            failed = None
+
+
+def answer(conn, logits: torch.Tensor, taken_ahead: bool) -> None:
+    """A forward's answer: its shape and whether its step was taken ahead, then the logits' bytes."""
+    conn.send(("ok", tuple(logits.shape), taken_ahead))
+    conn.send_bytes(logits.view(-1).numpy())
+
+
+def step_ahead(lm, caches: dict, cid: int, logits: torch.Tensor, threads: int):
+    """While the parent reads an answer, take the step it most likely asks for next, on `threads` torch threads: each
+    row's argmax (greedy drafting feeds exactly that). Its logits wait for a request with those ids; any other request
+    undoes it first."""
+    torch.set_num_threads(threads)
+    ids = logits.argmax(-1)[:, None].tolist()  # [B, 1]
+    return cid, ids, lm.forward(torch.tensor(ids, dtype=torch.long), caches[cid])[:, -1].contiguous()
+
+
+class RemoteCache:
+    """A draft cache held in the child, seen from here: its length and rows, kept in step with what was sent."""
+
+    def __init__(self, remote: "RemoteLM", cid: int):
+        self.remote, self.cid = remote, cid
+        self.length, self.rows = 0, 1
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def crop(self, n: int) -> None:
+        """transformers' semantics: n < 0 drops the last -n positions; n >= 0 keeps the first n."""
+        self.length = max(0, self.length + n) if n < 0 else min(self.length, n)
+        self.remote.send("crop", self.cid, n)
+
+    def batch_repeat_interleave(self, k: int) -> None:
+        self.rows *= k
+        self.remote.send("repeat", self.cid, k)
+
+    def batch_select_indices(self, idx: torch.Tensor) -> None:
+        rows = [int(i) for i in idx.tolist()]
+        self.rows = len(rows)
+        self.remote.send("select", self.cid, rows)
+
+
+def _stop(conn, process) -> None:
+    """Close the connection (the child ends at its end) and wait a moment for the child; at close or collection."""
+    try:
+        conn.close()
+    except OSError:
+        pass
+    try:
+        process.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
+def _start(recipe: dict):
+    """Launch the child (`python -m engine.draft_process`, so nothing of this process's __main__ runs there) and
+    connect to it: (connection, process). The child finds this package as this process does."""
+    key = secrets.token_bytes(32)
+    with tempfile.TemporaryDirectory(prefix="specbranch-draft-") as folder:
+        listener = Listener(str(Path(folder) / "socket"), "AF_UNIX", authkey=key)
+        root = str(Path(__file__).resolve().parent.parent)
+        env = dict(os.environ, SPECBRANCH_DRAFT_KEY=key.hex(), HF_HUB_DISABLE_PROGRESS_BARS="1",
+                   PYTHONPATH=os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])]))
+        process = subprocess.Popen([sys.executable, "-m", "engine.draft_process", listener.address], env=env,
+                                   stdin=subprocess.DEVNULL)
+        with ThreadPoolExecutor(1) as pool:
+            accepted = pool.submit(listener.accept)
+            while not accepted.done() and process.poll() is None:
+                try:
+                    accepted.result(timeout=0.2)
+                except TimeoutError:
+                    pass
+            if not accepted.done():  # the child died first: a connection without the key ends the accept (closing
+                with socket.socket(socket.AF_UNIX) as poke:  # the listener would not wake it on Linux)
+                    poke.connect(listener.address)
+            try:
+                conn = accepted.result()
+            except Exception:  # noqa: BLE001 - the poke fails the handshake
+                conn = None
+            listener.close()
+    if conn is None:
+        raise SpecBranchError(f"the draft's process ended before it connected (exit code {process.poll()})")
+    conn.send(recipe)
+    return conn, process
+
+
+class RemoteLM:
+    """The draft `local`, with its forwards run by a child process that loaded it by `recipe`."""
+
+    def __init__(self, local, recipe: dict):
+        self.local, self.recipe = local, recipe
+        self._conn, self._process = _start(recipe)
+        self._send_lock = threading.Lock()  # a message goes out whole, whichever thread sends it
+        self._call_lock = threading.Lock()  # one forward in flight: its answer is the next one on the connection
+        self._ids = itertools.count()
+        self._freed: list[int] = []  # caches collected here, freed there with the next message
+        self.steps_taken_ahead = 0  # forwards answered from a step the child had taken ahead (step_ahead)
+        self._stop = weakref.finalize(self, _stop, self._conn, self._process)
+        if not self._conn.poll(START_TIMEOUT_S):
+            self.close()
+            raise SpecBranchError(f"the draft's process did not load the draft within {START_TIMEOUT_S} s")
+        status, why = self._receive()
+        if status != "ready":
+            self.close()
+            raise SpecBranchError(f"the draft's process could not load {local.name!r}: {why}")
+
+    def __getattr__(self, name):  # everything but the forward is the local draft's
+        return getattr(self.__dict__["local"], name)
+
+    def _ended(self) -> SpecBranchError:
+        return SpecBranchError(f"the draft's process ended (exit code {self._process.poll()}); "
+                               f"restart with --draft-worker thread")
+
+    def _receive(self):
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError):
+            raise self._ended() from None
+
+    def send(self, op: str, cid: int, arg=None) -> None:
+        with self._send_lock:
+            try:
+                while self._freed:
+                    self._conn.send(("free", self._freed.pop(), None))
+                self._conn.send((op, cid, arg))
+            except (OSError, ValueError):
+                raise SpecBranchError("the draft's process is gone; restart with --draft-worker thread") from None
+
+    def new_cache(self) -> RemoteCache:
+        cache = RemoteCache(self, next(self._ids))
+        self.send("new", cache.cid)
+        weakref.finalize(cache, self._freed.append, cache.cid)  # list.append: safe wherever collection runs
+        return cache
+
+    def forward(self, input_ids: torch.Tensor, cache: RemoteCache, hidden_states: bool = False,
+                features: bool = False, ahead: int = 0) -> torch.Tensor:
+        """input_ids [B, T] -> the logits at the last position, [B, 1, V] float32, appending T positions to `cache`
+        (the child runs the local draft's forward on the calling thread's torch thread count). ahead (torch threads; 0 =
+        off): the next request will most likely feed each row's argmax (greedy drafting), so the child takes that step
+        at once on that many threads, while this answer is read (step_ahead); the answer to a request is the same
+        whether its step was taken ahead or not."""
+        if hidden_states or features:
+            raise ValueError("a draft in its own process returns logits only")
+        if input_ids.shape[0] != cache.rows:
+            raise ValueError(f"the cache holds {cache.rows} rows, fed {input_ids.shape[0]}")
+        with self._call_lock:
+            self.send("forward", cache.cid, (input_ids.tolist(), torch.get_num_threads(), ahead))
+            status, shape, taken_ahead = self._receive()
+            if status != "ok":
+                raise SpecBranchError(f"the draft's forward failed in its process: {shape}")
+            self.steps_taken_ahead += taken_ahead
+            logits = torch.empty(shape, dtype=torch.float32)
+            try:
+                self._conn.recv_bytes_into(logits.view(-1).numpy())  # 1-D: its len is its size
+            except (EOFError, OSError):
+                raise self._ended() from None
+        cache.length += input_ids.shape[1]
+        return logits[:, None]
+
+    def agrees(self, tokens: int = 24, seed: int = 0) -> bool:
+        """Whether the child's draft gives the local draft's logits bit for bit: a prefill, a step, a rollback and a
+        step on two rows (a fork), on random tokens."""
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, min(self.local.vocab_size, 1000), (1, tokens), generator=g)
+        fork = torch.randint(0, min(self.local.vocab_size, 1000), (2, 1), generator=g)
+        outputs = []
+        for lm in (self.local, self):
+            cache = lm.new_cache()
+            out = [lm.forward(ids, cache)[:, -1], lm.forward(ids[:, :1], cache)[:, -1]]
+            cache.crop(-1)
+            cache.batch_repeat_interleave(2)
+            out.append(lm.forward(fork, cache)[:, -1])
+            outputs.append(out)
+        return all(torch.equal(a, b) for a, b in zip(*outputs))
+
+    def close(self) -> None:
+        self._stop()
+
+
+def step_fn(lm, ahead: int):
+    """lm.forward, asking a draft in its own process to step ahead on the argmax on `ahead` torch threads
+    (RemoteLM.forward; 0: not)."""
+    return functools.partial(lm.forward, ahead=ahead) if ahead and isinstance(lm, RemoteLM) else lm.forward
+
+
+def fits(lm) -> str | None:
+    """Why the draft `lm` cannot run in a process of its own, or None when it can."""
+    if getattr(lm, "reads_target_features", False):
+        return "a draft head reads the target's features in this process"
+    if lm.device.type != "cpu":
+        return f"a draft on {lm.device} overlaps the target on its own stream"
+    return None
+
+
+def in_process(lm, recipe: dict | None):
+    """The draft `lm` with its forwards in a child process where it fits and the child computes its bits, else `lm`
+    itself; and why not ("" when it runs there)."""
+    why = "the draft was not loaded from a spec" if recipe is None else fits(lm)
+    if why:
+        return lm, why
+    try:
+        remote = RemoteLM(lm, recipe)
+    except SpecBranchError as exc:
+        return lm, str(exc)
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the probe's passes on both sides on one thread, as the workers run them
+    try:
+        same = remote.agrees()
+    finally:
+        torch.set_num_threads(torch_threads)
+    if not same:
+        remote.close()
+        return lm, "the draft's process computed other logits than this one"
+    return remote, ""
+
+
+def main() -> None:
+    """The child's entry: connect to the parent at argv[1] with the key it put in the environment, and serve."""
+    key = bytes.fromhex(os.environ.pop("SPECBRANCH_DRAFT_KEY"))
+    serve(Client(sys.argv[1], "AF_UNIX", authkey=key))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""The draft in a process of its own (engine/draft_process.py): the child loads the same draft and computes its bits,
+through a fork, a collapse and rollbacks; output through it stays exact (greedy equals the target's generate(),
+sampled follows the target's distribution); a draft that cannot go there stays here with the reason; a child that
+dies ends the run with a message; closing the engine ends the child."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from engine.config import GenerationConfig, SpecBranchError
+from engine.draft_process import RemoteLM, in_process
+from engine.engine import Engine
+from engine.models import ModelPair, load_pair, with_draft
+
+from .test_parallel_lossless import check_sampled
+from .test_sampling_montecarlo import PROMPT
+
+
+@pytest.fixture(scope="module")
+def process_engine(tiny_dirs):
+    engine = Engine(load_pair(str(tiny_dirs["target"]), str(tiny_dirs["draft"]), device="cpu", draft_matmul="float32",
+                              draft_worker="process"))
+    yield engine
+    engine.close()
+
+
+def test_the_child_computes_the_local_drafts_bits(process_engine):
+    pair = process_engine.pair
+    assert (pair.draft_worker, pair.draft_worker_why) == ("process", "")
+    remote = pair.draft
+    assert isinstance(remote, RemoteLM) and remote._process.pid != os.getpid()
+    assert remote.name == remote.local.name and remote.vocab_size == remote.local.vocab_size  # the local draft's
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, remote.vocab_size, (1, 9), generator=g)
+    caches = [remote.local.new_cache(), remote.new_cache()]
+
+    def both(x, ahead=0):  # the same forward on the local draft and in the child: the last position's logits
+        local = remote.local.forward(x, caches[0])
+        there = remote.forward(x, caches[1], ahead=ahead)  # ahead: the child then steps on the argmax at once
+        assert there.shape == (x.shape[0], 1, local.shape[-1])
+        assert torch.equal(local[:, -1:], there)
+        assert caches[1].get_seq_length() == caches[0].get_seq_length()
+        return there[:, -1].argmax(-1)[:, None]  # [B, 1]: what greedy drafting feeds next
+
+    nxt = both(ids, ahead=1)  # a prefill
+    taken = remote.steps_taken_ahead
+    nxt = both(nxt, ahead=1)  # the step taken ahead, asked for: served from it
+    assert remote.steps_taken_ahead == taken + 1
+    both(ids[:, :1] + (ids[:, :1] == nxt))  # another step than the one taken ahead: undone first
+    assert remote.steps_taken_ahead == taken + 1
+    for c in caches:
+        c.crop(-2)  # a rollback, transformers' way
+    both(ids[:, 3:5], ahead=1)
+    for c in caches:
+        c.batch_repeat_interleave(3)  # a fork (undoing the step taken ahead): one row per branch
+    nxt = both(torch.randint(0, remote.vocab_size, (3, 1), generator=g), ahead=1)
+    both(nxt, ahead=1)  # every branch's argmax, taken ahead
+    assert remote.steps_taken_ahead == taken + 2
+    for c in caches:
+        c.batch_select_indices(torch.tensor([2]))  # the surviving branch
+        c.crop(6)  # keep the first 6 positions
+    assert caches[1].get_seq_length() == 6 and caches[1].rows == 1
+    both(ids[:, :2])
+    with pytest.raises(SpecBranchError, match="failed in its process: IndexError"):  # an id past the vocabulary
+        remote.forward(torch.tensor([[10 ** 6]]), caches[1])
+    both(ids[:, :1])  # the child serves on
+    with pytest.raises(ValueError, match="rows"):
+        remote.forward(torch.zeros(2, 1, dtype=torch.long), caches[1])
+
+
+@pytest.mark.parametrize("method, extra", [("sd", {}), ("pearl", {}), ("specbranch", dict(epsilon=1.0))])
+def test_greedy_output_through_the_child_is_the_targets(process_engine, method, extra):
+    target = process_engine.pair.target.model
+    with torch.inference_mode():
+        want = target.generate(torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False)[0, len(PROMPT):].tolist()
+    taken = process_engine.pair.draft.steps_taken_ahead
+    r = process_engine.run(PROMPT, GenerationConfig(method=method, max_new_tokens=12, gamma=3, **extra))
+    assert r.token_ids == want
+    assert process_engine.pair.draft.steps_taken_ahead > taken  # greedy drafting was served by steps taken ahead
+
+
+def test_sampled_output_through_the_child_follows_the_target(process_engine):
+    check_sampled(process_engine, "specbranch", dict(gamma=3, branches=3, epsilon=1.0, head_start=0.2))
+
+
+def test_a_draft_that_cannot_go_stays_here_with_the_reason(tiny_dirs, process_engine):
+    local = process_engine.pair.draft.local
+    assert in_process(local, None) == (local, "the draft was not loaded from a spec")
+    recipe = dict(process_engine.pair.draft.recipe, target=str(tiny_dirs["target"] / "missing"))
+    lm, why = in_process(local, recipe)
+    assert lm is local and "could not load" in why and "not found" in why
+    target = process_engine.pair.target
+    with pytest.raises(SpecBranchError, match="unknown draft worker"):
+        with_draft(target, str(tiny_dirs["draft"]), draft_matmul="float32", draft_worker="fiber")
+    thread = with_draft(target, str(tiny_dirs["draft"]), draft_matmul="float32")  # the library's default
+    assert thread.draft_worker == "thread" and not isinstance(thread.draft, RemoteLM)
+
+
+def test_a_child_that_dies_ends_the_run_with_a_message_and_close_ends_the_child(process_engine):
+    remote = process_engine.pair.draft
+    engine = Engine(ModelPair(process_engine.pair.target, RemoteLM(remote.local, remote.recipe), "process"))
+    cfg = GenerationConfig(method="pearl", max_new_tokens=8, gamma=3)
+    assert len(engine.run(PROMPT, cfg).token_ids) == 8
+    engine.pair.draft._process.kill()
+    engine.pair.draft._process.wait()
+    with pytest.raises(SpecBranchError, match="the draft's process (ended|is gone)"):
+        engine.run(PROMPT, cfg)
+    engine.close()
+    spare = RemoteLM(remote.local, remote.recipe)
+    Engine(ModelPair(process_engine.pair.target, spare, "process")).close()
+    assert spare._process.poll() is not None  # closing the engine ended its child
