@@ -518,3 +518,24 @@ PYTHONPATH=. $PY docs/beside_the_draft.py
 for d in self embedded; do PYTHONPATH=. $PY docs/draft_in_a_process.py $d; done
 #   f. hf-assisted against the faster ar, the app's draft and settings, seed 0, T=0
 $PY -m engine bench --methods ar,specbranch,hf-assisted ${SELF/--gamma 6/--gamma 8} --seed 0 --json docs/static-hf-assisted-t0.json
+
+# 29. The draft in a process of its own, engine/draft_process.py (docs/RESULTS.md §0s), at 1df17a7 (the JSON's
+#     --json names a scratch folder, copied to docs/worker-*.json)
+#   a. the benchmark split with the app's draft and settings, seeds 0-2 at T=0 and T=1, --draft-worker process and
+#      thread alternated (the order flipped each seed); then the distilled draft's settings on the tuning prompts
+SELF8="--draft self --dataset all --limit 2 --max-new-tokens 64 --gamma 8 --draft-stop 0 --head-start 0.02 --epsilon 0.1 --branches 3 --hold 0"
+for T in 0 1; do
+  for p in "0 process thread" "1 thread process" "2 process thread"; do
+    set -- $p; s=$1; shift
+    for w in "$@"; do
+      $PY -m engine bench --methods ar,sd,pearl,specbranch $SELF8 --temperature $T --seed $s --draft-worker $w \
+          --json docs/worker-$w-t$T-s$s.json
+    done
+  done
+  for w in process thread; do
+    $PY -m engine summarize $(for s in 0 1 2; do echo docs/worker-$w-t$T-s$s.json; done) --json docs/worker-$w-t$T.json
+  done
+done
+for w in process thread; do
+  $PY -m engine bench $DIST --draft-worker $w --json docs/worker-dist-$w-1.json  # §28a's distilled settings
+done

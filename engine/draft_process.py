@@ -1,19 +1,24 @@
-"""The draft in a process of its own (--draft-worker process): the draft's forwards run in a spawned child, asked
-over a pipe.
+"""The draft in a process of its own (--draft-worker process): the draft's forwards run in a child process, asked
+over a local socket.
 
 Why: on the CPU every op of both forwards is dispatched from Python. As two threads of one process the models take
 turns at the interpreter: a target step beside the draft costs 47-48 ms in a thread against 37-42 ms alone, and
-37.5-41 ms beside the same draft in another process (docs/RESULTS.md §0r, docs/beside_the_draft.py). The parallel
-methods' overlap was lost to the shared process, not to the memory bus.
+37.5-41 ms beside the same draft in another process (docs/RESULTS.md §0r, docs/beside_the_draft.py). In the engine
+the parallel methods' target pass beside the 4-bit self-draft takes 66-70 ms with the draft on a thread and 56-63 ms
+with it here (§0s).
 
-How: the child loads the same draft by the same recipe (models.with_draft's arguments) and keeps its caches. Here a
-RemoteLM stands in for the draft: every attribute is the local draft's (its name, tokenizer, the model hf-assisted
-runs), but `forward` and `new_cache` go to the child. A forward is answered with the logits at the last position
-only, [B, 1, V]: the only row a draft's callers read (the next token's q; a prefill's logits are not read). A cache
-is mirrored by a RemoteCache that knows its length and rows, so a rollback (crop), a fork (batch_repeat_interleave)
-and its collapse (batch_select_indices) are one message each, answered by nothing: the pipe keeps them in order
-before the next forward. A forward runs on as many torch threads as the calling thread has (Worker.run sets them:
-its solo steps get the cores).
+How: the child (`python -m engine.draft_process`, so nothing of the parent's __main__ runs there) loads the same
+draft by the same recipe (models.with_draft's arguments) and keeps its caches. Here a RemoteLM stands in for the
+draft: every attribute is the local draft's (its name, tokenizer, the model hf-assisted runs), but `forward` and
+`new_cache` go to the child. A forward is answered with the logits at the last position only, [B, 1, V]: the only
+row a draft's callers read (the next token's q; a prefill's logits are not read). A cache is mirrored by a
+RemoteCache that knows its length and rows, so a rollback (crop), a fork (batch_repeat_interleave) and its collapse
+(batch_select_indices) are one message each, answered by nothing: the socket keeps them in order before the next
+forward. A forward runs on as many torch threads as the calling thread has (Worker.run sets them: its solo steps get
+the cores).
+Greedy, the next draft step feeds the argmax of this one, so the child takes that step as soon as it has answered
+(step_ahead), while the engine reads the answer, samples and records; the next request is then answered at once, and
+any other request undoes the step first. An answer is the same logits either way.
 At start the child's logits are checked bit for bit against the local draft's (RemoteLM.agrees); where the child
 cannot load or disagrees, the draft stays in this process (in_process says why). Output is exact either way: q is
 what the pass that drafted the token computed.

@@ -47,12 +47,14 @@ def test_bench_writes_speedups(capsys, tiny_dirs, tmp_path):
     assert "speedup" in capsys.readouterr().out
     assert report["draft_matmul"] == {"ar": None, "sd": "bfloat16" if bf16_supported() else "float32"}  # auto
     assert report["draft_forward"] == {"ar": None, "sd": "lean"}  # the default for a Llama draft on the CPU
+    assert report["draft_worker"] == {"ar": None, "sd": "process"}  # the CLI's default, where the draft fits it
     assert main(["bench", "--methods", "sd,hf-assisted", "--target", str(tiny_dirs["target"]), "--draft",
                  str(tiny_dirs["draft"]), "--device", "cpu", "--dataset", str(prompts), "--max-new-tokens", "4",
-                 "--draft-matmul", "float32", "--json", str(out)]) == 0
+                 "--draft-matmul", "float32", "--draft-worker", "thread", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["draft_matmul"] == {"sd": "float32", "hf-assisted": "float32"}
     assert report["draft_forward"] == {"sd": "lean", "hf-assisted": "transformers"}  # generate() runs the model
+    assert report["draft_worker"] == {"sd": "thread", "hf-assisted": "thread"}
 
 
 def test_summarize_gives_mean_and_spread_over_seeds(capsys, tiny_dirs, tmp_path):

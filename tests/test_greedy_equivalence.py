@@ -76,6 +76,26 @@ def test_int4_self_draft_agrees_and_matches(embedded_target, references):
         engine.close()
 
 
+@pytest.mark.skipif(not int4_supported(), reason="this torch has no CPU int4 kernel")
+def test_int4_self_draft_in_its_own_process_matches(embedded_target, references):
+    """The app's draft where the app runs it: in a child process (engine/draft_process.py) that loads it by the same
+    recipe, with greedy steps taken ahead there; the output is generate()'s."""
+    from engine.engine import Engine
+    from engine.models import with_draft
+
+    engine = Engine(with_draft(embedded_target.target, "self", draft_matmul="int4", draft_worker="process"))
+    try:
+        assert (engine.pair.draft_worker, engine.pair.draft_worker_why) == ("process", "")
+        for method, (ids, want) in zip(("sd", "pearl", "specbranch"), references):
+            cfg = GenerationConfig(method=method, max_new_tokens=NEW, gamma=8, head_start=0.02, epsilon=0.1)
+            r = engine.run(ids, cfg)
+            assert r.token_ids == want
+        assert engine.pair.draft.steps_taken_ahead > 0
+    finally:
+        engine.close()
+    assert engine.pair.draft._process.poll() is not None
+
+
 def test_different_draft_matches(embedded_target, references):
     """A 4-layer layer-skip draft disagrees often: many rejections and rollbacks, same output."""
     engine = engine_with_draft(embedded_target, "truncated:4")
