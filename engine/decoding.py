@@ -86,10 +86,10 @@ class RunState:
 async def forward(state: RunState, lm: LM, worker: Worker, cache, ids: list[int], kind: str,
                   events: list[Event], hidden_states: bool = False, features: bool = False, solo: bool = False,
                   ahead: int = 0):
-    """Feed `ids` (appended to `cache`) on `worker` and record the span. Returns logits [T, V] (a draft in its own
-    process: the last position's only, [1, V]); with hidden_states/features, Out(logits [T, V], every layer's states
-    [1, T, H] each, last features [T, H]). solo: the other model waits on this forward (Worker.run). ahead: a draft in
-    its own process steps on the argmax at once, on that many torch threads (draft_process.step_fn; 0 = not)."""
+    """Feed `ids` (appended to `cache`) on `worker` and record the span. Returns logits [T, V]; with
+    hidden_states/features, Out(logits [T, V], every layer's states [1, T, H] each, last features [T, H]).
+    solo: the other model waits on this forward (Worker.run). ahead: a draft in its own process steps on the argmax
+    at once, on that many torch threads (draft_process.step_fn; 0 = not)."""
     x = torch.tensor([ids], dtype=torch.long)
     out, span = await worker.run(step_fn(lm, ahead), x, cache, hidden_states, features, kind=kind, step=state.step,
                                  t0=state.t0, tokens=len(ids), solo=solo)

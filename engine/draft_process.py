@@ -10,8 +10,9 @@ with it here (§0s).
 How: the child (`python -m engine.draft_process`, so nothing of the parent's __main__ runs there) loads the same
 draft by the same recipe (models.with_draft's arguments) and keeps its caches. Here a RemoteLM stands in for the
 draft: every attribute is the local draft's (its name, tokenizer, the model hf-assisted runs), but `forward` and
-`new_cache` go to the child. A forward is answered with the logits at the last position only, [B, 1, V]: the only
-row a draft's callers read (the next token's q; a prefill's logits are not read). A cache is mirrored by a
+`new_cache` go to the child. A forward is answered with its logits, [B, T, V] as raw bytes, as the local draft's
+forward returns them (H-RAD's sampler reads every row of one pass; the engine's draft steps read the last row, and a
+prefill's transfer runs beside the target's prefill). A cache is mirrored by a
 RemoteCache that knows its length and rows, so a rollback (crop), a fork (batch_repeat_interleave) and its collapse
 (batch_select_indices) are one message each, answered by nothing: the socket keeps them in order before the next
 forward. A forward runs on as many torch threads as the calling thread has (Worker.run sets them: its solo steps get
@@ -83,7 +84,7 @@ def serve(conn) -> None:
                     if n != threads:
                         torch.set_num_threads(n)
                         threads = n
-                    logits = lm.forward(torch.tensor(ids, dtype=torch.long), caches[cid])[:, -1].contiguous()
+                    logits = lm.forward(torch.tensor(ids, dtype=torch.long), caches[cid]).contiguous()
                     answer(conn, logits, False)
                     ahead = step_ahead(lm, caches, cid, logits, go_on) if go_on else None
                     threads = torch.get_num_threads()
@@ -116,8 +117,8 @@ def step_ahead(lm, caches: dict, cid: int, logits: torch.Tensor, threads: int):
     row's argmax (greedy drafting feeds exactly that). Its logits wait for a request with those ids; any other request
     undoes it first."""
     torch.set_num_threads(threads)
-    ids = logits.argmax(-1)[:, None].tolist()  # [B, 1]
-    return cid, ids, lm.forward(torch.tensor(ids, dtype=torch.long), caches[cid])[:, -1].contiguous()
+    ids = logits[:, -1].argmax(-1)[:, None].tolist()  # [B, 1]
+    return cid, ids, lm.forward(torch.tensor(ids, dtype=torch.long), caches[cid]).contiguous()
 
 
 class RemoteCache:
@@ -239,7 +240,7 @@ class RemoteLM:
 
     def forward(self, input_ids: torch.Tensor, cache: RemoteCache, hidden_states: bool = False,
                 features: bool = False, ahead: int = 0) -> torch.Tensor:
-        """input_ids [B, T] -> the logits at the last position, [B, 1, V] float32, appending T positions to `cache`
+        """input_ids [B, T] -> logits [B, T, V] float32, appending T positions to `cache`
         (the child runs the local draft's forward on the calling thread's torch thread count). ahead (torch threads; 0 =
         off): the next request will most likely feed each row's argmax (greedy drafting), so the child takes that step
         at once on that many threads, while this answer is read (step_ahead); the answer to a request is the same
@@ -260,7 +261,7 @@ class RemoteLM:
             except (EOFError, OSError):
                 raise self._ended() from None
         cache.length += input_ids.shape[1]
-        return logits[:, None]
+        return logits
 
     def agrees(self, tokens: int = 24, seed: int = 0) -> bool:
         """Whether the child's draft gives the local draft's logits bit for bit: a prefill, a step, a rollback and a
