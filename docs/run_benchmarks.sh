@@ -539,3 +539,10 @@ done
 for w in process thread; do
   $PY -m engine bench $DIST --draft-worker $w --json docs/worker-dist-$w-1.json  # §28a's distilled settings
 done
+#   b. the A/B on the tuning prompts with the self-draft's settings (§28a's SELFT), two alternated pairs, just before
+#      1df17a7, and the recheck at 0fc4aab (process only)
+for p in "1 process thread" "2 thread process"; do
+  set -- $p; r=$1; shift
+  for w in "$@"; do $PY -m engine bench $SELFT --draft-worker $w --json docs/worker-tuning-$w-$r.json; done
+done
+$PY -m engine bench $SELFT --draft-worker process --json docs/worker-recheck-process.json
