@@ -5,8 +5,8 @@ import argparse
 import json
 import sys
 
-from .config import (DRAFT_FORWARDS, DRAFT_MATMULS, DRAFT_WORKERS, METHODS, TARGET_FORWARDS, GenerationConfig, SpecBranchError,
-                     writable_file)
+from .config import (DRAFT_FORWARDS, DRAFT_MATMULS, DRAFT_WORKERS, METHODS, TARGET_FORWARDS, GenerationConfig,
+                     SpecBranchError, writable_file)
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:

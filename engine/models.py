@@ -356,8 +356,8 @@ def load_pair(target: str = "embedded", draft: str | None = "embedded", device: 
     if draft is None:
         return ModelPair(lm, None)
     ddev = pick_device(draft_device) if draft_device else dev
-    return with_draft(lm, draft, ddev, pick_dtype(dtype, ddev),
-                      trust_remote_code, draft_matmul, draft_forward, same_device=ddev == dev, draft_worker=draft_worker)
+    return with_draft(lm, draft, ddev, pick_dtype(dtype, ddev), trust_remote_code, draft_matmul, draft_forward,
+                      same_device=ddev == dev, draft_worker=draft_worker)
 
 
 def with_draft(target: "LM", draft: str, device: torch.device | None = None, dtype: torch.dtype | None = None,

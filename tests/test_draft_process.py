@@ -1,5 +1,5 @@
 """The draft in a process of its own (engine/draft_process.py): the child loads the same draft and computes its bits,
-through a fork, a collapse and rollbacks; output through it stays exact (greedy equals the target's generate(),
+through a fork, a collapse, rollbacks and steps taken ahead; output through it stays exact (greedy equals the target's generate(),
 sampled follows the target's distribution); a draft that cannot go there stays here with the reason; a child that
 dies ends the run with a message; closing the engine ends the child."""
 from __future__ import annotations
@@ -36,7 +36,7 @@ def test_the_child_computes_the_local_drafts_bits(process_engine):
     ids = torch.randint(0, remote.vocab_size, (1, 9), generator=g)
     caches = [remote.local.new_cache(), remote.new_cache()]
 
-    def both(x, ahead=0):  # the same forward on the local draft and in the child: the last position's logits
+    def both(x, ahead=0):  # the same forward on the local draft and in the child
         local = remote.local.forward(x, caches[0])
         there = remote.forward(x, caches[1], ahead=ahead)  # ahead: the child then steps on the argmax at once
         assert torch.equal(local, there)  # every position's logits, as the local draft's forward returns them
