@@ -79,7 +79,7 @@ def main() -> None:
                     pair = load_pair(args.target, draft, device=args.device, draft_matmul=args.draft_matmul,
                                      draft_forward=args.draft_forward, target_forward=args.target_forward,
                                      draft_worker=args.draft_worker)
-                if pair.draft_worker_why and args.draft_worker == "process":
+                if pair.draft_worker_why:
                     print(f"the draft {draft!r} runs in this process: {pair.draft_worker_why}")
                 engines[draft] = Engine(pair)
             return engines[draft]

@@ -148,7 +148,7 @@ def build_engine(args, need_draft: bool):
                      draft_device=args.draft_device, dtype=args.dtype, trust_remote_code=args.trust_remote_code,
                      draft_matmul=args.draft_matmul, draft_forward=args.draft_forward,
                      target_forward=args.target_forward, draft_worker=args.draft_worker)
-    if pair.draft_worker_why and args.draft_worker == "process":
+    if pair.draft_worker_why:
         print(f"note: the draft runs in this process: {pair.draft_worker_why}", file=sys.stderr)
     return Engine(pair, threads=max(1, args.threads), solo_threads=args.solo_threads)
 

@@ -16,6 +16,12 @@ def cache_length(cache: DynamicCache) -> int:
     return cache.get_seq_length()
 
 
+def cropped_length(length: int, n: int) -> int:
+    """A cache's length after crop(n), transformers' semantics: n < 0 drops the last -n positions; n >= 0 keeps the
+    first n (for the caches that keep their own length: lean.KVBuffer, draft_process.RemoteCache)."""
+    return max(0, length + n) if n < 0 else min(length, n)
+
+
 def rollback(cache: DynamicCache, keep: int) -> int:
     """Crop the cache to its first `keep` positions; returns how many positions were removed."""
     extra = cache_length(cache) - keep

@@ -44,6 +44,7 @@ from pathlib import Path
 
 import torch
 
+from .cache import cropped_length
 from .config import SpecBranchError
 
 START_TIMEOUT_S = 300  # loading the models in the child (a dequantized GGUF loads in seconds; a hub id may download)
@@ -73,21 +74,21 @@ def serve(conn) -> None:
             taken, ahead = ahead, None
             if op == "forward" and cid == taken[0] and arg[0] == taken[1] and failed is None:
                 answer(conn, taken[2], True)  # the step asked for is the one taken ahead: its logits, at once
-                ahead = step_ahead(lm, caches, cid, taken[2], arg[2]) if arg[2] else None
-                threads = torch.get_num_threads()
+                if arg[2]:
+                    threads = on_threads(threads, arg[2])
+                    ahead = step_ahead(lm, caches, cid, taken[2])
                 continue
             caches[taken[0]].crop(-1)  # another request: undo the step taken ahead first
         try:
             if op == "forward":
                 if failed is None:
                     ids, n, go_on = arg
-                    if n != threads:
-                        torch.set_num_threads(n)
-                        threads = n
+                    threads = on_threads(threads, n)
                     logits = lm.forward(torch.tensor(ids, dtype=torch.long), caches[cid]).contiguous()
                     answer(conn, logits, False)
-                    ahead = step_ahead(lm, caches, cid, logits, go_on) if go_on else None
-                    threads = torch.get_num_threads()
+                    if go_on:
+                        threads = on_threads(threads, go_on)
+                        ahead = step_ahead(lm, caches, cid, logits)
                     continue
             elif op == "new":
                 caches[cid] = lm.new_cache()
@@ -112,11 +113,16 @@ def answer(conn, logits: torch.Tensor, taken_ahead: bool) -> None:
     conn.send_bytes(logits.view(-1).numpy())
 
 
-def step_ahead(lm, caches: dict, cid: int, logits: torch.Tensor, threads: int):
-    """While the parent reads an answer, take the step it most likely asks for next, on `threads` torch threads: each
-    row's argmax (greedy drafting feeds exactly that). Its logits wait for a request with those ids; any other request
-    undoes it first."""
-    torch.set_num_threads(threads)
+def on_threads(current: int, n: int) -> int:
+    """Run the child's next forward on n torch threads (set only when it changes); returns n."""
+    if n != current:
+        torch.set_num_threads(n)
+    return n
+
+
+def step_ahead(lm, caches: dict, cid: int, logits: torch.Tensor):
+    """While the parent reads an answer, take the step it most likely asks for next: each row's argmax (greedy drafting
+    feeds exactly that). Its logits wait for a request with those ids; any other request undoes it first."""
     ids = logits[:, -1].argmax(-1)[:, None].tolist()  # [B, 1]
     return cid, ids, lm.forward(torch.tensor(ids, dtype=torch.long), caches[cid]).contiguous()
 
@@ -132,8 +138,7 @@ class RemoteCache:
         return self.length
 
     def crop(self, n: int) -> None:
-        """transformers' semantics: n < 0 drops the last -n positions; n >= 0 keeps the first n."""
-        self.length = max(0, self.length + n) if n < 0 else min(self.length, n)
+        self.length = cropped_length(self.length, n)
         self.remote.send("crop", self.cid, n)
 
     def batch_repeat_interleave(self, k: int) -> None:

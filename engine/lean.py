@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .cache import cropped_length
 from .lm_head import draft_matmul
 
 CAPACITY = 256  # positions a new cache holds before it grows (doubling: amortised, and rare in a chat)
@@ -88,8 +89,7 @@ class KVBuffer:
         self.length += n
 
     def crop(self, n: int) -> None:
-        """transformers' semantics: n < 0 drops the last -n positions; n >= 0 keeps the first n."""
-        self.length = max(0, self.length + n) if n < 0 else min(self.length, n)
+        self.length = cropped_length(self.length, n)
 
     def batch_repeat_interleave(self, k: int) -> None:
         """Each row becomes k rows (a fork). Only the positions held are copied: past `length` a buffer is

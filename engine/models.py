@@ -28,7 +28,7 @@ import torch
 
 from . import cache as kv
 from .config import DRAFT_FORWARDS, DRAFT_MATMULS, DRAFT_WORKERS, TARGET_FORWARDS, SpecBranchError
-from .draft_process import in_process
+from .draft_process import RemoteLM, in_process
 from .drafts import draft_from_target, is_specbranch_draft, load_draft_dir, place, twin_of
 from .head import FeatureHead, HeadLM, is_head_dir, load_head_dir
 from .lean import KVBuffer, LeanLlama, fits as lean_misfit
@@ -264,8 +264,12 @@ class Out(NamedTuple):
 class ModelPair:
     target: LM
     draft: LM | None
-    draft_worker: str = "thread"  # where the draft's forwards run: "process" (engine/draft_process.py) or "thread"
     draft_worker_why: str = ""  # why a draft asked to run in a process runs in this one
+
+    @property
+    def draft_worker(self) -> str:
+        """Where the draft's forwards run: "process" (engine/draft_process.py) or "thread"."""
+        return "process" if isinstance(self.draft, RemoteLM) else "thread"
 
     @property
     def tokenizer(self):
@@ -384,8 +388,7 @@ def with_draft(target: "LM", draft: str, device: torch.device | None = None, dty
     recipe = dict(target=target.name, draft=draft, device=str(device), dtype=DTYPE_NAMES.get(dtype),
                   trust_remote_code=trust_remote_code, draft_matmul=kind, draft_forward=draft_forward,
                   target_forward="transformers")  # the child needs the target's weights, not its fast forward
-    lm, why = in_process(pair.draft, recipe)
-    return ModelPair(pair.target, lm, "process" if lm is not pair.draft else "thread", why)
+    return ModelPair(pair.target, *in_process(pair.draft, recipe))
 
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}

@@ -99,7 +99,7 @@ def test_a_draft_that_cannot_go_stays_here_with_the_reason(tiny_dirs, process_en
 
 def test_a_child_that_dies_ends_the_run_with_a_message_and_close_ends_the_child(process_engine):
     remote = process_engine.pair.draft
-    engine = Engine(ModelPair(process_engine.pair.target, RemoteLM(remote.local, remote.recipe), "process"))
+    engine = Engine(ModelPair(process_engine.pair.target, RemoteLM(remote.local, remote.recipe)))
     cfg = GenerationConfig(method="pearl", max_new_tokens=8, gamma=3)
     assert len(engine.run(PROMPT, cfg).token_ids) == 8
     engine.pair.draft._process.kill()
@@ -108,5 +108,5 @@ def test_a_child_that_dies_ends_the_run_with_a_message_and_close_ends_the_child(
         engine.run(PROMPT, cfg)
     engine.close()
     spare = RemoteLM(remote.local, remote.recipe)
-    Engine(ModelPair(process_engine.pair.target, spare, "process")).close()
+    Engine(ModelPair(process_engine.pair.target, spare)).close()
     assert spare._process.poll() is not None  # closing the engine ended its child
