@@ -189,9 +189,13 @@ def build_replay_tab(get_store, views_at, browser: gr.BrowserState) -> None:
     def race(run_ids, runs):
         chosen = chosen_runs(run_ids, runs)
         if len(chosen) < 2:
-            yield NEEDS_TWO, gr.skip(), gr.skip()
+            yield NEEDS_TWO, gr.skip(), gr.skip(), gr.skip()
             return
-        yield from race_updates(chosen, lambda rs: compare_html(compare_runs(rs)))
+        result = compare_runs(chosen)
+        for update in race_updates(chosen, lambda rs: compare_html(result)):
+            yield *update, gr.skip()
+        # the race ends as Compare does, with these runs aligned by step too (not a plot an earlier Compare left)
+        yield gr.skip(), gr.skip(), gr.skip(), step_alignment_figure(result["by_step"], result["labels"])
 
     def export(session_id, browser_id=None, request: gr.Request = None):
         try:
@@ -269,7 +273,7 @@ def build_replay_tab(get_store, views_at, browser: gr.BrowserState) -> None:
             race_view = gr.HTML(elem_id="replay-race")
             compare_table = gr.HTML(elem_id="replay-compare-table")
             compare_timeline = gr.Plot(label="Timelines on one axis")
-            compare_steps = gr.Plot(label="Aligned by step")
+            compare_steps = gr.Plot(label="Aligned by step", elem_id="replay-compare-steps")
         with gr.Accordion("Export, import, share, delete", open=False):
             with gr.Row():
                 export_btn = gr.Button("Export session")
@@ -298,7 +302,7 @@ def build_replay_tab(get_store, views_at, browser: gr.BrowserState) -> None:
         timer.tick(tick, [nav.slider, run, runs_state], [nav.slider, timer]).then(
             show_step, [nav.slider, run, runs_state, show_all, ar_state], shown)
         compare_btn.click(compare, [pick, runs_state], [compare_table, compare_timeline, compare_steps])
-        race_btn.click(race, [pick, runs_state], [race_view, compare_table, compare_timeline])
+        race_btn.click(race, [pick, runs_state], [race_view, compare_table, compare_timeline, compare_steps])
         export_btn.click(export, [session, browser], [session_file, trace_file, manage_status])
         import_btn.click(do_import, [upload, browser], [manage_status])
         share_btn.click(share, [session, shared, browser], [manage_status])

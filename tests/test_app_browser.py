@@ -199,4 +199,6 @@ def test_replay_in_chromium(page):
     samples = watch_race(page, "#replay-race")
     assert_both_columns_streamed(samples, ["ar", "specbranch"])
     page.wait_for_selector("#replay-compare-table .identical-yes", timeout=60_000)
+    # the race also draws the runs aligned by step (it used to leave that plot empty, or as an earlier Compare left it)
+    page.wait_for_selector("#replay-compare-steps .js-plotly-plot", timeout=30_000)
     page.screenshot(path=str(ARTIFACTS / "app_replay.png"), full_page=True)
