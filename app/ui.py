@@ -12,6 +12,7 @@ import gradio as gr
 from engine.config import GenerationConfig, SpecBranchError
 from engine.events import Event, Notice, TokensEmitted
 from engine.metrics import compute_metrics, metrics_of
+from engine.models import SKIP_PREFIX
 from sessions.replay import replay_steps
 
 from .figures import acceptance_figure, cumulative_figure, timeline_figure
@@ -60,9 +61,10 @@ each drawn token's probability, starts the target's pass early (docs/RESULTS.md 
 The *hold* slider makes SpecBranch rollback-aware: where the odds that what it would draft is accepted (those of
 the tokens still pending times its own, or a fork's, as measured) fall below the hold, the draft drafts nothing,
 and the target takes that token itself, as in plain decoding. The step's caption says "the draft held back". With
-a draft that is often wrong, this is what keeps the rollback markers rare. *Hold the branches too* (off by default)
-also stops a fork's branches where one more token would take their odds below the hold; the step's caption then says
-"the branches held back" (docs/RESULTS.md §0q). A fork's odds are counted the same way:
+a draft that is often wrong, this is what keeps the rollback markers rare. *Hold the branches too* (on by default
+for `embedded-weak` and `self-skip:...`, off for the distilled draft) also stops a fork's branches where one more
+token would take their odds below the hold; the step's caption then says "the branches held back" (docs/RESULTS.md
+§0q). A fork's odds are counted the same way:
 wherever the target rejects the draft's token, fork or not, the engine plays the fork the draft could have made
 there and counts whether it would have rescued that position. Where, in this run, the draft has more often held
 back again than drafted right after a hold, the target's next pass starts at once: on the timeline the draft's next
@@ -99,10 +101,12 @@ slower beside the other: in one bench run a target pass cost 66 ms in SD and 87 
 # 2.72× ar at T=0 and 2.30 / 2.60 / 2.38× at T=1 with γ 6 / 8 / 10).
 # SpecBranch's hold (§0i): 0.5 for a distilled draft (tuning prompts: 1.01× PEARL at T=1 against 0.86× without, a
 # tie at T=0, path rollback halved); 0 for the 4-bit self-draft, which it only slowed (0.71-0.75× PEARL)
-# The hold on a fork's branches (§0q) halves PEARL's path rollback with a draft that is often wrong at the same speed,
-# but cost the distilled draft 7 % at T=0 on the tuning prompts: off for both
+# The hold on a fork's branches (§0q) cut path rollback at the same speed with the weak draft (benchmark split,
+# foreign prompts: 0.42× PEARL's against 0.51× without, 1.16× PEARL's speed either way) and with the layer-skipping
+# self-draft (tuning prompts), but cost the distilled draft 7 % at T=0 on the tuning prompts: on for the first two
 DEFAULTS = {"gamma": 3, "epsilon": 0.5, "draft_stop": 0.3, "feed_stop": 0.0, "head_start": 0.3, "hold": 0.5,
             "hold_branches": False, "hrad": False}
+HOLD_BRANCHES_DEFAULTS = {**DEFAULTS, "hold_branches": True}
 SELF_DEFAULTS = {"gamma": 8, "epsilon": 0.1, "draft_stop": 0.0, "feed_stop": 0.0, "head_start": 0.02, "hold": 0.0,
                  "hold_branches": False, "hrad": False}
 
@@ -113,13 +117,18 @@ HRAD_LABEL = ("H-RAD (classifier places branch points). Off by default: on held-
 
 
 HOLD_BRANCHES_LABEL = ("Hold the branches too (SpecBranch, with a hold): a branch step that would take the first "
-                       "branch's odds below the hold keeps nothing. Off by default: it cut path rollback at the same "
-                       "speed, except the distilled draft at T=0, 7 % slower (docs/RESULTS.md §0q)")
+                       "branch's odds below the hold keeps nothing. On by default for embedded-weak and self-skip "
+                       "drafts: it cut path rollback at the same speed; off for the distilled draft, which it made 7 % "
+                       "slower at T=0 (docs/RESULTS.md §0q)")
 
 
 def defaults_for(draft: str | None) -> dict:
     """The sliders' starting values for the draft spec the app serves."""
-    return SELF_DEFAULTS if draft == "self" else DEFAULTS
+    if draft == "self":
+        return SELF_DEFAULTS
+    if draft == "embedded-weak" or (draft or "").startswith(SKIP_PREFIX):
+        return HOLD_BRANCHES_DEFAULTS
+    return DEFAULTS
 
 
 SLIDER_KEYS = ("gamma", "epsilon", "draft_stop", "feed_stop", "head_start", "hold", "hold_branches", "hrad")

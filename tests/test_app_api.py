@@ -234,19 +234,22 @@ def test_a_browser_id_owns_its_runs_across_page_loads(client, app_store):
 def test_app_defaults_follow_the_draft_and_the_pair_line_is_text(tiny_engine):
     """The sliders start at the settings the bench chose for the draft the app serves (docs/RESULTS.md §0f for the
     target read in 4 bits), and the line naming the pair is text, never markup."""
-    from app.ui import DEFAULTS, SELF_DEFAULTS, build_app, defaults_for
+    from app.ui import DEFAULTS, HOLD_BRANCHES_DEFAULTS, SELF_DEFAULTS, build_app, defaults_for
     from engine.lm_head import int4_supported
     from engine.models import default_draft
 
     assert defaults_for("self") is SELF_DEFAULTS and defaults_for("embedded") is DEFAULTS
+    # the branches held too for the drafts where that cut path rollback at the same speed (§0q), not the distilled one
+    assert defaults_for("embedded-weak") is defaults_for("self-skip:3,4,5,25") is HOLD_BRANCHES_DEFAULTS
+    assert defaults_for(None) is defaults_for("/some/draft") is DEFAULTS
     assert default_draft("cpu") == ("self" if int4_supported() else "embedded")
-    for defaults in (SELF_DEFAULTS, DEFAULTS):
+    for defaults, held in ((SELF_DEFAULTS, False), (DEFAULTS, False), (HOLD_BRANCHES_DEFAULTS, True)):
         demo = build_app(lambda draft=None: tiny_engine, defaults=defaults, about="target <b>x</b> · draft self")
         props = [c["props"] for c in demo.config["components"]]
         value = lambda label: next(p["value"] for p in props if str(p.get("label", "")).startswith(label))
         assert value("γ:") == defaults["gamma"] and value("ε:") == defaults["epsilon"]
         assert value("Draft stop") == defaults["draft_stop"] and value("Head start") == defaults["head_start"]
-        assert value("Hold (") == defaults["hold"] and value("Hold the branches") is defaults["hold_branches"] is False
+        assert value("Hold (") == defaults["hold"] and value("Hold the branches") is defaults["hold_branches"] is held
         about = [p["value"] for p in props if 'class="about"' in str(p.get("value", ""))]
         assert about == ['<div class="about">target &lt;b&gt;x&lt;/b&gt; · draft self</div>']
 
