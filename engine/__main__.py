@@ -65,7 +65,8 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-hrad", dest="hrad", action="store_false", help="specbranch: confidence only (the default)")
     p.add_argument("--branch-costs", action="store_true",
                    help="specbranch: fork only where the measured forward costs say a fork pays (measured once "
-                        "per engine: a draft step on 1..k rows, a target step alone and beside k draft rows)")
+                        "per engine: a draft step on 1..k rows, a target step beside k draft rows): a rescue saves "
+                        "drafting the surviving branch, a fork costs its steps on k rows")
     p.add_argument("--calibrate", dest="calibrate", action="store_true", default=True,
                    help="specbranch: compare with ε, and size k by, the acceptance the engine measured at the draft's "
                         "confidence (engine/calibration.py; the default)")

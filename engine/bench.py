@@ -2,6 +2,7 @@
 prompt so that machine drift hits all methods alike; speedups are against `ar` from this run."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import platform
 import statistics
@@ -159,6 +160,9 @@ def run_bench(entries: list[tuple[str, object, str]], args, log=None) -> dict:
                                                      "draft_stop", "feed_stop", "head_start", "branches", "epsilon",
                                                      "hrad", "branch_costs", "calibrate", "hold", "hold_branches", "limit",
                                                      "dataset")},
+        # --branch-costs: the forward costs measured once per draft and forked by (ms; keys: draft rows)
+        "branch_costs": {eng.pair.draft.name: dataclasses.asdict(eng.measured_branch_costs) for _, eng, _ in entries
+                         if eng.measured_branch_costs is not None},
         "identical_to_ar": ({m: f"{n}/{len(encoded)}" for m, n in outputs_match.items()}
                             if args.temperature == 0 and "ar" in methods else None),
         "results": results,

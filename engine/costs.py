@@ -58,8 +58,19 @@ def step_of(lm, context: int, w: int, per_row: bool, features: dict | None):
 
 def forward_costs(lm, context: int, widths: list[int], per_row: bool = False, reps: int = 15,
                   features: dict | None = None) -> dict[int, float]:
-    """ms of one forward of `w` new tokens, or (per_row) of 1 token on each of `w` cache rows (a branch step)."""
-    return {w: median_ms(step_of(lm, context, w, per_row, features), reps) for w in widths}
+    """ms of one forward of `w` new tokens, or (per_row) of 1 token on each of `w` cache rows (a branch step):
+    the median of `reps`, the widths taken in turn within each rep, so that a drift of the machine's speed
+    (a third within seconds on the 2-core CPU, docs/RESULTS.md §0t) moves them all, not the one measured then."""
+    steps = {w: step_of(lm, context, w, per_row, features) for w in widths}
+    for step in steps.values():
+        step()  # warm
+    times = {w: [] for w in widths}
+    for _ in range(reps):
+        for w, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[w].append(time.perf_counter() - start)
+    return {w: round(1000 * statistics.median(t), 3) for w, t in times.items()}
 
 
 def busy_draft(lm, context: int, rows: int, stop: threading.Event, features: dict | None = None) -> int:

@@ -17,7 +17,7 @@ from .ar import autoregressive_decode
 from .assisted import assisted_decode
 from .calibration import PRIOR_WEIGHT, RESCUE_BINS, RESCUE_PRIOR_WEIGHT, AcceptanceCalibration
 from .config import GenerationConfig, SpecBranchError
-from .costs import busy_draft, draft_features, forward_costs, measure
+from .costs import busy_draft, draft_features, forward_costs
 from .decoding import RunState
 from .events import DECODE, DRAFT, VERIFY, Event, Finished, Notice, RunStarted, TimingSpan, TokensEmitted
 from .hrad import find_hrad
@@ -184,24 +184,40 @@ class Engine:
                 if table == "rescue" else AcceptanceCalibration(PRIOR_WEIGHT)
         return self._calibration[key]
 
-    def branch_costs(self, max_rows: int) -> BranchCosts:
+    def branch_costs(self, max_rows: int, rounds: int = 3) -> BranchCosts:
         """What a fork costs on this machine, measured once per engine on the workers' own threads (so with
-        their thread count), 128 tokens in: a draft step on 1..max_rows rows and a target step, each alone,
-        then the target step again while the draft steps on k rows beside it."""
+        their thread count), 128 tokens in: a draft step on 1..max_rows rows alone (the row counts in turn, 15
+        times: costs.forward_costs), and a target step while the draft steps on k rows beside it (in `rounds`
+        rounds over every k, the median kept). A fork's worth is a difference of these, and measured one after
+        another they drifted by a third on the 2-core CPU (docs/RESULTS.md §0t)."""
         if self._branch_costs is None or max(self._branch_costs.draft_ms) < max_rows:
             context = min(128, self.pair.target.context_length // 2)
-            alone = self.draft_worker.executor.submit(measure, self.pair, context, 1, max_rows, 5).result()
             feats = draft_features(self.pair, context)
-            busy = {}
-            for rows in range(1, max_rows + 1):
-                stop = threading.Event()
-                loop = self.draft_worker.executor.submit(busy_draft, self.pair.draft, context, rows, stop, feats)
-                busy[rows] = self.target_worker.executor.submit(
-                    forward_costs, self.pair.target, context, [1], False, 5).result()[1]
-                stop.set()
-                loop.result()
-            self._branch_costs = BranchCosts(alone["draft_ms_by_rows"], alone["target_ms_by_tokens"][1], busy)
+            widths = list(range(1, max_rows + 1))
+            draft = self.draft_worker.executor.submit(forward_costs, self.pair.draft, context, widths, True, 15,
+                                                      feats).result()
+            busy = {k: [] for k in widths}
+            for _ in range(rounds):
+                for k in widths:
+                    busy[k].append(self.target_beside_draft(context, k, feats))
+            self._branch_costs = BranchCosts(draft, {k: statistics.median(v) for k, v in busy.items()})
         return self._branch_costs
+
+    @property
+    def measured_branch_costs(self) -> BranchCosts | None:
+        """What branch_costs measured, None where no run asked for it (--branch-costs)."""
+        return self._branch_costs
+
+    def target_beside_draft(self, context: int, rows: int, feats: dict | None) -> float:
+        """ms of one target step while the draft steps on `rows` cache rows beside it (costs.busy_draft)."""
+        stop = threading.Event()
+        loop = self.draft_worker.executor.submit(busy_draft, self.pair.draft, context, rows, stop, feats)
+        try:
+            return self.target_worker.executor.submit(forward_costs, self.pair.target, context, [1], False,
+                                                      5).result()[1]
+        finally:
+            stop.set()
+            loop.result()
 
     def decoder(self, state: RunState):
         method = state.cfg.method

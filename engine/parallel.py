@@ -82,21 +82,22 @@ class Speculation:
 @dataclass(frozen=True)
 class BranchCosts:
     """Measured forward costs that decide whether a fork pays (Engine.branch_costs): draft_ms[k] is one draft
-    step on k cache rows, target_ms one target step alone, target_busy_ms[k] one target step while the draft
-    steps on k rows beside it (on a CPU the two share cores and memory bandwidth)."""
+    step on k cache rows, target_busy_ms[k] one target step while the draft steps on k rows beside it (on a CPU
+    the two share cores and memory bandwidth)."""
     draft_ms: dict[int, float]
-    target_ms: float
     target_busy_ms: dict[int, float]
 
     def net_gain_ms(self, k: int, alternatives: float, steps: int) -> float:
-        """Expected ms a fork of k candidates saves: a rescue saves the target round that would otherwise
-        restart from the correction, and the draft's own mass on candidates 2..k (`alternatives`) is its
-        estimate that one of them is the target's token. It costs what k rows instead of 1 slow the target
-        step they run beside, and the draft time that no longer hides behind that step (`steps` branch steps)."""
-        def overrun(rows):
-            return max(0.0, steps * self.draft_ms[rows] - self.target_busy_ms[rows])
-        slowdown = self.target_busy_ms[k] - self.target_busy_ms[1]
-        return alternatives * self.target_ms - slowdown - (overrun(k) - overrun(1))
+        """Expected ms a fork of k candidates saves over drafting on along its first candidate, for `steps`
+        branch steps. A rescue (odds `alternatives`: that candidate 2..k is the target's token) does not save a
+        target pass: the target's correction is that token anyway, and the surviving branch was not verified.
+        It saves the drafting of that branch's tokens, which become the next block (SPECBRANCH.md §3):
+        `steps` one-row steps. The fork costs each of those steps on k rows instead of 1, and what k rows do
+        to the target step beside them. The draft's time is never free: it drafts on until the verdict."""
+        saved = alternatives * steps * self.draft_ms[1]
+        extra_draft = steps * (self.draft_ms[k] - self.draft_ms[1])
+        slowdown = max(0.0, self.target_busy_ms[k] - self.target_busy_ms[1])  # below 0 is the machine's noise
+        return saved - extra_draft - slowdown
 
 
 @dataclass

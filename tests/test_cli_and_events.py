@@ -48,6 +48,7 @@ def test_bench_writes_speedups(capsys, tiny_dirs, tmp_path):
     assert report["draft_matmul"] == {"ar": None, "sd": "bfloat16" if bf16_supported() else "float32"}  # auto
     assert report["draft_forward"] == {"ar": None, "sd": "lean"}  # the default for a Llama draft on the CPU
     assert report["draft_worker"] == {"ar": None, "sd": "process"}  # the CLI's default, where the draft fits it
+    assert report["branch_costs"] == {}  # measured only for --branch-costs
     assert main(["bench", "--methods", "sd,hf-assisted", "--target", str(tiny_dirs["target"]), "--draft",
                  str(tiny_dirs["draft"]), "--device", "cpu", "--dataset", str(prompts), "--max-new-tokens", "4",
                  "--draft-matmul", "float32", "--draft-worker", "thread", "--json", str(out)]) == 0
