@@ -546,3 +546,46 @@ for p in "1 process thread" "2 thread process"; do
   for w in "$@"; do $PY -m engine bench $SELFT --draft-worker $w --json docs/worker-tuning-$w-$r.json; done
 done
 $PY -m engine bench $SELFT --draft-worker process --json docs/worker-recheck-process.json
+
+# 30. Rechecks at 67e49a4 and the measured-cost branch policy that values a rescue at what it saves (docs/RESULTS.md
+#     §0t). The reruns ran from a worktree at 67e49a4 (the JSON's command shows /tmp/abA), the A/B of the cost model
+#     from that worktree (old) and this commit's tree (new); the JSON's --json names a scratch folder
+#   a. every method and ablation with the app's draft and settings, seeds 0-2 at T=0 and T=1 (docs/ablation-0t-*.json)
+STEPS="1" DRAFT=self V=-0t EXTRA="--gamma 8 --draft-stop 0 --head-start 0.02 --epsilon 0.1 --hold 0" \
+    bash docs/run_ablation.sh
+#   b. the poorly aligned regime, benchmark split, with and without --hold-branches, alternated by seed
+WEAK="--methods ar,pearl,specbranch --draft embedded-weak --dataset data/foreign_prompts.jsonl --max-new-tokens 64 --temperature 0 --gamma 3 --draft-stop 0.3 --epsilon 0.5 --branches 3 --head-start 0.3 --hold 0.5"
+for p in "0 off on" "1 on off" "2 off on"; do
+  set -- $p; s=$1; shift
+  for v in "$@"; do
+    $PY -m engine bench $WEAK --seed $s $([[ $v == on ]] && echo --hold-branches) \
+        --json docs/holdbranches-recheck-$v-s$s.json
+  done
+done
+#   c. the layer-skipping self-draft on the tuning prompts, hold 0.5 with and without --hold-branches, hold 0, then
+#      --draft-worker thread, specbranch-no-branch, --branches 2 and the measured-cost policy (one run each)
+SKIP="--methods ar,pearl,specbranch --draft self-skip:3,4,5,25 --dataset data/tuning_prompts.jsonl --max-new-tokens 64 --temperature 0 --seed 0 --gamma 3 --draft-stop 0.3 --head-start 0.3 --epsilon 0.5 --branches 3"
+for r in 1 2; do
+  $PY -m engine bench $SKIP --hold 0.5 --hold-branches --json docs/skip-0t-holdbranches-$r.json
+  $PY -m engine bench $SKIP --hold 0 --json docs/skip-0t-hold0-$r.json
+  $PY -m engine bench $SKIP --hold 0.5 --json docs/skip-0t-hold05-$r.json
+done
+$PY -m engine bench $SKIP --hold 0 --draft-worker thread --json docs/skip-0t-thread.json
+$PY -m engine bench ${SKIP/specbranch/specbranch-no-branch} --hold 0 --json docs/skip-0t-nobranch.json
+$PY -m engine bench $SKIP --hold 0 --branches 2 --json docs/skip-0t-k2.json
+$PY -m engine costs --draft self-skip:3,4,5,25 --draft-worker thread --max-rows 3 --max-tokens 1 --reps 30
+$PY -m engine costs --draft self-skip:3,4,5,25 --draft-worker process --max-rows 3 --max-tokens 1 --reps 30
+#   d. the cost model, old (the worktree at 67e49a4) against new, alternated twice, then the weak draft with it; the
+#      new model's cost measurement changed twice during the session, so each version has its own JSON: "new" and
+#      "rounds" (3 rounds of 5, medians), "interleaved" (the row counts in turn), "final" (and the slowdown clamped)
+for p in "1 old new" "2 new old"; do
+  set -- $p; r=$1; shift
+  for v in "$@"; do
+    $PY -m engine bench $SKIP --hold 0 --branch-costs --json docs/branchcosts-skip-$v-$r.json  # old: from the worktree
+  done
+done
+$PY -m engine bench $WEAK --seed 0 --branch-costs --json docs/branchcosts-weak-rounds.json
+for r in 3 4; do $PY -m engine bench $SKIP --hold 0 --branch-costs --json docs/branchcosts-skip-interleaved-$r.json; done
+$PY -m engine bench $WEAK --seed 0 --branch-costs --json docs/branchcosts-weak-interleaved.json
+for r in 5 6; do $PY -m engine bench $SKIP --hold 0 --branch-costs --json docs/branchcosts-skip-final-$r.json; done
+$PY -m engine bench $WEAK --seed 0 --branch-costs --json docs/branchcosts-weak-final.json
