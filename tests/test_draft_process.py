@@ -77,7 +77,9 @@ def test_greedy_output_through_the_child_is_the_targets(process_engine, method, 
     taken = process_engine.pair.draft.steps_taken_ahead
     r = process_engine.run(PROMPT, GenerationConfig(method=method, max_new_tokens=12, gamma=3, **extra))
     assert r.token_ids == want
-    assert process_engine.pair.draft.steps_taken_ahead > taken  # greedy drafting was served by steps taken ahead
+    if method == "sd":  # SD's block was served by steps taken ahead. In PEARL and SpecBranch whether the next
+        # request is the step taken ahead depends on whether the target's verdict landed first: a race, not a rule
+        assert process_engine.pair.draft.steps_taken_ahead > taken
 
 
 def test_sampled_output_through_the_child_follows_the_target(process_engine):
