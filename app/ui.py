@@ -12,7 +12,7 @@ import gradio as gr
 from engine.config import GenerationConfig, SpecBranchError
 from engine.events import Event, Notice, TokensEmitted
 from engine.metrics import compute_metrics, metrics_of
-from engine.models import SKIP_PREFIX
+from engine.models import is_skip_draft
 from sessions.replay import replay_steps
 
 from .figures import acceptance_figure, cumulative_figure, timeline_figure
@@ -126,7 +126,7 @@ def defaults_for(draft: str | None) -> dict:
     """The sliders' starting values for the draft spec the app serves."""
     if draft == "self":
         return SELF_DEFAULTS
-    if draft == "embedded-weak" or (draft or "").startswith(SKIP_PREFIX):
+    if draft == "embedded-weak" or is_skip_draft(draft):
         return HOLD_BRANCHES_DEFAULTS
     return DEFAULTS
 

@@ -307,7 +307,7 @@ def check_tokenizers(target_tok, draft_tok, target_name: str, draft_name: str) -
 def load_draft(spec: str, target_model, target_tok, device, dtype, trust_remote_code: bool):
     if spec == "self":
         return target_model, target_tok, None
-    if spec.startswith(SKIP_PREFIX):
+    if is_skip_draft(spec):
         return twin_of(target_model, skipped_layers(spec, target_model.config.num_hidden_layers)), target_tok, None
     if spec.startswith("truncated:"):
         try:
@@ -343,9 +343,14 @@ def skipped_layers(spec: str, total: int) -> tuple[int, ...]:
     return skip
 
 
+def is_skip_draft(spec: str | None) -> bool:
+    """A layer-skipping self-draft (`self-skip:I,J,...`)."""
+    return (spec or "").startswith(SKIP_PREFIX)
+
+
 def is_self_draft(spec: str | None) -> bool:
     """A draft that reads the target's own weights (`self`, `self-skip:...`): auto reads them in 4 bits."""
-    return spec == "self" or (spec or "").startswith(SKIP_PREFIX)
+    return spec == "self" or is_skip_draft(spec)
 
 
 def load_pair(target: str = "embedded", draft: str | None = "embedded", device: str | None = None,

@@ -93,7 +93,7 @@ class BranchCosts:
         target pass: the target's correction is that token anyway, and the surviving branch was not verified.
         It saves the drafting of that branch's tokens, which become the next block (SPECBRANCH.md §3):
         `steps` one-row steps. The fork costs each of those steps on k rows instead of 1, and what k rows do
-        to the target step beside them. The draft's time is never free: it drafts on until the verdict."""
+        to the target step beside them. The draft's time counts in full: it drafts on until the verdict."""
         saved = alternatives * steps * self.draft_ms[1]
         extra_draft = steps * (self.draft_ms[k] - self.draft_ms[1])
         slowdown = max(0.0, self.target_busy_ms[k] - self.target_busy_ms[1])  # below 0 is the machine's noise
