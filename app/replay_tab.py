@@ -28,6 +28,8 @@ from .race import NEEDS_TWO, race_updates
 from .views import fmt, token_view
 
 VIEWS = 9  # how many views app/ui.py's views_at gives
+LINE_DASHES = ("solid", "dash", "dot", "dashdot", "longdash")  # one a run in "Aligned by step"
+MARKERS = ("circle", "square", "diamond", "triangle-up", "x")  # and markers that shrink, so an earlier one shows round a later
 
 
 def export_dir() -> Path:
@@ -61,12 +63,16 @@ def chat_of(events) -> list[dict]:
 
 
 def step_alignment_figure(by_step: list[dict], labels: list[str]) -> go.Figure:
-    """compare_runs' by_step rows drawn: each run's running total at the steps in which it committed tokens."""
+    """compare_runs' by_step rows drawn: each run's running total at the steps in which it committed tokens. Runs
+    that commit alike draw the same line (SD and PEARL often do, with a draft that is rarely wrong), so each run has
+    its own dash and marker, and the one drawn last does not hide the others."""
     fig = go.Figure()
     for i, label in enumerate(labels):
         rows = [row for row in by_step if row["tokens"][i]]
         fig.add_trace(go.Scatter(x=[row["step"] for row in rows], y=[row["total"][i] for row in rows],
-                                 mode="lines+markers", name=label))
+                                 mode="lines+markers", name=label,
+                                 line=dict(dash=LINE_DASHES[i % len(LINE_DASHES)], width=2),
+                                 marker=dict(symbol=MARKERS[i % len(MARKERS)], size=7 + 2 * (len(labels) - 1 - i))))
     fig.update_layout(title="Committed tokens by step (aligned by step)", height=300, xaxis_title="step",
                       yaxis_title="tokens committed", margin=dict(l=10, r=10, t=40, b=30))
     return fig

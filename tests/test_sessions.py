@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from app.figures import cumulative_figure, timeline_figure
+from app.replay_tab import step_alignment_figure
 from app.tree import tree_html
 from app.views import metric_panel, token_view
 from engine.config import GenerationConfig
@@ -169,6 +170,17 @@ def test_compare_runs_aligns_by_step_and_time(recorded):
                                  for r in runs]
     times = [row["t"] for row in cmp["by_time"]]
     assert times == sorted(times)
+
+
+def test_runs_that_commit_alike_stay_apart_in_the_aligned_plot(recorded):
+    """The same run twice commits alike step for step: both lines coincide, and each must still be seen."""
+    run = stored_runs(recorded)["sd"][1]
+    cmp = compare_runs([run, run])
+    fig = step_alignment_figure(cmp["by_step"], ["sd", "sd again"])
+    first, second = fig.data
+    assert list(first.x) == list(second.x) and list(first.y) == list(second.y) and len(first.x) > 1
+    assert first.line.dash != second.line.dash and first.marker.symbol != second.marker.symbol
+    assert first.marker.size > second.marker.size  # the one drawn first shows round the one drawn over it
 
 
 def test_chrome_trace(recorded):
