@@ -29,7 +29,7 @@ from .views import fmt, token_view
 
 VIEWS = 9  # how many views app/ui.py's views_at gives
 LINE_DASHES = ("solid", "dash", "dot", "dashdot", "longdash")  # one a run in "Aligned by step"
-MARKERS = ("circle", "square", "diamond", "triangle-up", "x")  # and markers that shrink, so an earlier one shows round a later
+MARKERS = ("circle", "square", "diamond", "triangle-up", "x")  # shrinking: an earlier run's shows round a later's
 
 
 def export_dir() -> Path:

@@ -589,3 +589,15 @@ for r in 3 4; do $PY -m engine bench $SKIP --hold 0 --branch-costs --json docs/b
 $PY -m engine bench $WEAK --seed 0 --branch-costs --json docs/branchcosts-weak-interleaved.json
 for r in 5 6; do $PY -m engine bench $SKIP --hold 0 --branch-costs --json docs/branchcosts-skip-final-$r.json; done
 $PY -m engine bench $WEAK --seed 0 --branch-costs --json docs/branchcosts-weak-final.json
+# 31. A fork that shares the draft's cache (docs/RESULTS.md §0u): before (a worktree at 1ce968e, A) and after (B),
+#     the layer-skipping self-draft on the tuning prompts, A B B A; then the k-row step, after and before
+SKIP0="--methods ar,pearl,specbranch --draft self-skip:3,4,5,25 --dataset data/tuning_prompts.jsonl --max-new-tokens 64 --temperature 0 --seed 0 --gamma 3 --draft-stop 0.3 --head-start 0.3 --epsilon 0.5 --branches 3 --hold 0"
+for v in A-0 B-0 B-1 A-1; do
+  $PY -m engine bench $SKIP0 --json docs/branchkv-skip-$v.json  # A: from the worktree
+done
+for v in B A; do
+  $PY -m engine costs --draft self-skip:3,4,5,25 --draft-worker thread --max-rows 3 --max-tokens 1 --reps 30 \
+      --json docs/branchkv-costs-$v-self-skip.json
+  $PY -m engine costs --draft self --draft-worker thread --max-rows 3 --max-tokens 1 --reps 30 \
+      --json docs/branchkv-costs-$v-self.json
+done

@@ -9,7 +9,8 @@ to bfloat16 and back, the rotary embedding applied to q and to k apart, a mask b
 four matmuls (q, k and v fused into one weight, gate and up into another), the rotary embedding is applied to q
 and k in one pass over a precomputed table, and K and V are written into buffers allocated once, so a step copies
 only its own new rows.
-Rolling back moves `length`; forking copies the rows once (batch_repeat_interleave), as transformers' caches do.
+Rolling back moves a pointer. A fork copies nothing (BranchKV): its k branches share the positions held when it
+forked, and a branch step attends to them once for all k branches.
 
 The weights are the model's own tensors read through lm_head.draft_matmul (4-bit groups keep the same codes when
 rows are stacked, since a group runs along a row). Only a draft runs this path: the target keeps transformers'
@@ -114,8 +115,92 @@ class KVBuffer:
                     buf[i] = new
 
 
+class BranchKV(KVBuffer):
+    """The lean draft's cache: one physical row, whatever the number of branches. The k branches of a fork share the
+    `shared` positions held when it forked; the token branch r feeds at depth s after that sits at shared + k·s + r
+    (depth-major, so a step's k new tokens are written side by side). A branch step then runs as one row of k tokens
+    with a tree mask (each branch sees the shared positions and its own tokens), and reads the shared K and V once for
+    all k branches instead of once a branch. A fork copies nothing; resolving it moves the surviving branch's `depth`
+    tokens behind the shared ones.
+    Why: on this CPU a 3-row step of the 4-bit self-draft spent 4.5 ms in attention against 1.7 ms for one row,
+    each row reading its own copy of the same 200 positions, and every fork first copied every layer's K and V k
+    times (docs/RESULTS.md §0u). With one branch it is KVBuffer with one row: the same positions, mask and bits.
+    `length` counts physical positions; get_seq_length() is a branch's length (shared + depth), as the engine sees
+    it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.branches, self.shared, self.depth = 1, 0, 0
+
+    @property
+    def rows(self) -> int:
+        return self.branches
+
+    def get_seq_length(self) -> int:
+        return self.shared + self.depth
+
+    def _settle(self, shared: int, depth: int, branches: int) -> None:
+        if branches == 1:  # one branch: everything it holds is its own, as in a KVBuffer
+            shared, depth = shared + depth, 0
+        self.shared, self.depth, self.branches = shared, depth, branches
+        self.length = shared + branches * depth
+
+    def reserve(self, n: int) -> None:
+        super().reserve(n * self.branches)
+
+    def advance(self, n: int) -> None:
+        self._settle(self.shared, self.depth + n, self.branches)
+
+    def crop(self, n: int) -> None:
+        keep = cropped_length(self.get_seq_length(), n)
+        if keep >= self.shared:
+            self._settle(self.shared, keep - self.shared, self.branches)
+        else:  # back before the fork: the branches hold the same positions again (and are still k rows)
+            self._settle(keep, 0, self.branches)
+
+    def _regroup(self, parents: list[int]) -> None:
+        """New branch i continues old branch parents[i]: their tokens after `shared` are gathered into the new
+        depth-major layout (a copy of depth · len(parents) positions a layer)."""
+        k, depth = len(parents), self.depth
+        if depth:
+            old = torch.tensor([self.shared + self.branches * s + p for s in range(depth) for p in parents],
+                               device=self.keys[0].device)
+            super().reserve(max(0, k - self.branches) * depth)
+            with torch.inference_mode():  # the buffers a forward (re)allocated are inference tensors
+                for buf in (self.keys, self.values):
+                    for t in buf:
+                        t[:, :, self.shared: self.shared + k * depth] = t.index_select(2, old)
+        self._settle(self.shared, depth, k)
+
+    def batch_repeat_interleave(self, k: int) -> None:
+        if self.branches == 1:  # a fork from one branch: it shares all it holds
+            self._settle(self.get_seq_length(), 0, k)
+        else:
+            self._regroup([p for p in range(self.branches) for _ in range(k)])
+
+    def batch_select_indices(self, idx: torch.Tensor) -> None:
+        self._regroup([int(i) % self.branches for i in idx.tolist()])
+
+    def positions(self, t: int) -> torch.Tensor:
+        """The rotary positions of a step's t new tokens a branch, in the order they are stored: [t · k]."""
+        return (self.get_seq_length() + torch.arange(t, device=self.keys[0].device)).repeat_interleave(self.branches)
+
+    def mask(self, t: int, rep: int) -> torch.Tensor | None:
+        """bool [rep · t · k, length + t · k]: which stored positions each new token sees (every shared one, then its
+        own branch's up to itself); the rows repeat for the rep query heads stacked on each KV head. None for one new
+        token on one branch: it sees everything."""
+        k, device = self.branches, self.keys[0].device
+        if t * k == 1:
+            return None
+        own = torch.arange(self.length + t * k, device=device) - self.shared  # past the shared: depth·k + branch
+        new = torch.arange(t * k, device=device)  # the new tokens, depth-major
+        sees = (own[None, :] < 0) | ((own[None, :] % k == new[:, None] % k)
+                                     & (own[None, :] // k <= self.depth + new[:, None] // k))
+        return sees.repeat(rep, 1)
+
+
 class LeanLlama(torch.nn.Module):
-    """A Llama model's decoder (not its head) for drafting: forward(input_ids [B, T], cache: KVBuffer) -> the
+    """A Llama model's decoder (not its head) for drafting: forward(input_ids [B, T], cache: BranchKV) -> the
     final-norm hidden states [B, T, H], appending T positions to the cache. `kind` is the draft's matmul kind
     (models.draft_matmul_kind). Holds the model's tensors, not copies, besides the matmuls' own layouts."""
 
@@ -144,8 +229,8 @@ class LeanLlama(torch.nn.Module):
         return {"attn_norm": block.input_layernorm.weight, "mlp_norm": block.post_attention_layernorm.weight,
                 "qkv": mm(qkv), "o": mm(a.o_proj.weight), "gate_up": mm(gate_up), "down": mm(m.down_proj.weight)}
 
-    def new_cache(self, capacity: int = CAPACITY) -> KVBuffer:
-        return KVBuffer(len(self.layers), self.kv_heads, self.head_dim, self.norm.dtype, self.norm.device, capacity)
+    def new_cache(self, capacity: int = CAPACITY) -> BranchKV:
+        return BranchKV(len(self.layers), self.kv_heads, self.head_dim, self.norm.dtype, self.norm.device, capacity)
 
     def _rope_table(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [end, D] (at least): computed once by the model's rotary module, regrown by doubling."""
@@ -162,40 +247,31 @@ class LeanLlama(torch.nn.Module):
         half = x.shape[-1] // 2
         return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
 
-    def _mask(self, start: int, t: int, rep: int) -> torch.Tensor | None:
-        """bool [rep·T, start + T]: query row j (token j % T of the new ones) sees every cached position and the
-        new ones up to itself. None for one new token: it sees everything."""
-        if t == 1:
-            return None
-        keys = torch.arange(start + t, device=self.norm.device)
-        rows = start + torch.arange(t, device=self.norm.device).repeat(rep)
-        return keys[None, :] <= rows[:, None]
-
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, cache: KVBuffer) -> torch.Tensor:
-        b, t = input_ids.shape
+    def forward(self, input_ids: torch.Tensor, cache: BranchKV) -> torch.Tensor:
+        b, t = input_ids.shape  # b: the cache's branches
         if cache.rows != b:
             raise ValueError(f"the cache holds {cache.rows} rows, fed {b}")
         hq, hkv, d = self.heads, self.kv_heads, self.head_dim
-        rep = hq // hkv
-        start = cache.length
+        rep, n = hq // hkv, t * b  # the step runs as one row of n tokens, depth-major (BranchKV)
+        positions = cache.positions(t)  # [n]
         cache.reserve(t)
-        cos, sin = self._rope_table(start + t)
-        cos, sin = cos[start:start + t], sin[start:start + t]  # [T, D]
-        mask = self._mask(start, t, rep)
-        x = self.embed(input_ids)  # [B, T, H]
+        cos, sin = self._rope_table(int(positions[-1]) + 1)
+        cos, sin = cos[positions], sin[positions]  # [n, D]
+        mask = cache.mask(t, rep)
+        x = self.embed(input_ids).transpose(0, 1).reshape(1, n, self.hidden)  # [1, n, H]
         for i, layer in enumerate(self.layers):
             h = F.rms_norm(x, (self.hidden,), layer["attn_norm"], self.eps)
-            qkv = layer["qkv"](h).view(b, t, hq + 2 * hkv, d).transpose(1, 2)  # [B, Hq + 2 Hkv, T, D]
+            qkv = layer["qkv"](h).view(1, n, hq + 2 * hkv, d).transpose(1, 2)  # [1, Hq + 2 Hkv, n, D]
             qk = self._rotate(qkv[:, : hq + hkv], cos, sin)  # q and k in one pass
-            k, v = cache.write(i, qk[:, hq:], qkv[:, hq + hkv:])  # [B, Hkv, start + T, D]
+            k, v = cache.write(i, qk[:, hq:], qkv[:, hq + hkv:])  # [1, Hkv, length + n, D]
             # grouped-query attention without repeating K and V: the rep query heads that share a KV head are
             # stacked as rows of one head (the mask repeats per group)
-            q = qk[:, :hq].reshape(b, hkv, rep * t, d)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, Hkv, rep·T, D]
-            x = x + layer["o"](o.view(b, hq, t, d).transpose(1, 2).reshape(b, t, hq * d))
+            q = qk[:, :hq].reshape(1, hkv, rep * n, d)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [1, Hkv, rep·n, D]
+            x = x + layer["o"](o.view(1, hq, n, d).transpose(1, 2).reshape(1, n, hq * d))
             h = F.rms_norm(x, (self.hidden,), layer["mlp_norm"], self.eps)
             gate, up = layer["gate_up"](h).chunk(2, -1)
             x = x + layer["down"](F.silu(gate) * up)
         cache.advance(t)
-        return F.rms_norm(x, (self.hidden,), self.norm, self.eps)
+        return F.rms_norm(x, (self.hidden,), self.norm, self.eps).view(t, b, self.hidden).transpose(0, 1)  # [b, t, H]

@@ -69,6 +69,49 @@ def test_lean_decoder_equals_transformers_through_steps_rollback_and_forks():
         lean(ids[:, :2].reshape(2, 1), cache)
 
 
+def test_branches_share_the_positions_held_when_they_forked():
+    """BranchKV: a fork copies nothing, and each branch still gets its own sequence's states through multi-token
+    feeds, a step rolled back within the branches, a fork of the branches, and a rollback to before the fork."""
+    model = tiny_llama(seed=2)
+    lean = LeanLlama(model, "float32")
+    ids = torch.randint(0, 101, (1, 30), generator=torch.Generator().manual_seed(3))
+    cache = lean.new_cache(capacity=16)
+    lean(ids[:, :20], cache)
+    keys = cache.keys[0]
+    cache.batch_repeat_interleave(3)
+    assert cache.rows == 3 and cache.keys[0] is keys and keys.shape[0] == 1  # nothing copied: one physical row
+    seqs = [ids[0, :20].tolist() for _ in range(3)]
+
+    def feed(tokens):  # tokens: one list a branch; checks every branch's new states against its own sequence
+        got = lean(torch.tensor(tokens), cache)
+        for row, new in enumerate(tokens):
+            seqs[row] = seqs[row] + new
+            want = reference(model, torch.tensor([seqs[row]]))[0, -len(new):]
+            torch.testing.assert_close(got[row], want, rtol=1e-5, atol=1e-5)
+        assert cache.get_seq_length() == len(seqs[0])
+
+    feed([[5, 6], [7, 8], [9, 10]])  # two tokens a branch in one pass
+    feed([[11], [12], [13]])
+    cache.crop(-1)  # a branch step held back: every branch drops its last token
+    seqs[:] = [s[:-1] for s in seqs]
+    feed([[14], [15], [16]])
+    cache.batch_repeat_interleave(2)  # the branches fork again: six, each continuing its parent
+    seqs[:] = [s for s in seqs for _ in range(2)]
+    feed([[20 + r] for r in range(6)])
+    cache.batch_select_indices(torch.tensor([4, 1]))  # keep two, in this order
+    seqs[:] = [seqs[4], seqs[1]]
+    feed([[40], [41]])
+    cache.crop(18)  # back before the fork: both branches hold the same 18 positions again
+    seqs[:] = [s[:18] for s in seqs]
+    assert cache.rows == 2
+    feed([[50, 51], [52, 53]])
+    cache.batch_select_indices(torch.tensor([1]))  # resolved: the survivor's tokens move behind the shared ones
+    seqs[:] = [seqs[1]]
+    assert cache.rows == 1 and cache.length == cache.get_seq_length() == 20
+    feed([ids[0, 20:30].tolist()])  # and it grows past its buffers as one row
+    assert cache.capacity >= 30
+
+
 def test_lean_logits_match_the_routed_transformers_forward():
     """Through LM (the head, the shared vocabulary) the lean path gives the logits the same draft gives through
     transformers' forward with its linears routed the same way (fast_linears)."""
