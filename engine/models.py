@@ -191,16 +191,19 @@ class LM:
     matmul: str = "float32"  # how a draft's matmuls read its weights (draft_matmul_kind); never the target's
     lean: bool = False  # a draft's decoder runs engine/lean.py's path (lean_fits); the target never does
     static: bool = False  # the target's decoder runs engine/static_forward.py's path (static_target): same bits
+    layouts: bool = True  # False: no fast layouts, only the weights (a draft's child process never runs its target)
 
     def __post_init__(self):
-        fast_linears(self.model, self.matmul)  # a decode step's one row and a verify pass's few rows, each fast
+        if self.layouts:
+            fast_linears(self.model, self.matmul)  # a decode step's one row and a verify pass's few rows, each fast
         self._lean = LeanLlama(self.model, self.matmul) if self.lean else None
         head = self.model.get_output_embeddings()
         self._head = None
         if self.head_ids is not None:  # the rows of the (shared, frozen) head that the draft computes
             self._head = draft_matmul(self.matmul, head.weight[self.head_ids], head=True)
         elif type(self.model).__name__ in PLAIN_HEAD and getattr(head, "bias", None) is None:
-            self._head = draft_matmul(self.matmul, head.weight, head=True)
+            self._head = draft_matmul(self.matmul, head.weight, head=True) if self.layouts else \
+                HeadMatmul(head.weight, one_row=False, packed=False)  # F.linear: no copies
         # the static path returns the final-norm states: only a plain head turns them into the model's logits; and it
         # runs only where it gives transformers' bits on this machine (StaticLlama.agrees)
         self._static = static_llama(self.model) if self.static and self._head is not None else None
@@ -356,12 +359,13 @@ def is_self_draft(spec: str | None) -> bool:
 def load_pair(target: str = "embedded", draft: str | None = "embedded", device: str | None = None,
               draft_device: str | None = None, dtype: str | None = None, trust_remote_code: bool = False,
               draft_matmul: str = "auto", draft_forward: str = "lean", target_forward: str = "static",
-              draft_worker: str = "thread") -> ModelPair:
+              draft_worker: str = "thread", target_layouts: bool = True) -> ModelPair:
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     target_model, target_tok = load_model(target, dev, dt, trust_remote_code)
     target_vocab = target_model.get_output_embeddings().weight.shape[0]
-    lm = LM(target, target_model, target_tok, target_vocab, static=static_target(target_model, target_forward))
+    lm = LM(target, target_model, target_tok, target_vocab, static=static_target(target_model, target_forward),
+            layouts=target_layouts)
     if draft is None:
         return ModelPair(lm, None)
     ddev = pick_device(draft_device) if draft_device else dev
@@ -392,7 +396,7 @@ def with_draft(target: "LM", draft: str, device: torch.device | None = None, dty
         return pair
     recipe = dict(target=target.name, draft=draft, device=str(device), dtype=DTYPE_NAMES.get(dtype),
                   trust_remote_code=trust_remote_code, draft_matmul=kind, draft_forward=draft_forward,
-                  target_forward="transformers")  # the child needs the target's weights, not its fast forward
+                  target_forward="transformers", target_layouts=False)  # the child needs the target's weights only
     return ModelPair(pair.target, *in_process(pair.draft, recipe))
 
 

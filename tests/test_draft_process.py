@@ -86,6 +86,22 @@ def test_sampled_output_through_the_child_follows_the_target(process_engine):
     check_sampled(process_engine, "specbranch", dict(gamma=3, branches=3, epsilon=1.0, head_start=0.2))
 
 
+def test_the_child_loads_the_targets_weights_without_its_fast_layouts(tiny_dirs, process_engine):
+    """The child never runs the target, so its recipe skips the target's fast layouts (a packed and a transposed copy
+    of every weight: ~850 MB of the embedded pair's child), and the draft there still computes the local bits (the
+    other tests here). Without layouts the target is routed nowhere and its head keeps no copy."""
+    assert process_engine.pair.draft.recipe["target_layouts"] is False
+    bare = load_pair(str(tiny_dirs["target"]), None, device="cpu", target_forward="transformers",
+                     target_layouts=False).target
+    routed = load_pair(str(tiny_dirs["target"]), None, device="cpu", target_forward="transformers").target
+    assert not any(getattr(m, "_fast_layout", False) for m in bare.model.modules())
+    assert any(getattr(m, "_fast_layout", False) for m in routed.model.modules())
+    assert bare._head.wt is None and bare._head.packed is None and routed._head.wt is not None
+    ids = torch.randint(0, bare.vocab_size, (1, 7), generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(bare.forward(ids, bare.new_cache()), routed.forward(ids, routed.new_cache()),
+                               rtol=1e-5, atol=1e-5)  # the same model, only its kernels differ
+
+
 def test_a_draft_that_cannot_go_stays_here_with_the_reason(tiny_dirs, process_engine):
     local = process_engine.pair.draft.local
     assert in_process(local, None) == (local, "the draft was not loaded from a spec")
