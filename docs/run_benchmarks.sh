@@ -601,3 +601,5 @@ for v in B A; do
   $PY -m engine costs --draft self --draft-worker thread --max-rows 3 --max-tokens 1 --reps 30 \
       --json docs/branchkv-costs-$v-self.json
 done
+#     and the poorly aligned regime after the change, with --hold-branches (WEAK: §30 b)
+$PY -m engine bench $WEAK --seed 0 --hold-branches --json docs/branchkv-weak-foreign-holdbranches-s0.json
