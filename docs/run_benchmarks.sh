@@ -603,3 +603,8 @@ for v in B A; do
 done
 #     and the poorly aligned regime after the change, with --hold-branches (WEAK: §30 b)
 $PY -m engine bench $WEAK --seed 0 --hold-branches --json docs/branchkv-weak-foreign-holdbranches-s0.json
+#     and two branches against three after the change, alternated (SKIP0's own --branches 3 comes first: argparse
+#     keeps the flag given last)
+for v in 2-0 3-0 3-1 2-1; do
+  $PY -m engine bench $SKIP0 --branches ${v%%-*} --json docs/branchkv-skip-k$v.json
+done
