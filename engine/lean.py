@@ -256,7 +256,7 @@ class LeanLlama(torch.nn.Module):
         rep, n = hq // hkv, t * b  # the step runs as one row of n tokens, depth-major (BranchKV)
         positions = cache.positions(t)  # [n]
         cache.reserve(t)
-        cos, sin = self._rope_table(int(positions[-1]) + 1)
+        cos, sin = self._rope_table(cache.get_seq_length() + t)  # the last new token's position + 1
         cos, sin = cos[positions], sin[positions]  # [n, D]
         mask = cache.mask(t, rep)
         x = self.embed(input_ids).transpose(0, 1).reshape(1, n, self.hidden)  # [1, n, H]
