@@ -37,7 +37,9 @@ def main() -> None:
     parser.add_argument("--draft-forward", default=os.environ.get("SPECBRANCH_DRAFT_FORWARD", "lean"),
                         choices=DRAFT_FORWARDS,
                         help="lean: a Llama draft on the CPU runs engine/lean.py (fused matmuls, a KV cache that "
-                             "rolls back by a pointer); transformers: the model's own forward")
+                             "rolls back by a pointer); lean-compiled: that, with its one-token steps through "
+                             "torch.compile (compiled when the draft loads, ~40 s the first time); transformers: the "
+                             "model's own forward")
     parser.add_argument("--draft-worker", default=os.environ.get("SPECBRANCH_DRAFT_WORKER", "process"),
                         choices=DRAFT_WORKERS,
                         help="process: a draft on the CPU runs its forwards in a child process of its own, so the two "
@@ -81,6 +83,8 @@ def main() -> None:
                                      draft_worker=args.draft_worker)
                 if pair.draft_worker_why:
                     print(f"the draft {draft!r} runs in this process: {pair.draft_worker_why}")
+                if pair.draft is not None and pair.draft.compile_why:
+                    print(f"the draft {draft!r} steps eager, not compiled: {pair.draft.compile_why}")
                 engines[draft] = Engine(pair)
             return engines[draft]
 

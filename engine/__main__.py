@@ -23,7 +23,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "stays exact: only the target decides it")
     p.add_argument("--draft-forward", default="lean", choices=DRAFT_FORWARDS,
                    help="lean: a Llama draft on the CPU runs engine/lean.py (fused matmuls, a KV cache that rolls "
-                        "back by a pointer); transformers: the model's own forward")
+                        "back by a pointer); lean-compiled: that, with its one-token steps through torch.compile "
+                        "(compiled at load: ~40 s the first time, a C++ compiler needed, else eager with a note); "
+                        "transformers: the model's own forward")
     p.add_argument("--target-forward", default="static", choices=TARGET_FORWARDS,
                    help="static: a Llama target on the CPU runs engine/static_forward.py (transformers' ops, with "
                         "q/k/v and gate/up each one stacked matmul, over a KV cache written in place: the same bits, "
@@ -151,6 +153,8 @@ def build_engine(args, need_draft: bool):
                      target_forward=args.target_forward, draft_worker=args.draft_worker)
     if pair.draft_worker_why:
         print(f"note: the draft runs in this process: {pair.draft_worker_why}", file=sys.stderr)
+    if pair.draft is not None and pair.draft.compile_why:
+        print(f"note: the draft's steps run eager, not compiled: {pair.draft.compile_why}", file=sys.stderr)
     return Engine(pair, threads=max(1, args.threads), solo_threads=args.solo_threads)
 
 

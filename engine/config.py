@@ -36,7 +36,7 @@ METHODS = ("ar", "sd", "pearl", "specbranch", "specbranch-no-branch", "specbranc
 # how a draft's matmuls read its weights (models.draft_matmul_kind)
 DRAFT_MATMULS = ("auto", "float32", "bfloat16", "int4")
 # how a draft's forward runs: engine/lean.py where the draft fits it (else transformers'), or always transformers'
-DRAFT_FORWARDS = ("lean", "transformers")
+DRAFT_FORWARDS = ("lean", "lean-compiled", "transformers")
 # where a draft's forwards run: in a child process of their own where the draft fits (engine/draft_process.py), or on
 # a thread of this process
 DRAFT_WORKERS = ("process", "thread")

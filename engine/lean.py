@@ -15,6 +15,11 @@ forked, and a branch step attends to them once for all k branches.
 The weights are the model's own tensors read through lm_head.draft_matmul (4-bit groups keep the same codes when
 rows are stacked, since a group runs along a row). Only a draft runs this path: the target keeps transformers'
 forward, and output stays exact whatever the draft computes (q is the draft's own distribution from this pass).
+
+With compiled=True (--draft-forward lean-compiled) a one-token step on one branch, the step a draft takes most,
+runs through torch.compile (inductor's C++ kernels fuse the norms, the rotary embedding and the MLP's gate into
+few loops): about a fifth of the step was per-op overhead around the matmuls (docs/RESULTS.md §0v). Its floats
+differ from the eager step's by rounding; q is still what the pass that drafted the token computed.
 """
 from __future__ import annotations
 
@@ -51,8 +56,9 @@ class KVBuffer:
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
                  capacity: int = CAPACITY):
         shape = (1, kv_heads, capacity, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        with torch.inference_mode(False):  # plain tensors (see reserve)
+            self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+            self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.length = 0
 
     @property
@@ -72,11 +78,14 @@ class KVBuffer:
         if need <= self.capacity:
             return
         size = max(need, 2 * self.capacity)
-        for buf in (self.keys, self.values):
-            for i, old in enumerate(buf):
-                new = old.new_zeros(*old.shape[:2], size, old.shape[3])
-                new[:, :, : self.length] = old[:, :, : self.length]
-                buf[i] = new
+        # plain tensors even inside a forward: a compiled step (LeanLlama(compiled=True)) writes into the buffers,
+        # which inductor cannot do to an inference tensor; writing into a plain one in inference mode is allowed
+        with torch.inference_mode(False):
+            for buf in (self.keys, self.values):
+                for i, old in enumerate(buf):
+                    new = old.new_zeros(*old.shape[:2], size, old.shape[3])
+                    new[:, :, : self.length] = old[:, :, : self.length]
+                    buf[i] = new
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v [B, kv_heads, T, head_dim] at [length, length + T) of `layer`; returns that layer's K and V
@@ -166,7 +175,7 @@ class BranchKV(KVBuffer):
             old = torch.tensor([self.shared + self.branches * s + p for s in range(depth) for p in parents],
                                device=self.keys[0].device)
             super().reserve(max(0, k - self.branches) * depth)
-            with torch.inference_mode():  # the buffers a forward (re)allocated are inference tensors
+            with torch.inference_mode():  # no autograd bookkeeping for the copies
                 for buf in (self.keys, self.values):
                     for t in buf:
                         t[:, :, self.shared: self.shared + k * depth] = t.index_select(2, old)
@@ -202,9 +211,13 @@ class BranchKV(KVBuffer):
 class LeanLlama(torch.nn.Module):
     """A Llama model's decoder (not its head) for drafting: forward(input_ids [B, T], cache: BranchKV) -> the
     final-norm hidden states [B, T, H], appending T positions to the cache. `kind` is the draft's matmul kind
-    (models.draft_matmul_kind). Holds the model's tensors, not copies, besides the matmuls' own layouts."""
+    (models.draft_matmul_kind). Holds the model's tensors, not copies, besides the matmuls' own layouts.
+    compiled: one-token steps on one branch run through torch.compile, compiled here (a warm-up step on a scratch
+    cache: ~40 s for the 30-layer self-draft on 2 cores the first time, less once inductor's cache on disk holds its
+    kernels); where compiling fails (or a bfloat16 draft, whose packed matmuls inductor cannot lower) they stay eager
+    and compile_why says why."""
 
-    def __init__(self, model, kind: str = "float32"):
+    def __init__(self, model, kind: str = "float32", compiled: bool = False):
         super().__init__()
         why = fits(model)
         if why:
@@ -218,6 +231,24 @@ class LeanLlama(torch.nn.Module):
         self.norm = model.model.norm.weight
         self.layers = [self._layer(block, kind) for block in model.model.layers]
         self._cos = self._sin = None
+        self._step, self.compile_why = None, ""
+        if compiled and kind == "bfloat16":  # inductor cannot lower oneDNN's packed weights (lm_head.Bf16Matmul)
+            self.compile_why = "a bfloat16 draft's oneDNN-packed matmuls do not compile; use --draft-matmul int4 or float32"
+        elif compiled:
+            self._compile()
+
+    def _compile(self) -> None:
+        """Compile the one-token, one-branch step and run it once (shapes dynamic: the cache's length changes every
+        step and must not recompile it). A failure (no C++ compiler, an inductor error) leaves the step eager."""
+        try:
+            step = torch.compile(self._forward, dynamic=True)
+            cache = self.new_cache()
+            with torch.inference_mode():
+                self._forward(torch.zeros(1, 2, dtype=torch.long, device=self.norm.device), cache)
+                step(torch.zeros(1, 1, dtype=torch.long, device=self.norm.device), cache)
+            self._step = step
+        except Exception as exc:  # noqa: BLE001 - whatever inductor raises, the eager step still serves
+            self.compile_why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
 
     @staticmethod
     def _layer(block, kind: str) -> dict:
@@ -249,6 +280,11 @@ class LeanLlama(torch.nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: BranchKV) -> torch.Tensor:
+        if self._step is not None and input_ids.numel() == 1 and cache.rows == 1:
+            return self._step(input_ids, cache)
+        return self._forward(input_ids, cache)
+
+    def _forward(self, input_ids: torch.Tensor, cache: BranchKV) -> torch.Tensor:
         b, t = input_ids.shape  # b: the cache's branches
         if cache.rows != b:
             raise ValueError(f"the cache holds {cache.rows} rows, fed {b}")

@@ -190,13 +190,14 @@ class LM:
     head_ids: torch.Tensor | None = None  # reduced LM head (FR-Spec): logits only for these ids, -inf elsewhere
     matmul: str = "float32"  # how a draft's matmuls read its weights (draft_matmul_kind); never the target's
     lean: bool = False  # a draft's decoder runs engine/lean.py's path (lean_fits); the target never does
+    compiled: bool = False  # and its one-token steps through torch.compile (--draft-forward lean-compiled)
     static: bool = False  # the target's decoder runs engine/static_forward.py's path (static_target): same bits
     layouts: bool = True  # False: no fast layouts, only the weights (a draft's child process never runs its target)
 
     def __post_init__(self):
         if self.layouts:
             fast_linears(self.model, self.matmul)  # a decode step's one row and a verify pass's few rows, each fast
-        self._lean = LeanLlama(self.model, self.matmul) if self.lean else None
+        self._lean = LeanLlama(self.model, self.matmul, self.compiled) if self.lean else None
         head = self.model.get_output_embeddings()
         self._head = None
         if self.head_ids is not None:  # the rows of the (shared, frozen) head that the draft computes
@@ -212,6 +213,11 @@ class LM:
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    @property
+    def compile_why(self) -> str:
+        """Why a draft asked to compile its steps runs them eager ("" when it compiled, or was not asked)."""
+        return self._lean.compile_why if self._lean is not None else ""
 
     @property
     def context_length(self) -> int:
@@ -413,12 +419,13 @@ def static_target(model, forward: str) -> bool:
 
 
 def lean_draft(draft_model, target_model, forward: str) -> bool:
-    """Whether a draft runs engine/lean.py's decode path: asked for (forward "lean", the default), on the CPU, a
+    """Whether a draft runs engine/lean.py's decode path: asked for (forward "lean", the default, or "lean-compiled":
+    its one-token steps through torch.compile), on the CPU, a
     model that fits it (lean.fits), and not the float32 target itself (its fused weights would be copies of the
     target's; a quantized self-draft is a twin, drafts.twin_of). docs/RESULTS.md §0g has what it saves."""
     if forward not in DRAFT_FORWARDS:
         raise SpecBranchError(f"unknown draft forward {forward!r}; choose one of {', '.join(DRAFT_FORWARDS)}")
-    return (forward == "lean" and draft_model is not target_model
+    return (forward in ("lean", "lean-compiled") and draft_model is not target_model
             and next(draft_model.parameters()).device.type == "cpu" and lean_misfit(draft_model) is None)
 
 
@@ -440,4 +447,5 @@ def pair_of(target: LM, draft_name: str, draft_model, draft_tok, head_ids, matmu
     if common != target.vocab_size:  # else the target's LM serves as it is (its head's copies are not made again)
         target = LM(target.name, target.model, target.tokenizer, common, static=target.static)
     lean = lean_draft(draft_model, target.model, forward)
-    return ModelPair(target, LM(draft_name, draft_model, draft_tok, common, head_ids, matmul, lean))
+    return ModelPair(target, LM(draft_name, draft_model, draft_tok, common, head_ids, matmul, lean,
+                                compiled=lean and forward == "lean-compiled"))

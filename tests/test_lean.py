@@ -158,3 +158,50 @@ def test_lean_refuses_what_it_does_not_fit():
     assert not lean_draft(tiny_llama(mlp_bias=True), target, "lean")
     with pytest.raises(SpecBranchError, match="unknown draft forward 'fast'"):
         lean_draft(draft, target, "fast")
+
+
+@pytest.mark.skipif(not int4_supported(), reason="this torch has no CPU int4 kernel")
+def test_compiled_steps_follow_the_eager_ones_and_decode_exactly(tiny_dirs):
+    """--draft-forward lean-compiled: a one-token step on one branch of a 4-bit draft runs through torch.compile,
+    compiled when the draft loads (this machine has the C++ compiler inductor needs, so it must compile: compile_why
+    is empty; a bfloat16 draft says why it stays eager, without trying). Its
+    states equal the eager step's to float rounding through steps, a rollback, a cache that outgrows its buffers
+    and a fork (whose k-row steps stay eager); greedy SD, PEARL and SpecBranch still give the target's output, also
+    with the draft in its own process (whose bits, compiled there too, are checked against this one's at start)."""
+    from engine.models import load_pair
+
+    from .test_lm_head import assert_speculation_equals_ar
+
+    assert "do not compile" in LeanLlama(tiny_llama(), "bfloat16", compiled=True).compile_why
+    pair = load_pair(str(tiny_dirs["target"]), str(tiny_dirs["draft"]), device="cpu", draft_matmul="int4",
+                     draft_forward="lean-compiled")
+    draft = pair.draft
+    assert draft.lean and draft.compiled and draft.compile_why == "" and draft._lean._step is not None
+    compiled, eager = draft._lean, LeanLlama(draft.model, draft.matmul)
+    ids = torch.randint(0, 10, (1, 30), generator=torch.Generator().manual_seed(3))
+    caches = {lean: lean.new_cache(capacity=8) for lean in (compiled, eager)}  # 8 -> 16 -> 32: grows mid-steps
+    for lean, cache in caches.items():
+        lean(ids[:, :4], cache)
+    for i in range(4, 20):
+        got, want = (lean(ids[:, i:i + 1], cache) for lean, cache in caches.items())
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        if i == 12:  # roll back 3 and feed them again
+            for cache in caches.values():
+                cache.crop(-3)
+            for lean, cache in caches.items():
+                lean(ids[:, 10:13], cache)
+    assert caches[compiled].capacity >= 20 and caches[compiled].get_seq_length() == 20
+    for lean, cache in caches.items():  # a fork's 2-row step (eager on both), then one branch on its own again
+        cache.batch_repeat_interleave(2)
+        lean(torch.tensor([[3], [4]]), cache)
+        cache.batch_select_indices(torch.tensor([1]))
+    got, want = (lean(ids[:, 21:22], cache) for lean, cache in caches.items())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert_speculation_equals_ar(pair)
+    pair = load_pair(str(tiny_dirs["target"]), str(tiny_dirs["draft"]), device="cpu", draft_matmul="int4",
+                     draft_forward="lean-compiled", draft_worker="process")
+    try:
+        assert pair.draft_worker == "process", pair.draft_worker_why
+        assert_speculation_equals_ar(pair)
+    finally:
+        pair.draft.close()
