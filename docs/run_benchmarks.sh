@@ -608,3 +608,23 @@ $PY -m engine bench $WEAK --seed 0 --hold-branches --json docs/branchkv-weak-for
 for v in 2-0 3-0 3-1 2-1; do
   $PY -m engine bench $SKIP0 --branches ${v%%-*} --json docs/branchkv-skip-k$v.json
 done
+
+# 32. The draft's one-token steps through torch.compile (docs/RESULTS.md §0v): the 4-bit self-draft with the app's
+#     settings on the tuning prompts, eager (lean) and compiled (lean-compiled), alternated; the first compiled run
+#     started with a cold inductor cache on disk, the second with a warm one; then the step alone
+SELFT="--methods ar,sd,pearl,specbranch --draft self --dataset data/tuning_prompts.jsonl --max-new-tokens 64 --temperature 0 --seed 0 --gamma 8 --draft-stop 0 --head-start 0.02 --epsilon 0.1 --branches 3 --hold 0"
+for v in lean-0 lean-compiled-0 lean-compiled-1 lean-1; do
+  $PY -m engine bench $SELFT --draft-forward ${v%-*} --json docs/compiled-self-$v.json
+done
+for f in lean lean-compiled; do
+  $PY -m engine costs --draft self --draft-forward $f --draft-worker thread --max-rows 3 --max-tokens 1 --reps 30 \
+      --json docs/compiled-costs-$f.json
+done
+#     and the benchmark split at T=0 and T=1, in this order (a second T=1 pair after the first)
+APP="--methods ar,sd,pearl,specbranch --draft self --dataset all --limit 2 --max-new-tokens 64 --seed 0 --gamma 8 --draft-stop 0 --head-start 0.02 --epsilon 0.1 --branches 3 --hold 0"
+for v in lean-compiled-t0 lean-t0 lean-t1 lean-compiled-t1; do
+  $PY -m engine bench $APP --temperature ${v##*-t} --draft-forward ${v%-t*} --json docs/compiled-split-$v.json
+done
+for v in lean lean-compiled; do
+  $PY -m engine bench $APP --temperature 1 --draft-forward $v --json docs/compiled-split-$v-t1-1.json
+done

@@ -233,7 +233,8 @@ class LeanLlama(torch.nn.Module):
         self._cos = self._sin = None
         self._step, self.compile_why = None, ""
         if compiled and kind == "bfloat16":  # inductor cannot lower oneDNN's packed weights (lm_head.Bf16Matmul)
-            self.compile_why = "a bfloat16 draft's oneDNN-packed matmuls do not compile; use --draft-matmul int4 or float32"
+            self.compile_why = ("a bfloat16 draft's oneDNN-packed matmuls do not compile; "
+                                "use --draft-matmul int4 or float32")
         elif compiled:
             self._compile()
 
