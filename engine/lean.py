@@ -249,7 +249,7 @@ class LeanLlama(torch.nn.Module):
                 step(torch.zeros(1, 1, dtype=torch.long, device=self.norm.device), cache)
             self._step = step
         except Exception as exc:  # noqa: BLE001 - whatever inductor raises, the eager step still serves
-            self.compile_why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+            self.compile_why = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"[:300]
 
     @staticmethod
     def _layer(block, kind: str) -> dict:

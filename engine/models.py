@@ -420,9 +420,9 @@ def static_target(model, forward: str) -> bool:
 
 def lean_draft(draft_model, target_model, forward: str) -> bool:
     """Whether a draft runs engine/lean.py's decode path: asked for (forward "lean", the default, or "lean-compiled":
-    its one-token steps through torch.compile), on the CPU, a
-    model that fits it (lean.fits), and not the float32 target itself (its fused weights would be copies of the
-    target's; a quantized self-draft is a twin, drafts.twin_of). docs/RESULTS.md §0g has what it saves."""
+    its one-token steps through torch.compile), on the CPU, a model that fits it (lean.fits), and not the float32
+    target itself (its fused weights would be copies of the target's; a quantized self-draft is a twin,
+    drafts.twin_of). docs/RESULTS.md §0g has what it saves."""
     if forward not in DRAFT_FORWARDS:
         raise SpecBranchError(f"unknown draft forward {forward!r}; choose one of {', '.join(DRAFT_FORWARDS)}")
     return (forward in ("lean", "lean-compiled") and draft_model is not target_model

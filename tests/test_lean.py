@@ -164,10 +164,10 @@ def test_lean_refuses_what_it_does_not_fit():
 def test_compiled_steps_follow_the_eager_ones_and_decode_exactly(tiny_dirs):
     """--draft-forward lean-compiled: a one-token step on one branch of a 4-bit draft runs through torch.compile,
     compiled when the draft loads (this machine has the C++ compiler inductor needs, so it must compile: compile_why
-    is empty; a bfloat16 draft says why it stays eager, without trying). Its
-    states equal the eager step's to float rounding through steps, a rollback, a cache that outgrows its buffers
-    and a fork (whose k-row steps stay eager); greedy SD, PEARL and SpecBranch still give the target's output, also
-    with the draft in its own process (whose bits, compiled there too, are checked against this one's at start)."""
+    is empty; a bfloat16 draft says why it stays eager, without trying). Its states equal the eager step's to float
+    rounding through steps, a rollback, a cache that outgrows its buffers and a fork (whose k-row steps stay eager);
+    greedy SD, PEARL and SpecBranch still give the target's output, also with the draft in its own process (whose
+    bits, compiled there too, are checked against this one's at start)."""
     from engine.models import load_pair
 
     from .test_lm_head import assert_speculation_equals_ar
