@@ -2,6 +2,8 @@
 All times on the figures are measured host times from TimingSpan events."""
 from __future__ import annotations
 
+import html
+
 import plotly.graph_objects as go
 
 from engine.events import DraftProposed, Event, Rollback, TimingSpan, TokensEmitted
@@ -13,13 +15,21 @@ KIND_COLOURS = {"prefill": "#9e9e9e", "draft": "#4caf50", "branch_draft": "#8e24
 BUBBLE = "rgba(244, 67, 54, 0.25)"
 
 
+def plot_text(value) -> str:
+    """A string from a run (its method, a span's kind: a stored or imported run may hold anything) as Plotly text.
+    Plotly reads a subset of HTML in trace names, tick labels and hover text (<a href>, <span style>, <b>, ...) and
+    %{...} in a hover template as a field; escaped, the string shows as written: Plotly turns &lt;, &gt;, &amp; and
+    numeric entities back into characters (not &quot;, so quotes stay as they are, harmless outside a tag)."""
+    return html.escape(str(value), quote=False).replace("%", "&#37;")
+
+
 def timeline_figure(runs: list[list[Event]], highlight: tuple[int, float, float] | None = None) -> go.Figure:
     """Gantt chart: one lane per (run, model); bars are forward passes, red bubbles are idle gaps.
     highlight: (step, start, end) shades the step the navigator selected."""
     fig = go.Figure()
     lanes = []
     for events in runs:
-        name = run_label(events)
+        name = plot_text(run_label(events))
         spans = [e for e in events if isinstance(e, TimingSpan)]
         if not spans:
             continue
@@ -32,13 +42,13 @@ def timeline_figure(runs: list[list[Event]], highlight: tuple[int, float, float]
             lane = f"{name} · {worker}"
             lanes.append(lane)
             for kind in sorted({s.kind for s in mine}):
-                bars = [s for s in mine if s.kind == kind]
+                bars, label = [s for s in mine if s.kind == kind], plot_text(kind)
                 fig.add_trace(go.Bar(
                     y=[lane] * len(bars), x=[1000 * (s.end - s.start) for s in bars],
-                    base=[1000 * s.start for s in bars], orientation="h", name=kind, legendgroup=kind,
-                    showlegend=kind not in {t.name for t in fig.data}, marker_color=KIND_COLOURS.get(kind, "#333"),
+                    base=[1000 * s.start for s in bars], orientation="h", name=label, legendgroup=label,
+                    showlegend=label not in {t.name for t in fig.data}, marker_color=KIND_COLOURS.get(kind, "#333"),
                     customdata=[[s.step, s.tokens] for s in bars],
-                    hovertemplate=f"{kind}<br>step %{{customdata[0]}}, %{{customdata[1]}} tokens<br>"
+                    hovertemplate=f"{label}<br>step %{{customdata[0]}}, %{{customdata[1]}} tokens<br>"
                                   "%{base:.1f}–%{x:.1f} ms long<extra>" + lane + "</extra>"))
             busy = busy_intervals(spans, worker, start, end)
             gaps = [(a_end, b_start) for (_, a_end), (b_start, _) in zip(busy, busy[1:]) if b_start - a_end > 1e-4]
@@ -51,7 +61,7 @@ def timeline_figure(runs: list[list[Event]], highlight: tuple[int, float, float]
     if highlight is not None:
         step, start, end = highlight
         fig.add_vrect(x0=1000 * start, x1=1000 * max(end, start + 1e-4), fillcolor="rgba(255, 143, 0, 0.18)",
-                      line=dict(color="#ff8f00", width=1), annotation_text=f"step {step}",
+                      line=dict(color="#ff8f00", width=1), annotation_text=f"step {int(step)}",
                       annotation_position="top left")
     fig.update_layout(barmode="overlay", height=120 + 45 * len(lanes), margin=dict(l=10, r=10, t=40, b=30),
                       title="Measured timeline (ms): draft and target forwards, idle gaps in red",

@@ -21,7 +21,7 @@ from sessions.db import check_id
 from sessions.export import import_json, write_export, write_trace
 from sessions.replay import compare_runs, events_up_to_step, replay_steps, stored_run_label
 
-from .figures import timeline_figure
+from .figures import plot_text, timeline_figure
 from .identity import owner_of
 from .navigator import build_navigator, clamp_step, notice_of, slider_update, wire_navigator
 from .race import NEEDS_TWO, race_updates
@@ -70,7 +70,7 @@ def step_alignment_figure(by_step: list[dict], labels: list[str]) -> go.Figure:
     for i, label in enumerate(labels):
         rows = [row for row in by_step if row["tokens"][i]]
         fig.add_trace(go.Scatter(x=[row["step"] for row in rows], y=[row["total"][i] for row in rows],
-                                 mode="lines+markers", name=label,
+                                 mode="lines+markers", name=plot_text(label),
                                  line=dict(dash=LINE_DASHES[i % len(LINE_DASHES)], width=2),
                                  marker=dict(symbol=MARKERS[i % len(MARKERS)], size=7 + 2 * (len(labels) - 1 - i))))
     fig.update_layout(title="Committed tokens by step (aligned by step)", height=300, xaxis_title="step",

@@ -14,8 +14,9 @@ from types import SimpleNamespace
 import pytest
 
 from app import replay_tab
+from app.figures import timeline_figure
 from app.identity import STORAGE_KEY, browser_id_state, browser_identity, owner_of
-from app.replay_tab import compare_html, export_dir, export_paths
+from app.replay_tab import compare_html, export_dir, export_paths, step_alignment_figure
 from app.ui import views_at
 from engine.config import GenerationConfig
 from engine.engine import Engine
@@ -97,6 +98,49 @@ def test_metrics_that_are_not_numbers_are_escaped(recorded, tmp_path):  # noqa: 
     compare, _, metrics = pages[:3]
     assert compare.count(AS_TEXT) == 2 * (1 + 8)  # both runs' labels and compared metrics, as text
     assert metrics.count(AS_TEXT) >= 6
+
+
+PLOT_PAYLOAD = '<a href="javascript:alert(1)">x</a><span style="x">%{x}'  # markup Plotly renders; a template field
+
+
+def plot_strings(fig) -> list[str]:
+    """Every string of a figure's traces: names, category labels, hover templates, legend groups."""
+    out = []
+
+    def walk(value):
+        if isinstance(value, str):
+            out.append(value)
+        elif isinstance(value, dict):
+            for v in value.values():
+                walk(v)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                walk(v)
+    walk(fig.to_dict()["data"])
+    return out
+
+
+def test_an_imported_method_and_span_kind_reach_the_figures_as_text(recorded, tmp_path):  # noqa: F811
+    """Plotly renders a subset of HTML in trace names, tick labels and hover text, and reads %{...} in a hover
+    template: a crafted method or span kind is escaped there, and Plotly's entities show it as written."""
+    doc = export_session(recorded["store"], recorded["session_id"])
+    for run in doc["runs"]:
+        run["method"] = PLOT_PAYLOAD
+        for e in run["events"]:
+            if e["type"] == "run_started":
+                e["method"] = PLOT_PAYLOAD
+            if e["type"] == "timing_span" and e["kind"] == "verify":
+                e["kind"] = PLOT_PAYLOAD
+    with Store(tmp_path / "s.db") as store:
+        session_id = import_session(store, doc, owner="bob")
+        runs = store.load_session_events(session_id, "bob")
+    result = compare_runs(runs)
+    strings = plot_strings(timeline_figure(runs)) + plot_strings(step_alignment_figure(result["by_step"],
+                                                                                      result["labels"]))
+    shown = "&lt;a href=\"javascript:alert(1)\"&gt;x&lt;/a&gt;&lt;span style=\"x\"&gt;&#37;{x}"
+    assert sum(shown in s for s in strings) >= 4  # lanes, a legend entry, hover text, the aligned plot's names
+    for s in strings:
+        assert "<a" not in s and "<span" not in s and "%{x}" not in s, s
 
 
 @pytest.mark.parametrize("how, reason", [
