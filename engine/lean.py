@@ -23,6 +23,8 @@ differ from the eager step's by rounding; q is still what the pass that drafted 
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 
@@ -30,6 +32,8 @@ from .cache import cropped_length
 from .lm_head import draft_matmul
 
 CAPACITY = 256  # positions a new cache holds before it grows (doubling: amortised, and rare in a chat)
+STEP_THREADS = 1  # the torch threads a compiled step runs on, the workers' count (a solo step too: 12 ms on 1 against
+# 17 ms eager on 2, docs/RESULTS.md §0w)
 
 
 def fits(model) -> str | None:
@@ -212,10 +216,10 @@ class LeanLlama(torch.nn.Module):
     """A Llama model's decoder (not its head) for drafting: forward(input_ids [B, T], cache: BranchKV) -> the
     final-norm hidden states [B, T, H], appending T positions to the cache. `kind` is the draft's matmul kind
     (models.draft_matmul_kind). Holds the model's tensors, not copies, besides the matmuls' own layouts.
-    compiled: one-token steps on one branch run through torch.compile, compiled here (a warm-up step on a scratch
-    cache: ~40 s for the 30-layer self-draft on 2 cores the first time, less once inductor's cache on disk holds its
-    kernels); where compiling fails (or a bfloat16 draft, whose packed matmuls inductor cannot lower) they stay eager
-    and compile_why says why."""
+    compiled: one-token steps on one branch run through torch.compile, compiled here (compile_step(): a warm-up step
+    on a scratch cache: ~40 s for the 30-layer self-draft on 2 cores the first time, less once inductor's cache on
+    disk holds its kernels); where compiling fails (or a bfloat16 draft, whose packed matmuls inductor cannot lower)
+    they stay eager and compile_why says why."""
 
     def __init__(self, model, kind: str = "float32", compiled: bool = False):
         super().__init__()
@@ -231,25 +235,38 @@ class LeanLlama(torch.nn.Module):
         self.norm = model.model.norm.weight
         self.layers = [self._layer(block, kind) for block in model.model.layers]
         self._cos = self._sin = None
-        self._step, self.compile_why = None, ""
-        if compiled and kind == "bfloat16":  # inductor cannot lower oneDNN's packed weights (lm_head.Bf16Matmul)
+        self.kind, self._step, self.compile_why, self.compile_s = kind, None, "", None
+        if compiled:
+            self.compile_step()
+
+    def compile_step(self) -> None:
+        """Compile the one-token, one-branch step and run it once on a scratch cache (shapes dynamic: the cache's
+        length changes every step and must not recompile it); only then do forwards take it. A failure (no C++
+        compiler, an inductor error) leaves the step eager; a bfloat16 draft is refused at once: inductor cannot lower
+        oneDNN's packed weights (lm_head.Bf16Matmul). compile_s: how long it took."""
+        if self.kind == "bfloat16":
             self.compile_why = ("a bfloat16 draft's oneDNN-packed matmuls do not compile; "
                                 "use --draft-matmul int4 or float32")
-        elif compiled:
-            self._compile()
-
-    def _compile(self) -> None:
-        """Compile the one-token, one-branch step and run it once (shapes dynamic: the cache's length changes every
-        step and must not recompile it). A failure (no C++ compiler, an inductor error) leaves the step eager."""
+            return
+        start, threads = time.perf_counter(), torch.get_num_threads()
+        torch.set_num_threads(STEP_THREADS)
         try:
-            step = torch.compile(self._forward, dynamic=True)
+            step = torch.compile(self._decode, dynamic=True)
             cache = self.new_cache()
             with torch.inference_mode():
                 self._forward(torch.zeros(1, 2, dtype=torch.long, device=self.norm.device), cache)
-                step(torch.zeros(1, 1, dtype=torch.long, device=self.norm.device), cache)
+                self._forward(torch.zeros(1, 1, dtype=torch.long, device=self.norm.device), cache, step)
             self._step = step
         except Exception as exc:  # noqa: BLE001 - whatever inductor raises, the eager step still serves
             self.compile_why = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"[:300]
+        finally:
+            torch.set_num_threads(threads)
+        self.compile_s = time.perf_counter() - start
+
+    @property
+    def compile_state(self) -> str:
+        """"compiled", "eager" (compiling failed: compile_why says why) or "off" (not tried)."""
+        return "compiled" if self._step is not None else "eager" if self.compile_why else "off"
 
     @staticmethod
     def _layer(block, kind: str) -> dict:
@@ -281,21 +298,42 @@ class LeanLlama(torch.nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: BranchKV) -> torch.Tensor:
-        if self._step is not None and input_ids.numel() == 1 and cache.rows == 1:
-            return self._step(input_ids, cache)
-        return self._forward(input_ids, cache)
+        if self._step is None or input_ids.numel() != 1 or cache.rows != 1:
+            return self._forward(input_ids, cache)
+        # the compiled graph guards on the torch thread count and on the input's dispatch keys: it runs on the threads
+        # it was compiled for, and the ids are cloned here into an inference tensor, as at the warm-up; else each
+        # would compile the graph again in the middle of a run (27 s and 4 s, docs/RESULTS.md §0w)
+        threads = torch.get_num_threads()
+        if threads != STEP_THREADS:
+            torch.set_num_threads(STEP_THREADS)
+        try:
+            return self._forward(input_ids.clone(), cache, self._step)
+        finally:
+            if threads != STEP_THREADS:
+                torch.set_num_threads(threads)
 
-    def _forward(self, input_ids: torch.Tensor, cache: BranchKV) -> torch.Tensor:
+    def _forward(self, input_ids: torch.Tensor, cache: BranchKV, decode=None) -> torch.Tensor:
+        """The step's bookkeeping (positions, room in the cache, the rotary rows, the mask), then its decoder layers
+        (`decode`: the compiled _decode, else _decode itself). The rotary table stays out of the compiled graph: its
+        length equalled the cache buffers' at the warm-up, so the graph assumed they stay equal (duck sizing) and a
+        new cache after a regrown table compiled it again (27 s, docs/RESULTS.md §0w)."""
         b, t = input_ids.shape  # b: the cache's branches
         if cache.rows != b:
             raise ValueError(f"the cache holds {cache.rows} rows, fed {b}")
-        hq, hkv, d = self.heads, self.kv_heads, self.head_dim
-        rep, n = hq // hkv, t * b  # the step runs as one row of n tokens, depth-major (BranchKV)
         positions = cache.positions(t)  # [n]
         cache.reserve(t)
         cos, sin = self._rope_table(cache.get_seq_length() + t)  # the last new token's position + 1
-        cos, sin = cos[positions], sin[positions]  # [n, D]
-        mask = cache.mask(t, rep)
+        out = (decode or self._decode)(input_ids, cache, cos[positions], sin[positions],
+                                       cache.mask(t, self.heads // self.kv_heads))
+        cache.advance(t)
+        return out
+
+    def _decode(self, input_ids: torch.Tensor, cache: BranchKV, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        """input_ids [b, t]; cos, sin [n, D] at the new tokens' positions; mask (BranchKV.mask) -> [b, t, H]."""
+        b, t = input_ids.shape
+        hq, hkv, d = self.heads, self.kv_heads, self.head_dim
+        rep, n = hq // hkv, t * b  # the step runs as one row of n tokens, depth-major (BranchKV)
         x = self.embed(input_ids).transpose(0, 1).reshape(1, n, self.hidden)  # [1, n, H]
         for i, layer in enumerate(self.layers):
             h = F.rms_norm(x, (self.hidden,), layer["attn_norm"], self.eps)
@@ -310,5 +348,4 @@ class LeanLlama(torch.nn.Module):
             h = F.rms_norm(x, (self.hidden,), layer["mlp_norm"], self.eps)
             gate, up = layer["gate_up"](h).chunk(2, -1)
             x = x + layer["down"](F.silu(gate) * up)
-        cache.advance(t)
         return F.rms_norm(x, (self.hidden,), self.norm, self.eps).view(t, b, self.hidden).transpose(0, 1)  # [b, t, H]
