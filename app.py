@@ -34,12 +34,14 @@ def main() -> None:
                         help="how the draft's matmuls read its weights: bfloat16, int4 or float32 (auto: int4 for "
                              "--draft self or self-skip:... on a CPU, bfloat16 for other drafts where the CPU runs it "
                              "natively); output stays exact")
-    parser.add_argument("--draft-forward", default=os.environ.get("SPECBRANCH_DRAFT_FORWARD", "lean"),
+    parser.add_argument("--draft-forward", default=os.environ.get("SPECBRANCH_DRAFT_FORWARD", "lean-compiled"),
                         choices=DRAFT_FORWARDS,
                         help="lean: a Llama draft on the CPU runs engine/lean.py (fused matmuls, a KV cache that "
-                             "rolls back by a pointer); lean-compiled: that, with its one-token steps through "
-                             "torch.compile (compiled when the draft loads, ~40 s the first time); transformers: the "
-                             "model's own forward")
+                             "rolls back by a pointer); lean-compiled (the default): that, with its one-token steps "
+                             "through torch.compile, compiled by a second process of the draft's once it has loaded "
+                             "(about a minute the first time; runs meanwhile draft with the eager step and say so; a "
+                             "draft on a thread of this process compiles when it loads); transformers: the model's "
+                             "own forward")
     parser.add_argument("--draft-worker", default=os.environ.get("SPECBRANCH_DRAFT_WORKER", "process"),
                         choices=DRAFT_WORKERS,
                         help="process: a draft on the CPU runs its forwards in a child process of its own, so the two "
@@ -76,15 +78,15 @@ def main() -> None:
                 if engines:
                     pair = with_draft(next(iter(engines.values())).pair.target, draft,
                                       draft_matmul=args.draft_matmul, draft_forward=args.draft_forward,
-                                      draft_worker=args.draft_worker)
+                                      draft_worker=args.draft_worker, compile_later=True)
                 else:
                     pair = load_pair(args.target, draft, device=args.device, draft_matmul=args.draft_matmul,
                                      draft_forward=args.draft_forward, target_forward=args.target_forward,
-                                     draft_worker=args.draft_worker)
+                                     draft_worker=args.draft_worker, compile_later=True)
                 if pair.draft_worker_why:
                     print(f"the draft {draft!r} runs in this process: {pair.draft_worker_why}")
-                if pair.draft is not None and pair.draft.compile_why:
-                    print(f"the draft {draft!r} steps eager, not compiled: {pair.draft.compile_why}")
+                if hasattr(pair.draft, "start_compile"):  # lean-compiled: by a second draft process, or here
+                    pair.draft.start_compile(print)
                 engines[draft] = Engine(pair)
             return engines[draft]
 

@@ -23,6 +23,9 @@ any other request undoes the step first. An answer is the same logits either way
 At start the child's logits are checked bit for bit against the local draft's (RemoteLM.agrees); where the child
 cannot load or disagrees, the draft stays in this process (in_process says why). Output is exact either way: q is
 what the pass that drafted the token computed.
+A lean-compiled draft asked to compile later (the app) is compiled by a second child, which loads the draft and
+compiles its step while the first serves eager; the first run to start once it is ready takes it
+(RemoteLM.start_compile).
 Only a CPU draft with a recipe runs here: a draft head reads the target's features, and on a GPU the workers'
 streams overlap the models (engine/runtime.py).
 """
@@ -37,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Client, Listener
@@ -48,6 +52,7 @@ from .cache import cropped_length
 from .config import SpecBranchError
 
 START_TIMEOUT_S = 300  # loading the models in the child (a dequantized GGUF loads in seconds; a hub id may download)
+COMPILE_TIMEOUT_S = 900  # loading them and compiling the draft's step (73 s cold for the self-draft beside runs, §0w)
 
 
 def serve(conn) -> None:
@@ -100,6 +105,8 @@ def serve(conn) -> None:
                 caches[cid].batch_repeat_interleave(arg)
             elif op == "select":
                 caches[cid].batch_select_indices(torch.tensor(arg))
+            elif op == "compile_status":
+                conn.send(("status", *lm.compile_status()))
         except Exception as exc:  # noqa: BLE001
             failed = failed or f"{type(exc).__name__}: {exc}"
         if op == "forward":
@@ -198,8 +205,9 @@ def _start(recipe: dict):
 class RemoteLM:
     """The draft `local`, with its forwards run by a child process that loaded it by `recipe`."""
 
-    def __init__(self, local, recipe: dict):
+    def __init__(self, local, recipe: dict, timeout: float = START_TIMEOUT_S):
         self.local, self.recipe = local, recipe
+        self._twin, self._twin_why, self._twin_thread, self._closed = None, "", None, False  # start_compile's
         self._conn, self._process = _start(recipe)
         self._send_lock = threading.Lock()  # a message goes out whole, whichever thread sends it
         self._call_lock = threading.Lock()  # one forward in flight: its answer is the next one on the connection
@@ -207,9 +215,9 @@ class RemoteLM:
         self._freed: list[int] = []  # caches collected here, freed there with the next message
         self.steps_taken_ahead = 0  # forwards answered from a step the child had taken ahead (step_ahead)
         self._stop = weakref.finalize(self, _stop, self._conn, self._process)
-        if not self._conn.poll(START_TIMEOUT_S):
+        if not self._conn.poll(timeout):
             self.close()
-            raise SpecBranchError(f"the draft's process did not load the draft within {START_TIMEOUT_S} s")
+            raise SpecBranchError(f"the draft's process did not load the draft within {timeout:.0f} s")
         status, why = self._receive()
         if status != "ready":
             self.close()
@@ -268,9 +276,67 @@ class RemoteLM:
         cache.length += input_ids.shape[1]
         return logits
 
-    def agrees(self, tokens: int = 24, seed: int = 0) -> bool:
-        """Whether the child's draft gives the local draft's logits bit for bit: a prefill, a step, a rollback and a
-        step on two rows (a fork), on random tokens."""
+    def start_compile(self, on_done=None) -> None:
+        """lean-compiled, asked for later (models.LM.start_compile): a new child loads the draft and compiles its step
+        at load, in a process of its own, while this one's child serves with the eager step. On a thread of a serving
+        process the compile would hold the interpreter that the draft's steps need: runs beside it ran at 0.25x `ar`
+        (docs/RESULTS.md §0w); in a process of its own it only shares the cores. The first run to start once it is
+        ready takes it (take_compiled). on_done(message) says how it ended."""
+        if self._twin_thread is None and self.compile_status()[0] == "waiting":
+            self._twin_thread = threading.Thread(target=self._compile_twin, args=(on_done,), daemon=True,
+                                                 name="draft-compile")
+            self._twin_thread.start()
+
+    def _compile_twin(self, on_done) -> None:
+        start, twin, why = time.perf_counter(), None, ""
+        try:
+            twin = RemoteLM(self.local, {**self.recipe, "compile_later": False}, COMPILE_TIMEOUT_S)
+            state, why = twin.compile_status()
+            if state != "compiled":
+                why = why or f"the compile ended {state}"
+            elif not twin.agrees(exact=False):
+                why = "the compiled draft's process computed logits far from this one's"
+        except SpecBranchError as exc:
+            why = str(exc)
+        if why or self._closed:
+            if twin is not None:
+                twin.close()
+            self._twin_why = why or "the draft was closed"
+        else:
+            self._twin = twin
+        if on_done is not None:
+            on_done(f"the draft {self.local.name!r}: steps stay eager, not compiled: {why}" if why else
+                    f"the draft {self.local.name!r}: one-token steps compiled in a process of its own "
+                    f"({time.perf_counter() - start:.0f} s with loading); the next run takes it")
+
+    def take_compiled(self) -> "RemoteLM":
+        """The compiled twin once it is ready (this one closed), else this one: call it between runs only, when no
+        cache of this child is in use (Engine: as a run starts, under the engine's lock)."""
+        twin, self._twin = self._twin, None
+        if twin is None:
+            return self
+        self.close()
+        return twin
+
+    def compile_status(self) -> tuple[str, str]:
+        """(state, why) as models.LM.compile_status has it, of the draft that runs the steps: "compiling" while a
+        compiled twin is on its way (start_compile), else the child's own."""
+        if self._twin is not None:
+            return "compiled", ""
+        if self._twin_why:
+            return "eager", self._twin_why
+        if self._twin_thread is not None:
+            return "compiling", ""
+        with self._call_lock:
+            self.send("compile_status", 0)
+            _, state, why = self._receive()
+        return state, why
+
+    def agrees(self, tokens: int = 24, seed: int = 0, exact: bool = True) -> bool:
+        """Whether the child's draft gives the local draft's logits bit for bit (exact), or else the same model's: each
+        row's distributions within 0.1 in total variation (a compiled step rounds otherwise than the eager one: 0.014
+        on the self-draft's step, against 0.53 for the layer-skipping draft; docs/RESULTS.md §0w). A prefill, a step,
+        a rollback and a step on two rows (a fork), on random tokens."""
         g = torch.Generator().manual_seed(seed)
         ids = torch.randint(0, min(self.local.vocab_size, 1000), (1, tokens), generator=g)
         fork = torch.randint(0, min(self.local.vocab_size, 1000), (2, 1), generator=g)
@@ -282,10 +348,19 @@ class RemoteLM:
             cache.batch_repeat_interleave(2)
             out.append(lm.forward(fork, cache)[:, -1])
             outputs.append(out)
-        return all(torch.equal(a, b) for a, b in zip(*outputs))
+        same = torch.equal if exact else close_distributions
+        return all(same(a, b) for a, b in zip(*outputs))
 
     def close(self) -> None:
+        self._closed = True
+        if self._twin is not None:
+            self._twin.close()
         self._stop()
+
+
+def close_distributions(a: torch.Tensor, b: torch.Tensor, tv: float = 0.1) -> bool:
+    """Whether logits a and b [B, V] give distributions within `tv` in total variation, row by row."""
+    return bool((0.5 * (a.softmax(-1) - b.softmax(-1)).abs().sum(-1) <= tv).all())
 
 
 def step_fn(lm, ahead: int):

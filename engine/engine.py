@@ -120,6 +120,9 @@ class Engine:
         # like each worker's. A caller that never set its count keeps an OpenMP team as wide as the machine, and on 2
         # cores that team takes a core from the workers (docs/RESULTS.md §0n: PEARL 16 % slower)
         torch.set_num_threads(1)
+        take = getattr(self.pair.draft, "take_compiled", None)  # a draft compiled in a process of its own, if ready
+        if take is not None:
+            self.pair.draft = take()
         state = RunState(self.pair, cfg, self.target_worker, self.draft_worker, list(prompt_ids),
                          len(prompt_ids), self.pair.eos_ids)
         events: list[Event] = [RunStarted(cfg.method, self.pair.target.name,
@@ -129,6 +132,10 @@ class Engine:
         state.hrad_samples = collect_hrad
         if cfg.method == "specbranch" and cfg.hrad and self.hrad is None:
             notice = Notice("warning", f"H-RAD off ({self.hrad_notice}): branching by draft confidence only")
+            events.append(notice)
+            yield notice
+        notice = compile_notice(self.pair.draft) if cfg.method not in ("ar", "hf-assisted") else None
+        if notice:
             events.append(notice)
             yield notice
         if state.budget < cfg.max_new_tokens:
@@ -254,6 +261,16 @@ class Engine:
         self.draft_worker.shutdown()
         if hasattr(self.pair.draft, "close"):  # a draft in its own process (engine/draft_process.py)
             self.pair.draft.close()
+
+
+def compile_notice(draft) -> Notice | None:
+    """While a draft's step is still to be compiled, or compiles in a process of its own (the app's --draft-forward
+    lean-compiled), a run drafts with the eager step: the same output, slower drafting. Say so."""
+    status = getattr(draft, "compile_status", None)
+    if status is None or status()[0] not in ("waiting", "compiling"):
+        return None
+    return Notice("info", "the draft's one-token step is still compiling in the background: this run drafts with "
+                          "the eager step (the same output, slower drafting)")
 
 
 def slow_draft_notice(events: list[Event]) -> Notice | None:

@@ -191,13 +191,15 @@ class LM:
     matmul: str = "float32"  # how a draft's matmuls read its weights (draft_matmul_kind); never the target's
     lean: bool = False  # a draft's decoder runs engine/lean.py's path (lean_fits); the target never does
     compiled: bool = False  # and its one-token steps through torch.compile (--draft-forward lean-compiled)
+    compile_later: bool = False  # compiled when start_compile() is called (the app), not at load
     static: bool = False  # the target's decoder runs engine/static_forward.py's path (static_target): same bits
     layouts: bool = True  # False: no fast layouts, only the weights (a draft's child process never runs its target)
 
     def __post_init__(self):
         if self.layouts:
             fast_linears(self.model, self.matmul)  # a decode step's one row and a verify pass's few rows, each fast
-        self._lean = LeanLlama(self.model, self.matmul, self.compiled) if self.lean else None
+        self._lean = LeanLlama(self.model, self.matmul, self.compiled and not self.compile_later) \
+            if self.lean else None
         head = self.model.get_output_embeddings()
         self._head = None
         if self.head_ids is not None:  # the rows of the (shared, frozen) head that the draft computes
@@ -218,6 +220,31 @@ class LM:
     def compile_why(self) -> str:
         """Why a draft asked to compile its steps runs them eager ("" when it compiled, or was not asked)."""
         return self._lean.compile_why if self._lean is not None else ""
+
+    def compile_status(self) -> tuple[str, str]:
+        """(state, why) of the draft's compiled step: "off" (not asked, or no lean path), "waiting" (asked for later:
+        start_compile), "compiled", or "eager" (compiling failed; why says why)."""
+        if not (self.compiled and self._lean is not None):
+            return "off", ""
+        state = self._lean.compile_state
+        return ("waiting" if state == "off" else state), self._lean.compile_why
+
+    def start_compile(self, on_done=None) -> None:
+        """Compile the draft's one-token step now, where it was asked for later (compile_later); on_done(message)
+        then says how it ended. A draft in its own process compiles in a new one instead (draft_process.RemoteLM).
+        Not on a thread of this process: tracing holds the interpreter, and the engine's own steps would wait on it
+        (docs/RESULTS.md §0w)."""
+        if self.compile_status()[0] == "waiting":
+            self._lean.compile_step()
+            if on_done is not None:
+                on_done(self.compile_message())
+
+    def compile_message(self) -> str:
+        """A line for the console on how the compile ended."""
+        state, why = self.compile_status()
+        if state == "compiled":
+            return f"the draft {self.name!r}: one-token steps compiled ({self._lean.compile_s:.0f} s)"
+        return f"the draft {self.name!r}: steps stay eager, not compiled: {why}"
 
     @property
     def context_length(self) -> int:
@@ -365,7 +392,7 @@ def is_self_draft(spec: str | None) -> bool:
 def load_pair(target: str = "embedded", draft: str | None = "embedded", device: str | None = None,
               draft_device: str | None = None, dtype: str | None = None, trust_remote_code: bool = False,
               draft_matmul: str = "auto", draft_forward: str = "lean", target_forward: str = "static",
-              draft_worker: str = "thread", target_layouts: bool = True) -> ModelPair:
+              draft_worker: str = "thread", target_layouts: bool = True, compile_later: bool = False) -> ModelPair:
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     target_model, target_tok = load_model(target, dev, dt, trust_remote_code)
@@ -376,17 +403,19 @@ def load_pair(target: str = "embedded", draft: str | None = "embedded", device: 
         return ModelPair(lm, None)
     ddev = pick_device(draft_device) if draft_device else dev
     return with_draft(lm, draft, ddev, pick_dtype(dtype, ddev), trust_remote_code, draft_matmul, draft_forward,
-                      same_device=ddev == dev, draft_worker=draft_worker)
+                      same_device=ddev == dev, draft_worker=draft_worker, compile_later=compile_later)
 
 
 def with_draft(target: "LM", draft: str, device: torch.device | None = None, dtype: torch.dtype | None = None,
                trust_remote_code: bool = False, draft_matmul: str = "auto", draft_forward: str = "lean",
-               same_device: bool = True, draft_worker: str = "thread") -> ModelPair:
+               same_device: bool = True, draft_worker: str = "thread", compile_later: bool = False) -> ModelPair:
     """An already-loaded target paired with the draft `draft` (a spec, loaded here, on `device` in `dtype`: the
     target's unless given): the second half of load_pair, and how the bench and the app put several drafts on one
     loaded target. same_device: whether the draft sits where the target does (a draft head must). draft_worker
     "process": the draft's forwards run in a child process that loads it by the same recipe, where it fits
-    (engine/draft_process.py); the pair's draft_worker says where they run."""
+    (engine/draft_process.py); the pair's draft_worker says where they run. compile_later: a lean-compiled draft
+    compiles its step when pair.draft.start_compile() is called, not at load: in this process at that call, or, for a
+    draft in its own process, in a second one while the first serves (draft_process.RemoteLM.start_compile)."""
     if draft_worker not in DRAFT_WORKERS:
         raise SpecBranchError(f"unknown draft worker {draft_worker!r}; choose one of {', '.join(DRAFT_WORKERS)}")
     device = device if device is not None else target.device
@@ -397,12 +426,13 @@ def with_draft(target: "LM", draft: str, device: torch.device | None = None, dty
     if isinstance(draft_model, FeatureHead) and not same_device:
         raise SpecBranchError("a draft head reads the target's features: it must sit on the target's device")
     kind = draft_matmul_kind(draft_matmul, device, dtype, is_self_draft(draft))
-    pair = pair_of(target, draft, draft_model, draft_tok, head_ids, kind, draft_forward)
+    pair = pair_of(target, draft, draft_model, draft_tok, head_ids, kind, draft_forward, compile_later)
     if draft_worker == "thread":
         return pair
     recipe = dict(target=target.name, draft=draft, device=str(device), dtype=DTYPE_NAMES.get(dtype),
                   trust_remote_code=trust_remote_code, draft_matmul=kind, draft_forward=draft_forward,
-                  target_forward="transformers", target_layouts=False)  # the child needs the target's weights only
+                  target_forward="transformers", target_layouts=False,  # the child needs the target's weights only
+                  compile_later=compile_later)
     return ModelPair(pair.target, *in_process(pair.draft, recipe))
 
 
@@ -430,11 +460,12 @@ def lean_draft(draft_model, target_model, forward: str) -> bool:
 
 
 def pair_of(target: LM, draft_name: str, draft_model, draft_tok, head_ids, matmul: str = "float32",
-            forward: str = "lean") -> ModelPair:
+            forward: str = "lean", compile_later: bool = False) -> ModelPair:
     """Wrap a loaded draft for the decoders: a head reads the target's features; an LM's logits are sliced
     to the vocabulary both models share. matmul: how the draft's matmuls read its weights (draft_matmul_kind);
     the target as its own draft then gets modules of its own over the same weights (drafts.twin_of). forward:
-    "lean" runs the draft's decoder through engine/lean.py where it fits (lean_draft)."""
+    "lean" runs the draft's decoder through engine/lean.py where it fits (lean_draft); "lean-compiled" compiles its
+    step too, at load or (compile_later) when LM.start_compile is called."""
     if isinstance(draft_model, FeatureHead):
         if target._head is None:  # its features would not be what its logits are computed from
             raise SpecBranchError(f"a draft head needs a target whose logits are its LM head applied to its last "
@@ -448,4 +479,4 @@ def pair_of(target: LM, draft_name: str, draft_model, draft_tok, head_ids, matmu
         target = LM(target.name, target.model, target.tokenizer, common, static=target.static)
     lean = lean_draft(draft_model, target.model, forward)
     return ModelPair(target, LM(draft_name, draft_model, draft_tok, common, head_ids, matmul, lean,
-                                compiled=lean and forward == "lean-compiled"))
+                                compiled=lean and forward == "lean-compiled", compile_later=compile_later))

@@ -2,11 +2,16 @@
 prefill, single steps, rollback, forks and a cache that outgrows its buffers; refusals where it does not fit."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine.config import SpecBranchError
+from engine.config import GenerationConfig, SpecBranchError
+from engine.draft_process import close_distributions
+from engine.engine import Engine
+from engine.events import Notice
 from engine.lean import KVBuffer, LeanLlama, fits
 from engine.lm_head import fast_linears, int4_supported
 from engine.models import LM, lean_draft
@@ -166,8 +171,7 @@ def test_compiled_steps_follow_the_eager_ones_and_decode_exactly(tiny_dirs):
     compiled when the draft loads (this machine has the C++ compiler inductor needs, so it must compile: compile_why
     is empty; a bfloat16 draft says why it stays eager, without trying). Its states equal the eager step's to float
     rounding through steps, a rollback, a cache that outgrows its buffers and a fork (whose k-row steps stay eager);
-    greedy SD, PEARL and SpecBranch still give the target's output, also with the draft in its own process (whose
-    bits, compiled there too, are checked against this one's at start)."""
+    greedy SD, PEARL and SpecBranch still give the target's output."""
     from engine.models import load_pair
 
     from .test_lm_head import assert_speculation_equals_ar
@@ -198,10 +202,51 @@ def test_compiled_steps_follow_the_eager_ones_and_decode_exactly(tiny_dirs):
     got, want = (lean(ids[:, 21:22], cache) for lean, cache in caches.items())
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert_speculation_equals_ar(pair)
+
+
+
+@pytest.mark.skipif(not int4_supported(), reason="this torch has no CPU int4 kernel")
+def test_a_draft_in_its_process_compiles_in_another_and_decodes_exactly_meanwhile(tiny_dirs):
+    """The app's way (compile_later): the draft loads eager, in its own process. Asked to compile, a new process loads
+    it and compiles its step while the first one serves; the first run to start once it is ready takes it, and the
+    first process ends. A run before then says that it drafts with the eager step; greedy SD, PEARL and SpecBranch
+    give the target's output before, while and after; once compiled, no notice. In this process the draft compiles
+    when asked, at once."""
+    from engine.models import load_pair
+
     pair = load_pair(str(tiny_dirs["target"]), str(tiny_dirs["draft"]), device="cpu", draft_matmul="int4",
-                     draft_forward="lean-compiled", draft_worker="process")
+                     draft_forward="lean-compiled", draft_worker="process", compile_later=True)
+    engine, prompt, messages = Engine(pair), [2, 3, 4, 5], []
+
+    def compile_notices() -> list[str]:
+        """Notices of runs of each method, each checked against AR's tokens."""
+        want, out = engine.run(prompt, GenerationConfig(method="ar", max_new_tokens=40)).token_ids, []
+        for method in ("sd", "pearl", "specbranch"):
+            result = engine.run(prompt, GenerationConfig(method=method, max_new_tokens=40, gamma=3))
+            assert result.token_ids == want, method
+            out += [e.message for e in result.events if isinstance(e, Notice) and "compiling" in e.message]
+        return out
     try:
+        first = pair.draft
         assert pair.draft_worker == "process", pair.draft_worker_why
-        assert_speculation_equals_ar(pair)
+        assert first.compile_status() == ("waiting", "") and first.local.compile_status()[0] == "waiting"
+        assert len(compile_notices()) == 3
+        first.start_compile(messages.append)
+        assert first.compile_status()[0] in ("compiling", "compiled")
+        compile_notices()  # while it compiles, most likely
+        first._twin_thread.join(300)
+        assert first.compile_status() == ("compiled", ""), messages
+        assert compile_notices() == [] and engine.pair.draft is not first and first._process.poll() is not None
+        assert engine.pair.draft.compile_status() == ("compiled", "") and "compiled in a process" in messages[0]
+        assert first.local.compile_status()[0] == "waiting"  # this process never compiled it
+        ids = torch.tensor([prompt])  # the twin's probe: the same model within rounding, another model refused
+        mine, other = (lm.forward(ids, lm.new_cache())[:, -1] for lm in (first.local, pair.target))
+        assert close_distributions(mine, mine + 0.01 * torch.randn_like(mine))
+        assert not close_distributions(mine, other), (mine.softmax(-1) - other.softmax(-1)).abs().sum() / 2
+        local = load_pair(str(tiny_dirs["target"]), str(tiny_dirs["draft"]), device="cpu", draft_matmul="int4",
+                          draft_forward="lean-compiled", compile_later=True).draft
+        assert local.compile_status() == ("waiting", "")
+        local.start_compile(messages.append)
+        assert local.compile_status() == ("compiled", "") and "one-token steps compiled" in messages[1]
     finally:
-        pair.draft.close()
+        engine.close()
