@@ -628,3 +628,11 @@ done
 for v in lean lean-compiled; do
   $PY -m engine bench $APP --temperature 1 --draft-forward $v --json docs/compiled-split-$v-t1-1.json
 done
+
+# 33. The app compiles its draft's step in a second process (docs/RESULTS.md §0w): the app's path on the tuning
+#     prompts, before, while and after, with a fresh inductor cache (cold); then §32's bench once more after the
+#     recompile fixes, compiled then eager
+PYTHONPATH=. $PY docs/background_compile.py --json docs/background-compile-cold.json
+for v in lean-compiled-0 lean-0; do
+  $PY -m engine bench $SELFT --draft-forward ${v%-*} --json docs/compiled-fixed-self-$v.json
+done
