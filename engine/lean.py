@@ -77,11 +77,13 @@ class KVBuffer:
         return self.length
 
     def reserve(self, n: int) -> None:
-        """Room for n more positions (grows by doubling, keeping what is held)."""
+        """Room for n more positions and one spare (grows by doubling, keeping what is held). The spare keeps a write
+        from ever filling the buffer: a compiled step specialises on K and V being a part of it, not all of it, and
+        would compile again midway (docs/RESULTS.md §0w)."""
         need = self.length + n
-        if need <= self.capacity:
+        if need < self.capacity:
             return
-        size = max(need, 2 * self.capacity)
+        size = max(need + 1, 2 * self.capacity)
         # plain tensors even inside a forward: a compiled step (LeanLlama(compiled=True)) writes into the buffers,
         # which inductor cannot do to an inference tensor; writing into a plain one in inference mode is allowed
         with torch.inference_mode(False):
@@ -300,14 +302,14 @@ class LeanLlama(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, cache: BranchKV) -> torch.Tensor:
         if self._step is None or input_ids.numel() != 1 or cache.rows != 1:
             return self._forward(input_ids, cache)
-        # the compiled graph guards on the torch thread count and on the input's dispatch keys: it runs on the threads
-        # it was compiled for, and the ids are cloned here into an inference tensor, as at the warm-up; else each
-        # would compile the graph again in the middle of a run (27 s and 4 s, docs/RESULTS.md §0w)
+        # the compiled graph guards on the torch thread count and on the ids' dispatch keys and strides: it runs on
+        # the threads it was compiled for, and the ids are cloned here into a fresh inference tensor, as at the
+        # warm-up; else each would compile the graph again in the middle of a run (27 s, 4 s, docs/RESULTS.md §0w)
         threads = torch.get_num_threads()
         if threads != STEP_THREADS:
             torch.set_num_threads(STEP_THREADS)
         try:
-            return self._forward(input_ids.clone(), cache, self._step)
+            return self._forward(input_ids.clone(memory_format=torch.contiguous_format), cache, self._step)
         finally:
             if threads != STEP_THREADS:
                 torch.set_num_threads(threads)

@@ -170,8 +170,8 @@ def test_compiled_steps_follow_the_eager_ones_and_decode_exactly(tiny_dirs):
     """--draft-forward lean-compiled: a one-token step on one branch of a 4-bit draft runs through torch.compile,
     compiled when the draft loads (this machine has the C++ compiler inductor needs, so it must compile: compile_why
     is empty; a bfloat16 draft says why it stays eager, without trying). Its states equal the eager step's to float
-    rounding through steps, a rollback, a cache that outgrows its buffers and a fork (whose k-row steps stay eager);
-    greedy SD, PEARL and SpecBranch still give the target's output."""
+    rounding through steps (on one thread or two, never compiled again), a rollback, a cache that outgrows its buffers
+    and a fork (whose k-row steps stay eager); greedy SD, PEARL and SpecBranch still give the target's output."""
     from engine.models import load_pair
 
     from .test_lm_head import assert_speculation_equals_ar
@@ -186,14 +186,22 @@ def test_compiled_steps_follow_the_eager_ones_and_decode_exactly(tiny_dirs):
     caches = {lean: lean.new_cache(capacity=8) for lean in (compiled, eager)}  # 8 -> 16 -> 32: grows mid-steps
     for lean, cache in caches.items():
         lean(ids[:, :4], cache)
-    for i in range(4, 20):
-        got, want = (lean(ids[:, i:i + 1], cache) for lean, cache in caches.items())
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        if i == 12:  # roll back 3 and feed them again
-            for cache in caches.values():
-                cache.crop(-3)
-            for lean, cache in caches.items():
-                lean(ids[:, 10:13], cache)
+    # no compile mid-run: each of these failed a guard of the compiled graph before (docs/RESULTS.md §0w): ids made
+    # outside inference mode, buffers of another length than the warm-up's, a step asked for on two threads
+    threads, no_recompile = torch.get_num_threads(), torch._dynamo.config.patch(error_on_recompile=True)
+    try:
+        with no_recompile:
+            for i in range(4, 20):
+                torch.set_num_threads(1 + i % 2)
+                got, want = (lean(ids[:, i:i + 1], cache) for lean, cache in caches.items())
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+                if i == 12:  # roll back 3 and feed them again
+                    for cache in caches.values():
+                        cache.crop(-3)
+                    for lean, cache in caches.items():
+                        lean(ids[:, 10:13], cache)
+    finally:
+        torch.set_num_threads(threads)
     assert caches[compiled].capacity >= 20 and caches[compiled].get_seq_length() == 20
     for lean, cache in caches.items():  # a fork's 2-row step (eager on both), then one branch on its own again
         cache.batch_repeat_interleave(2)
@@ -202,7 +210,6 @@ def test_compiled_steps_follow_the_eager_ones_and_decode_exactly(tiny_dirs):
     got, want = (lean(ids[:, 21:22], cache) for lean, cache in caches.items())
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert_speculation_equals_ar(pair)
-
 
 
 @pytest.mark.skipif(not int4_supported(), reason="this torch has no CPU int4 kernel")
