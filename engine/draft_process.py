@@ -208,6 +208,7 @@ class RemoteLM:
     def __init__(self, local, recipe: dict, timeout: float = START_TIMEOUT_S):
         self.local, self.recipe = local, recipe
         self._twin, self._twin_why, self._twin_thread, self._closed = None, "", None, False  # start_compile's
+        self._child_status: tuple[str, str] | None = None  # the child's own compile_status, once asked
         self._conn, self._process = _start(recipe)
         self._send_lock = threading.Lock()  # a message goes out whole, whichever thread sends it
         self._call_lock = threading.Lock()  # one forward in flight: its answer is the next one on the connection
@@ -327,10 +328,11 @@ class RemoteLM:
             return "eager", self._twin_why
         if self._twin_thread is not None:
             return "compiling", ""
-        with self._call_lock:
-            self.send("compile_status", 0)
-            _, state, why = self._receive()
-        return state, why
+        if self._child_status is None:  # asked once: a child compiles at load or never
+            with self._call_lock:
+                self.send("compile_status", 0)
+                self._child_status = self._receive()[1:]
+        return self._child_status
 
     def agrees(self, tokens: int = 24, seed: int = 0, exact: bool = True) -> bool:
         """Whether the child's draft gives the local draft's logits bit for bit (exact), or else the same model's: each
