@@ -283,7 +283,14 @@ class RemoteLM:
         process the compile would hold the interpreter that the draft's steps need: runs beside it ran at 0.25x `ar`
         (docs/RESULTS.md §0w); in a process of its own it only shares the cores. The first run to start once it is
         ready takes it (take_compiled). on_done(message) says how it ended."""
-        if self._twin_thread is None and self.compile_status()[0] == "waiting":
+        if self._twin_thread is not None or self.compile_status()[0] != "waiting":
+            return
+        if self.local.matmul == "bfloat16":  # refused at once (lean.LeanLlama.compile_step): no process to start
+            self.local.start_compile()
+            self._twin_why = self.local.compile_why
+            if on_done is not None:
+                on_done(self.local.compile_message())
+        else:
             self._twin_thread = threading.Thread(target=self._compile_twin, args=(on_done,), daemon=True,
                                                  name="draft-compile")
             self._twin_thread.start()

@@ -13,7 +13,7 @@ from engine.draft_process import close_distributions
 from engine.engine import Engine
 from engine.events import Notice
 from engine.lean import KVBuffer, LeanLlama, fits
-from engine.lm_head import fast_linears, int4_supported
+from engine.lm_head import bf16_supported, fast_linears, int4_supported
 from engine.models import LM, lean_draft
 
 
@@ -255,5 +255,28 @@ def test_a_draft_in_its_process_compiles_in_another_and_decodes_exactly_meanwhil
         assert local.compile_status() == ("waiting", "")
         local.start_compile(messages.append)
         assert local.compile_status() == ("compiled", "") and "one-token steps compiled" in messages[1]
+    finally:
+        engine.close()
+
+
+@pytest.mark.skipif(not bf16_supported(), reason="this CPU runs no bfloat16 matmul natively")
+def test_a_bfloat16_draft_in_its_process_is_refused_at_once_without_a_second_process(tiny_dirs):
+    """inductor cannot lower a bfloat16 draft's packed matmuls: asked to compile later, the draft says so at once and
+    starts no second process; its runs carry no notice (nothing is on its way) and give the target's output."""
+    from engine.models import load_pair
+
+    pair = load_pair(str(tiny_dirs["target"]), str(tiny_dirs["draft"]), device="cpu", draft_matmul="bfloat16",
+                     draft_forward="lean-compiled", draft_worker="process", compile_later=True)
+    engine, messages = Engine(pair), []
+    try:
+        assert pair.draft_worker == "process", pair.draft_worker_why
+        pair.draft.start_compile(messages.append)
+        state, why = pair.draft.compile_status()
+        assert state == "eager" and "do not compile" in why and pair.draft._twin_thread is None
+        assert "stay eager" in messages[0]
+        want = engine.run([2, 3, 4, 5], GenerationConfig(method="ar", max_new_tokens=24)).token_ids
+        result = engine.run([2, 3, 4, 5], GenerationConfig(method="specbranch", max_new_tokens=24, gamma=3))
+        assert result.token_ids == want
+        assert not [e for e in result.events if isinstance(e, Notice) and "compiling" in e.message]
     finally:
         engine.close()
