@@ -313,9 +313,10 @@ class RemoteLM:
         else:
             self._twin = twin
         if on_done is not None:
-            on_done(f"the draft {self.local.name!r}: steps stay eager, not compiled: {why}" if why else
-                    f"the draft {self.local.name!r}: one-token steps compiled in a process of its own "
-                    f"({time.perf_counter() - start:.0f} s with loading); the next run takes it")
+            from .models import compile_report
+
+            on_done(compile_report(self.local.name, why, f"one-token steps compiled in a process of its own "
+                                   f"({time.perf_counter() - start:.0f} s with loading); the next run takes it"))
 
     def take_compiled(self) -> "RemoteLM":
         """The compiled twin once it is ready (this one closed), else this one: call it between runs only, when no

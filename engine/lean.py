@@ -32,8 +32,9 @@ from .cache import cropped_length
 from .lm_head import draft_matmul
 
 CAPACITY = 256  # positions a new cache holds before it grows (doubling: amortised, and rare in a chat)
-STEP_THREADS = 1  # the torch threads a compiled step runs on, the workers' count (a solo step too: 12 ms on 1 against
-# 17 ms eager on 2, docs/RESULTS.md §0w)
+# the torch threads a compiled step runs on: the workers' count, a solo step's too (12 ms on 1 against 17 ms eager on
+# 2, docs/RESULTS.md §0w)
+STEP_THREADS = 1
 
 
 def fits(model) -> str | None:

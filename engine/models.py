@@ -242,9 +242,8 @@ class LM:
     def compile_message(self) -> str:
         """A line for the console on how the compile ended."""
         state, why = self.compile_status()
-        if state == "compiled":
-            return f"the draft {self.name!r}: one-token steps compiled ({self._lean.compile_s:.0f} s)"
-        return f"the draft {self.name!r}: steps stay eager, not compiled: {why}"
+        done = f"one-token steps compiled ({self._lean.compile_s:.0f} s)" if state == "compiled" else ""
+        return compile_report(self.name, why, done)
 
     @property
     def context_length(self) -> int:
@@ -294,6 +293,11 @@ class Out(NamedTuple):
     logits: torch.Tensor
     hidden_states: tuple | None = None
     features: torch.Tensor | None = None
+
+
+def compile_report(name: str, why: str, done: str) -> str:
+    """How a draft's compile ended, for the console: `why` it stays eager, else `done`."""
+    return f"the draft {name!r}: " + (f"steps stay eager, not compiled: {why}" if why else done)
 
 
 @dataclass
