@@ -105,6 +105,32 @@ def embedded_target():
     return load_pair("embedded", None, device="cpu")
 
 
+# One prompt of each kind the benchmark has (chat, grade-school maths, code), and how far to decode them: the greedy
+# equality tests of every method (test_greedy_equivalence.py, test_parallel_lossless.py) share these references,
+# since transformers' generate() takes ~6 s a prompt here
+GREEDY_PROMPTS = [
+    ("Explain why the sky is blue in two sentences.", True),
+    ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+     "How many clips did Natalia sell altogether in April and May?", True),
+    ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", False),
+]
+GREEDY_NEW = 128
+
+
+@pytest.fixture(scope="session")
+def greedy_references(embedded_target):
+    """[(prompt ids, the embedded target's own greedy generate() of GREEDY_NEW tokens)] for GREEDY_PROMPTS."""
+    engine = engine_with_draft(embedded_target, "self")
+    refs = []
+    for text, chat in GREEDY_PROMPTS:
+        ids = engine.encode(text, chat)
+        with torch.inference_mode():
+            out = embedded_target.target.model.generate(torch.tensor([ids]), max_new_tokens=GREEDY_NEW,
+                                                        do_sample=False)
+        refs.append((ids, out[0, len(ids):].tolist()))
+    return refs
+
+
 def engine_with_draft(target_pair, draft_spec: str, matmul: str = "float32"):
     """An Engine on the already-loaded embedded target with another draft (no reload of the target); matmul: how
     the draft's matmuls read its weights (models.draft_matmul_kind)."""

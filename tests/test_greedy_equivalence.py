@@ -1,47 +1,26 @@
 """Greedy speculative decoding must reproduce the target's own greedy `generate()` token for token
-(embedded SmolLM2 target, float32 CPU), with the target as its own draft and with a different draft."""
+(embedded SmolLM2 target, float32 CPU), with the target as its own draft and with a different draft. The references:
+conftest.greedy_references."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from engine.config import GenerationConfig
 from engine.events import Rollback
 from engine.lm_head import int4_supported
 
-from .conftest import engine_with_draft
-
-PROMPTS = [
-    ("Explain why the sky is blue in two sentences.", True),
-    ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
-     "How many clips did Natalia sell altogether in April and May?", True),
-    ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", False),
-]
-NEW = 128
+from .conftest import GREEDY_NEW as NEW, engine_with_draft
 
 
-@pytest.fixture(scope="module")
-def references(embedded_target):
+def test_ar_matches_generate(embedded_target, greedy_references):
     engine = engine_with_draft(embedded_target, "self")
-    model = embedded_target.target.model
-    refs = []
-    for text, chat in PROMPTS:
-        ids = engine.encode(text, chat)
-        with torch.inference_mode():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=NEW, do_sample=False)
-        refs.append((ids, out[0, len(ids):].tolist()))
-    return refs
-
-
-def test_ar_matches_generate(embedded_target, references):
-    engine = engine_with_draft(embedded_target, "self")
-    for ids, want in references:
+    for ids, want in greedy_references:
         assert engine.run(ids, GenerationConfig(method="ar", max_new_tokens=NEW)).token_ids == want
 
 
-def test_self_speculation_accepts_everything_and_matches(embedded_target, references):
+def test_self_speculation_accepts_everything_and_matches(embedded_target, greedy_references):
     engine = engine_with_draft(embedded_target, "self")
-    for ids, want in references:
+    for ids, want in greedy_references:
         r = engine.run(ids, GenerationConfig(method="sd", max_new_tokens=NEW, gamma=4))
         assert r.token_ids == want
         assert r.metrics["acceptance_rate"] == 1.0
@@ -52,7 +31,7 @@ def test_self_speculation_accepts_everything_and_matches(embedded_target, refere
 
 
 @pytest.mark.skipif(not int4_supported(), reason="this torch has no CPU int4 kernel")
-def test_int4_self_draft_agrees_and_matches(embedded_target, references):
+def test_int4_self_draft_agrees_and_matches(embedded_target, greedy_references):
     """The target's own weights read in 4 bits (the GGUF's Q4_1 blocks again) make a draft that almost never
     disagrees, in modules of its own (run by the lean decode path): the target keeps its float32 kernels, and the
     output is generate()'s."""
@@ -64,12 +43,12 @@ def test_int4_self_draft_agrees_and_matches(embedded_target, references):
         assert type(vars(target.model.layers[0].mlp.up_proj)["forward"]).__name__ == "HeadMatmul"
         assert engine.pair.draft.lean and not engine.pair.target.lean  # the draft steps through engine/lean.py
         accepted = verified = 0
-        for ids, want in references:
+        for ids, want in greedy_references:
             r = engine.run(ids, GenerationConfig(method="sd", max_new_tokens=NEW, gamma=4))
             assert r.token_ids == want
             accepted, verified = accepted + r.metrics["accepted_tokens"], verified + r.metrics["verified_tokens"]
         assert accepted / verified >= 0.95  # measured 0.99 (docs/RESULTS.md §0f)
-        ids, want = references[0]
+        ids, want = greedy_references[0]
         for method in ("pearl", "specbranch"):
             assert engine.run(ids, GenerationConfig(method=method, max_new_tokens=NEW, gamma=4)).token_ids == want
     finally:
@@ -77,7 +56,7 @@ def test_int4_self_draft_agrees_and_matches(embedded_target, references):
 
 
 @pytest.mark.skipif(not int4_supported(), reason="this torch has no CPU int4 kernel")
-def test_int4_self_draft_in_its_own_process_matches(embedded_target, references):
+def test_int4_self_draft_in_its_own_process_matches(embedded_target, greedy_references):
     """The app's draft where the app runs it: in a child process (engine/draft_process.py) that loads it by the same
     recipe, with greedy steps taken ahead there; the output is generate()'s."""
     from engine.engine import Engine
@@ -86,7 +65,7 @@ def test_int4_self_draft_in_its_own_process_matches(embedded_target, references)
     engine = Engine(with_draft(embedded_target.target, "self", draft_matmul="int4", draft_worker="process"))
     try:
         assert (engine.pair.draft_worker, engine.pair.draft_worker_why) == ("process", "")
-        for method, (ids, want) in zip(("sd", "pearl", "specbranch"), references):
+        for method, (ids, want) in zip(("sd", "pearl", "specbranch"), greedy_references):
             cfg = GenerationConfig(method=method, max_new_tokens=NEW, gamma=8, head_start=0.02, epsilon=0.1)
             r = engine.run(ids, cfg)
             assert r.token_ids == want
@@ -96,11 +75,11 @@ def test_int4_self_draft_in_its_own_process_matches(embedded_target, references)
     assert engine.pair.draft._process.poll() is not None
 
 
-def test_different_draft_matches(embedded_target, references):
+def test_different_draft_matches(embedded_target, greedy_references):
     """A 4-layer layer-skip draft disagrees often: many rejections and rollbacks, same output."""
     engine = engine_with_draft(embedded_target, "truncated:4")
     rejected = 0
-    for ids, want in references:
+    for ids, want in greedy_references:
         r = engine.run(ids, GenerationConfig(method="sd", max_new_tokens=NEW, gamma=2))
         assert r.token_ids == want
         rejected += r.metrics["wasted_draft_tokens"]

@@ -4,7 +4,6 @@ equals the target's greedy `generate()` on the embedded pair."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from engine.config import GenerationConfig
 from engine.engine import Engine
@@ -12,7 +11,7 @@ from engine.events import BranchResolved, DraftProposed, TokensEmitted, Verified
 from engine.lm_head import bf16_supported, int4_supported
 from engine.models import load_pair
 
-from .conftest import engine_with_draft
+from .conftest import GREEDY_NEW, engine_with_draft
 from .test_sampling_montecarlo import PROMPT, chi_square, exact_joint
 
 N = 1500
@@ -68,27 +67,6 @@ def check_sampled(engine, method: str, extra: dict) -> None:
     assert chi_square(counts, exact_joint(engine.pair.draft.model, PROMPT, 3, cfg, vocab), N) < 1e-6
 
 
-PROMPTS = [
-    ("What are three tips for staying healthy?", True),
-    ("A train travels 60 miles in 1.5 hours. What is its average speed in miles per hour?", True),
-    ("Write a haiku about autumn leaves.", True),
-    ("def is_palindrome(s: str) -> bool:\n    \"\"\"Check whether s reads the same backwards.\"\"\"\n", False),
-    ("List the planets of the solar system in order from the sun.", True),
-]
-
-
-@pytest.fixture(scope="module")
-def greedy_references(embedded_target):
-    engine = engine_with_draft(embedded_target, "self")
-    refs = []
-    for text, chat in PROMPTS:
-        ids = engine.encode(text, chat)
-        with torch.inference_mode():
-            out = embedded_target.target.model.generate(torch.tensor([ids]), max_new_tokens=128, do_sample=False)
-        refs.append((ids, out[0, len(ids):].tolist()))
-    return refs
-
-
 @pytest.mark.parametrize("method, extra", [
     ("pearl", dict(gamma=4)),
     ("specbranch", dict(gamma=4, branches=3, epsilon=0.9)),
@@ -98,12 +76,14 @@ def greedy_references(embedded_target):
 ])
 def test_greedy_equals_generate(embedded_target, greedy_references, method, extra):
     engine = engine_with_draft(embedded_target, "truncated:6")
-    kinds = []
+    kinds, wasted = [], 0
     for ids, want in greedy_references:
-        r = engine.run(ids, GenerationConfig(method=method, max_new_tokens=128, **extra))
+        r = engine.run(ids, GenerationConfig(method=method, max_new_tokens=GREEDY_NEW, **extra))
         assert r.token_ids == want
         kinds += [k for e in r.events if isinstance(e, TokensEmitted) for k in e.kinds]
+        wasted += r.metrics["wasted_draft_tokens"]
         assert r.metrics["overlap"] > 0.2  # the two workers really ran at once
+    assert wasted > 0  # the draft was wrong somewhere, so rejection and rollback were exercised
     if method == "specbranch":
         assert "rescued" in kinds or "accepted" in kinds
 
