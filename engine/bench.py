@@ -103,6 +103,17 @@ def calibration_report(entries: list[tuple[str, object, str]], args) -> dict:
             "calibration_by_method": tables}
 
 
+def draft_forward_kind(draft, method: str) -> str | None:
+    """How a method's draft steps ran: "lean-compiled" (the lean path with its one-token step compiled, the compile
+    landed), "lean", "transformers" (hf-assisted hands transformers' generate() the draft model itself: never the
+    lean path), None without a draft."""
+    if draft is None or method == "ar":
+        return None
+    if method == "hf-assisted" or not draft.lean:
+        return "transformers"
+    return "lean-compiled" if draft.compile_status()[0] == "compiled" else "lean"
+
+
 def run_bench(entries: list[tuple[str, object, str]], args, log=None) -> dict:
     """entries: (label, engine, method). Every entry runs each prompt in turn; `ar` is the reference."""
     from .__main__ import config_from
@@ -149,10 +160,8 @@ def run_bench(entries: list[tuple[str, object, str]], args, log=None) -> dict:
         "drafts": {label: eng.pair.draft.name if eng.pair.draft else None for label, eng, _ in entries},
         "draft_matmul": {label: eng.pair.draft.matmul if eng.pair.draft and method != "ar" else None
                          for label, eng, method in entries},
-        # hf-assisted hands transformers' generate() the draft model itself: never the lean path
         "target_forward": "static" if engine.pair.target.static else "transformers",
-        "draft_forward": {label: ("lean" if eng.pair.draft.lean and method != "hf-assisted" else "transformers")
-                          if eng.pair.draft and method != "ar" else None for label, eng, method in entries},
+        "draft_forward": {label: draft_forward_kind(eng.pair.draft, method) for label, eng, method in entries},
         # hf-assisted runs the local draft's model on transformers' own loop, in this process
         "draft_worker": {label: (eng.pair.draft_worker if method != "hf-assisted" else "thread")
                          if eng.pair.draft and method != "ar" else None for label, eng, method in entries},

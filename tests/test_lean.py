@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from engine.bench import draft_forward_kind
 from engine.config import GenerationConfig, SpecBranchError
 from engine.draft_process import close_distributions
 from engine.engine import Engine
@@ -181,6 +182,8 @@ def test_compiled_steps_follow_the_eager_ones_and_decode_exactly(tiny_dirs):
                      draft_forward="lean-compiled")
     draft = pair.draft
     assert draft.lean and draft.compiled and draft.compile_why == "" and draft._lean._step is not None
+    assert [draft_forward_kind(draft, m) for m in ("ar", "pearl", "hf-assisted")] == \
+        [None, "lean-compiled", "transformers"]  # what a bench records
     compiled, eager = draft._lean, LeanLlama(draft.model, draft.matmul)
     ids = torch.randint(0, 10, (1, 30), generator=torch.Generator().manual_seed(3))
     caches = {lean: lean.new_cache(capacity=8) for lean in (compiled, eager)}  # 8 -> 16 -> 32: grows mid-steps
@@ -237,6 +240,7 @@ def test_a_draft_in_its_process_compiles_in_another_and_decodes_exactly_meanwhil
         first = pair.draft
         assert pair.draft_worker == "process", pair.draft_worker_why
         assert first.compile_status() == ("waiting", "") and first.local.compile_status()[0] == "waiting"
+        assert draft_forward_kind(first, "sd") == "lean"  # until it has landed, the steps run eager
         assert len(compile_notices()) == 3
         first.start_compile(messages.append)
         assert first.compile_status()[0] in ("compiling", "compiled")
@@ -245,6 +249,7 @@ def test_a_draft_in_its_process_compiles_in_another_and_decodes_exactly_meanwhil
         assert first.compile_status() == ("compiled", ""), messages
         assert compile_notices() == [] and engine.pair.draft is not first and first._process.poll() is not None
         assert engine.pair.draft.compile_status() == ("compiled", "") and "compiled in a process" in messages[0]
+        assert draft_forward_kind(engine.pair.draft, "sd") == "lean-compiled"
         assert first.local.compile_status()[0] == "waiting"  # this process never compiled it
         ids = torch.tensor([prompt])  # the twin's probe: the same model within rounding, another model refused
         mine, other = (lm.forward(ids, lm.new_cache())[:, -1] for lm in (first.local, pair.target))
