@@ -24,8 +24,8 @@ At start the child's logits are checked bit for bit against the local draft's (R
 cannot load or disagrees, the draft stays in this process (in_process says why). Output is exact either way: q is
 what the pass that drafted the token computed.
 A lean-compiled draft asked to compile later (the app) is compiled by a second child, which loads the draft and
-compiles its step while the first serves eager; the first run to start once it is ready takes it
-(RemoteLM.start_compile).
+compiles its step at the lowest CPU priority while the first serves eager; the first run to start once it is ready
+takes it (RemoteLM.start_compile).
 Only a CPU draft with a recipe runs here: a draft head reads the target's features, and on a GPU the workers'
 streams overlap the models (engine/runtime.py).
 """
@@ -53,17 +53,19 @@ from .config import SpecBranchError
 
 START_TIMEOUT_S = 300  # loading the models in the child (a dequantized GGUF loads in seconds; a hub id may download)
 COMPILE_TIMEOUT_S = 900  # loading them and compiling the draft's step (73 s cold for the self-draft beside runs, §0w)
+LOW_PRIORITY = 19  # the nice value a compiled twin loads and compiles at (low_priority)
 
 
 def serve(conn) -> None:
-    """The child: load the draft by the recipe the parent sends first (models.load_pair's arguments) and answer the
-    parent until it closes the connection. An op that fails is reported with the next forward's answer."""
+    """The child: load the draft by the recipe the parent sends first (models.load_pair's arguments; with `low`, at
+    the lowest CPU priority: low_priority) and answer the parent until it closes the connection. An op that fails is
+    reported with the next forward's answer."""
     torch.set_num_threads(1)
     try:
-        recipe = conn.recv()
+        recipe, low = conn.recv()
         from .models import load_pair
 
-        lm = load_pair(**recipe).draft
+        lm = (low_priority if low else lambda load: load())(lambda: load_pair(**recipe).draft)
     except Exception as exc:  # noqa: BLE001 - any failure is the parent's message
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
@@ -158,6 +160,33 @@ class RemoteCache:
         self.remote.send("select", self.cid, rows)
 
 
+def low_priority(load):
+    """load() run on a thread of its own at the lowest CPU priority (nice 19: on Linux a thread's own, inherited by
+    the compiler processes it starts), and what it returns; the calling thread, which serves the forwards once it is
+    loaded, keeps its priority. Why: a compiled twin (RemoteLM.start_compile) loads and compiles beside the draft's
+    process that serves, and beside the target; on 2 cores at the same priority the runs meanwhile ran at 0.75x
+    their speed (docs/RESULTS.md §0w). At the lowest it takes the cores when the app is idle. Where a thread's
+    priority cannot be set (not Linux), it loads at the usual one."""
+    out = {}
+
+    def run():
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOW_PRIORITY)
+        except (AttributeError, OSError):
+            pass
+        try:
+            out["value"] = load()
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread
+            out["error"] = exc
+
+    thread = threading.Thread(target=run, name="draft-load-low", daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
 def _stop(conn, process) -> None:
     """Close the connection (the child ends at its end) and wait a moment for the child; at close or collection."""
     try:
@@ -170,9 +199,10 @@ def _stop(conn, process) -> None:
         process.kill()
 
 
-def _start(recipe: dict):
+def _start(recipe: dict, low: bool = False):
     """Launch the child (`python -m engine.draft_process`, so nothing of this process's __main__ runs there) and
-    connect to it: (connection, process). The child finds this package as this process does."""
+    connect to it: (connection, process). The child finds this package as this process does; low: it loads the
+    draft at the lowest CPU priority (low_priority)."""
     key = secrets.token_bytes(32)
     with tempfile.TemporaryDirectory(prefix="specbranch-draft-") as folder:
         listener = Listener(str(Path(folder) / "socket"), "AF_UNIX", authkey=key)
@@ -198,18 +228,19 @@ def _start(recipe: dict):
             listener.close()
     if conn is None:
         raise SpecBranchError(f"the draft's process ended before it connected (exit code {process.poll()})")
-    conn.send(recipe)
+    conn.send((recipe, low))
     return conn, process
 
 
 class RemoteLM:
-    """The draft `local`, with its forwards run by a child process that loaded it by `recipe`."""
+    """The draft `local`, with its forwards run by a child process that loaded it by `recipe` (low: at the lowest CPU
+    priority, low_priority)."""
 
-    def __init__(self, local, recipe: dict, timeout: float = START_TIMEOUT_S):
+    def __init__(self, local, recipe: dict, timeout: float = START_TIMEOUT_S, low: bool = False):
         self.local, self.recipe = local, recipe
         self._twin, self._twin_why, self._twin_thread, self._closed = None, "", None, False  # start_compile's
         self._child_status: tuple[str, str] | None = None  # the child's own compile_status, once asked
-        self._conn, self._process = _start(recipe)
+        self._conn, self._process = _start(recipe, low)
         self._send_lock = threading.Lock()  # a message goes out whole, whichever thread sends it
         self._call_lock = threading.Lock()  # one forward in flight: its answer is the next one on the connection
         self._ids = itertools.count()
@@ -281,7 +312,8 @@ class RemoteLM:
         """lean-compiled, asked for later (models.LM.start_compile): a new child loads the draft and compiles its step
         at load, in a process of its own, while this one's child serves with the eager step. On a thread of a serving
         process the compile would hold the interpreter that the draft's steps need: runs beside it ran at 0.25x `ar`
-        (docs/RESULTS.md §0w); in a process of its own it only shares the cores. The first run to start once it is
+        (docs/RESULTS.md §0w); in a process of its own it only shares the cores, and it loads and compiles at the
+        lowest CPU priority (low_priority), so it takes them when the app is idle. The first run to start once it is
         ready takes it (take_compiled). on_done(message) says how it ended."""
         if self._twin_thread is not None or self.compile_status()[0] != "waiting":
             return
@@ -298,7 +330,7 @@ class RemoteLM:
     def _compile_twin(self, on_done) -> None:
         start, twin, why = time.perf_counter(), None, ""
         try:
-            twin = RemoteLM(self.local, {**self.recipe, "compile_later": False}, COMPILE_TIMEOUT_S)
+            twin = RemoteLM(self.local, {**self.recipe, "compile_later": False}, COMPILE_TIMEOUT_S, low=True)
             state, why = twin.compile_status()
             if state != "compiled":
                 why = why or f"the compile ended {state}"

@@ -5,12 +5,14 @@ child that dies ends the run with a message; closing the engine ends the child."
 from __future__ import annotations
 
 import os
+import sys
+import threading
 
 import pytest
 import torch
 
 from engine.config import GenerationConfig, SpecBranchError
-from engine.draft_process import RemoteLM, in_process
+from engine.draft_process import LOW_PRIORITY, RemoteLM, in_process, low_priority
 from engine.engine import Engine
 from engine.models import ModelPair, load_pair, with_draft
 
@@ -128,3 +130,28 @@ def test_a_child_that_dies_ends_the_run_with_a_message_and_close_ends_the_child(
     spare = RemoteLM(remote.local, remote.recipe)
     Engine(ModelPair(process_engine.pair.target, spare)).close()
     assert spare._process.poll() is not None  # closing the engine ended its child
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a thread's own priority is Linux's")
+def test_a_twin_loads_at_the_lowest_priority_and_serves_at_its_own(process_engine):
+    """A compiled twin (RemoteLM.start_compile) loads and compiles on a thread at nice 19, so that the runs beside it
+    keep the cores; the thread that serves its forwards keeps the usual priority, and a failure reaches the caller."""
+    def priority():
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())  # this thread's own, on Linux
+
+    base, seen = priority(), []
+    assert low_priority(lambda: seen.append(priority()) or "loaded") == "loaded"
+    assert seen == [LOW_PRIORITY] and priority() == base
+
+    def fails():
+        raise FileNotFoundError("no such draft")
+
+    with pytest.raises(FileNotFoundError, match="no such draft"):
+        low_priority(fails)
+    remote = process_engine.pair.draft
+    twin = RemoteLM(remote.local, remote.recipe, low=True)
+    try:
+        assert os.getpriority(os.PRIO_PROCESS, twin._process.pid) == base  # its main thread, which serves
+        assert twin.agrees()  # loaded there, it computes the local draft's bits
+    finally:
+        twin.close()
