@@ -636,3 +636,13 @@ PYTHONPATH=. $PY docs/background_compile.py --json docs/background-compile-cold.
 for v in lean-compiled-0 lean-0; do
   $PY -m engine bench $SELFT --draft-forward ${v%-*} --json docs/compiled-fixed-self-$v.json
 done
+
+# 34. Every method and ablation with the app's pair as it ships (docs/RESULTS.md §0x): the 4-bit self-draft, compiled,
+#     with the app's settings, benchmark split, seeds 0-2, T=0 and T=1; then the compile at the lowest priority, the
+#     app's path as in §33 with a fresh inductor cache each run: B (this change, committed as d3bdea1), A (before it,
+#     a checkout of 790b856), B; the JSON was first written to /tmp/nice-$v.json and copied here
+STEPS="1" DRAFT=self V=-0x EXTRA="--gamma 8 --draft-stop 0 --head-start 0.02 --epsilon 0.1 --hold 0 --draft-forward lean-compiled" \
+    bash docs/run_ablation.sh
+for v in B-0 A-0 B-1; do
+  PYTHONPATH=. $PY docs/background_compile.py --json docs/lowprio-compile-$v.json  # A: from the checkout of 790b856
+done
