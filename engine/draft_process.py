@@ -65,7 +65,10 @@ def serve(conn) -> None:
         recipe, low = conn.recv()
         from .models import load_pair
 
-        lm = (low_priority if low else lambda load: load())(lambda: load_pair(**recipe).draft)
+        def load():
+            return load_pair(**recipe).draft
+
+        lm = low_priority(load) if low else load()
     except Exception as exc:  # noqa: BLE001 - any failure is the parent's message
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
@@ -164,9 +167,9 @@ def low_priority(load):
     """load() run on a thread of its own at the lowest CPU priority (nice 19: on Linux a thread's own, inherited by
     the compiler processes it starts), and what it returns; the calling thread, which serves the forwards once it is
     loaded, keeps its priority. Why: a compiled twin (RemoteLM.start_compile) loads and compiles beside the draft's
-    process that serves, and beside the target; on 2 cores at the same priority the runs meanwhile ran at 0.75x
-    their speed (docs/RESULTS.md §0w). At the lowest it takes the cores when the app is idle. Where a thread's
-    priority cannot be set (not Linux), it loads at the usual one."""
+    process that serves, and beside the target; on 2 cores at the same priority the runs meanwhile ran at 0.70-0.75x
+    their speed, and at the lowest at 0.84-1.08x: it takes the cores when the app is idle (docs/RESULTS.md §0x).
+    Where a thread's priority cannot be set (not Linux), it loads at the usual one."""
     out = {}
 
     def run():
