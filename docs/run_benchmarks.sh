@@ -646,3 +646,20 @@ STEPS="1" DRAFT=self V=-0x EXTRA="--gamma 8 --draft-stop 0 --head-start 0.02 --e
 for v in B-0 A-0 B-1; do
   PYTHONPATH=. $PY docs/background_compile.py --json docs/lowprio-compile-$v.json  # A: from the checkout of 790b856
 done
+#     and the head start tried at 0 for the app's draft: the tuning prompts at T=1 (seeds 0-2) and T=0 (alternated),
+#     then the benchmark split at T=1 with 0; first written to /tmp and copied here
+HS="--methods ar,pearl,specbranch --draft self --max-new-tokens 64 --gamma 8 --draft-stop 0 --epsilon 0.1 --branches 3 --hold 0 --draft-forward lean-compiled"
+for s in 0 1 2; do
+  for h in 0.02 0; do
+    $PY -m engine bench $HS --dataset data/tuning_prompts.jsonl --temperature 1 --seed $s --head-start $h \
+        --json docs/headstart-tuning-t1-hs$h-s$s.json
+  done
+done
+for v in 0.02-a 0-a 0-b 0.02-b; do
+  $PY -m engine bench $HS --dataset data/tuning_prompts.jsonl --temperature 0 --seed 0 --head-start ${v%-*} \
+      --json docs/headstart-tuning-t0-hs$v.json
+done
+for s in 0 1 2; do
+  $PY -m engine bench $HS --dataset all --limit 2 --temperature 1 --seed $s --head-start 0 \
+      --json docs/headstart0-split-t1-s$s.json
+done
