@@ -170,24 +170,15 @@ def low_priority(load):
     process that serves, and beside the target; on 2 cores at the same priority the runs meanwhile ran at 0.70-0.75x
     their speed, and at the lowest at 0.84-1.08x: it takes the cores when the app is idle (docs/RESULTS.md §0x).
     Where a thread's priority cannot be set (not Linux), it loads at the usual one."""
-    out = {}
-
     def run():
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOW_PRIORITY)
         except (AttributeError, OSError):
             pass
-        try:
-            out["value"] = load()
-        except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread
-            out["error"] = exc
+        return load()
 
-    thread = threading.Thread(target=run, name="draft-load-low", daemon=True)
-    thread.start()
-    thread.join()
-    if "error" in out:
-        raise out["error"]
-    return out["value"]
+    with ThreadPoolExecutor(1, thread_name_prefix="draft-load-low") as pool:  # its result, or its error, here
+        return pool.submit(run).result()
 
 
 def _stop(conn, process) -> None:
