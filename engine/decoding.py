@@ -17,7 +17,7 @@ from .events import (BONUS, CORRECTION, DECODE, DRAFT, PREFILL, TARGET, VERIFY, 
                      StepStarted, TokensEmitted, Verified)
 from .models import LM, ModelPair, Out
 from .runtime import Worker
-from .sampling import logits_to_probs, sample, top_alternatives, verify_block
+from .sampling import NextDraw, draw_u, logits_to_probs, sample, top_alternatives, verify_block
 
 
 @dataclass
@@ -78,6 +78,13 @@ class RunState:
         c = self.cfg
         return logits_to_probs(logits, c.temperature, c.top_k, c.top_p)
 
+    def next_draws(self, rows: int) -> list[NextDraw]:
+        """How each of `rows` draft rows will pick its next token, drawn before the forward that computes them (the
+        draft's own generator; no draw when greedy), so a draft in its own process can step on them ahead."""
+        c = self.cfg
+        return [NextDraw(c.temperature, c.top_k, c.top_p, 0.0 if c.greedy else draw_u(self.draft_generator))
+                for _ in range(rows)]
+
     def pieces(self, ids: list[int]) -> list[str]:
         tok = self.pair.tokenizer
         return [tok.decode([i]) for i in ids]
@@ -85,14 +92,15 @@ class RunState:
 
 async def forward(state: RunState, lm: LM, worker: Worker, cache, ids: list[int], kind: str,
                   events: list[Event], hidden_states: bool = False, features: bool = False, solo: bool = False,
-                  ahead: int = 0):
+                  ahead: int = 0, draws: list[NextDraw] | None = None):
     """Feed `ids` (appended to `cache`) on `worker` and record the span. Returns logits [T, V]; with
     hidden_states/features, Out(logits [T, V], every layer's states [1, T, H] each, last features [T, H]).
-    solo: the other model waits on this forward (Worker.run). ahead: a draft in its own process steps on the argmax
-    at once, on that many torch threads (draft_process.step_fn; 0 = not)."""
+    solo: the other model waits on this forward (Worker.run). ahead: a draft in its own process steps at once on the
+    token `draws` will pick (state.next_draws; None: the argmax), on that many torch threads (draft_process.step_fn;
+    0 = not)."""
     x = torch.tensor([ids], dtype=torch.long)
-    out, span = await worker.run(step_fn(lm, ahead), x, cache, hidden_states, features, kind=kind, step=state.step,
-                                 t0=state.t0, tokens=len(ids), solo=solo)
+    out, span = await worker.run(step_fn(lm, ahead, draws), x, cache, hidden_states, features, kind=kind,
+                                 step=state.step, t0=state.t0, tokens=len(ids), solo=solo)
     events.append(span)
     if hidden_states or features:
         return Out(out.logits[0], out.hidden_states, None if out.features is None else out.features[0])
@@ -145,14 +153,15 @@ async def draft_block(state: RunState, gamma: int, events: list[Event], kind: st
     feed = state.tokens[kv.cache_length(state.draft_cache):]  # committed tokens the draft has not seen yet
     tokens, q_rows = [], []
     for i in range(gamma):
-        # the target waits on the whole block: the draft may have the cores (Engine's solo_threads); greedy, a draft in
-        # its own process takes the block's next step on them while this one is read (not after the last: the target's
-        # pass comes next)
-        ahead = state.draft_worker.solo_threads if state.cfg.greedy and i < gamma - 1 else 0
+        # the target waits on the whole block: the draft may have the cores (Engine's solo_threads); a draft in its own
+        # process takes the block's next step on them, on the token `draw` picks, while this one is read (not after
+        # the last: the target's pass comes next)
+        ahead = state.draft_worker.solo_threads if i < gamma - 1 else 0
+        draw = state.next_draws(1)
         logits = await forward(state, draft, state.draft_worker, state.draft_cache, feed, kind, events, solo=True,
-                               ahead=ahead)
+                               ahead=ahead, draws=draw)
         q = state.probs(logits[-1])
-        x = sample(q, state.draft_generator)
+        x = draw[0].token(q)
         tokens.append(x)
         q_rows.append(q)
         feed = [x]

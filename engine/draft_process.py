@@ -17,9 +17,11 @@ RemoteCache that knows its length and rows, so a rollback (crop), a fork (batch_
 (batch_select_indices) are one message each, answered by nothing: the socket keeps them in order before the next
 forward. A forward runs on as many torch threads as the calling thread has (Worker.run sets them: its solo steps get
 the cores).
-Greedy, the next draft step feeds the argmax of this one, so the child takes that step as soon as it has answered
-(step_ahead), while the engine reads the answer, samples and records; the next request is then answered at once, and
-any other request undoes the step first. An answer is the same logits either way.
+The engine fixes how it will pick each row's next token before it asks for the row (sampling.NextDraw: the argmax
+when greedy; when sampling, the inverse CDF at a uniform it drew beforehand), so the child takes the step on that
+token as soon as it has answered (step_ahead), while the engine reads the answer, samples and records; the next
+request is then answered at once, and any other request undoes the step first. An answer is the same logits either
+way, and the engine samples from its own probabilities: the child's pick is only a guess.
 At start the child's logits are checked bit for bit against the local draft's (RemoteLM.agrees); where the child
 cannot load or disagrees, the draft stays in this process (in_process says why). Output is exact either way: q is
 what the pass that drafted the token computed.
@@ -74,7 +76,8 @@ def serve(conn) -> None:
         return
     conn.send(("ready", None))
     caches, failed, threads = {}, None, 1
-    ahead = None  # (cache id, ids, logits): the step taken ahead on the argmax of the last answer, fed to its cache
+    ahead = None  # (cache id, ids, logits): the step taken ahead on the tokens the last answer's draws pick, fed to its
+    # cache
     while True:
         try:
             op, cid, arg = conn.recv()
@@ -86,19 +89,19 @@ def serve(conn) -> None:
                 answer(conn, taken[2], True)  # the step asked for is the one taken ahead: its logits, at once
                 if arg[2]:
                     threads = on_threads(threads, arg[2])
-                    ahead = step_ahead(lm, caches, cid, taken[2])
+                    ahead = step_ahead(lm, caches, cid, taken[2], arg[3])
                 continue
             caches[taken[0]].crop(-1)  # another request: undo the step taken ahead first
         try:
             if op == "forward":
                 if failed is None:
-                    ids, n, go_on = arg
+                    ids, n, go_on, draws = arg
                     threads = on_threads(threads, n)
                     logits = lm.forward(torch.tensor(ids, dtype=torch.long), caches[cid]).contiguous()
                     answer(conn, logits, False)
                     if go_on:
                         threads = on_threads(threads, go_on)
-                        ahead = step_ahead(lm, caches, cid, logits)
+                        ahead = step_ahead(lm, caches, cid, logits, draws)
                     continue
             elif op == "new":
                 caches[cid] = lm.new_cache()
@@ -132,10 +135,12 @@ def on_threads(current: int, n: int) -> int:
     return n
 
 
-def step_ahead(lm, caches: dict, cid: int, logits: torch.Tensor):
-    """While the parent reads an answer, take the step it most likely asks for next: each row's argmax (greedy drafting
-    feeds exactly that). Its logits wait for a request with those ids; any other request undoes it first."""
-    ids = logits[:, -1].argmax(-1)[:, None].tolist()  # [B, 1]
+def step_ahead(lm, caches: dict, cid: int, logits: torch.Tensor, draws: list | None):
+    """While the parent reads an answer, take the step it most likely asks for next: on the token each row's draw picks
+    (sampling.NextDraw: the parent drew its uniform before asking; None: the argmax, as greedy drafting feeds). Its
+    logits wait for a request with those ids; any other request (a fork, a hold, a rejection) undoes it first."""
+    rows = logits[:, -1]  # [B, V]
+    ids = rows.argmax(-1)[:, None].tolist() if draws is None else [[d.guess(r)] for d, r in zip(draws, rows)]  # [B, 1]
     return cid, ids, lm.forward(torch.tensor(ids, dtype=torch.long), caches[cid]).contiguous()
 
 
@@ -278,18 +283,18 @@ class RemoteLM:
         return cache
 
     def forward(self, input_ids: torch.Tensor, cache: RemoteCache, hidden_states: bool = False,
-                features: bool = False, ahead: int = 0) -> torch.Tensor:
+                features: bool = False, ahead: int = 0, draws: list | None = None) -> torch.Tensor:
         """input_ids [B, T] -> logits [B, T, V] float32, appending T positions to `cache`
         (the child runs the local draft's forward on the calling thread's torch thread count). ahead (torch threads; 0 =
-        off): the next request will most likely feed each row's argmax (greedy drafting), so the child takes that step
-        at once on that many threads, while this answer is read (step_ahead); the answer to a request is the same
-        whether its step was taken ahead or not."""
+        off): the next request will most likely feed the token each row's draw picks (`draws`, sampling.NextDraw, one
+        a row; None: the argmax), so the child takes that step at once on that many threads, while this answer is read
+        (step_ahead); the answer to a request is the same whether its step was taken ahead or not."""
         if hidden_states or features:
             raise ValueError("a draft in its own process returns logits only")
         if input_ids.shape[0] != cache.rows:
             raise ValueError(f"the cache holds {cache.rows} rows, fed {input_ids.shape[0]}")
         with self._call_lock:
-            self.send("forward", cache.cid, (input_ids.tolist(), torch.get_num_threads(), ahead))
+            self.send("forward", cache.cid, (input_ids.tolist(), torch.get_num_threads(), ahead, draws))
             status, shape, taken_ahead = self._receive()
             if status != "ok":
                 raise SpecBranchError(f"the draft's forward failed in its process: {shape}")
@@ -399,10 +404,11 @@ def close_distributions(a: torch.Tensor, b: torch.Tensor, tv: float = 0.1) -> bo
     return bool((0.5 * (a.softmax(-1) - b.softmax(-1)).abs().sum(-1) <= tv).all())
 
 
-def step_fn(lm, ahead: int):
-    """lm.forward, asking a draft in its own process to step ahead on the argmax on `ahead` torch threads
-    (RemoteLM.forward; 0: not)."""
-    return functools.partial(lm.forward, ahead=ahead) if ahead and isinstance(lm, RemoteLM) else lm.forward
+def step_fn(lm, ahead: int, draws: list | None = None):
+    """lm.forward, asking a draft in its own process to step ahead on `ahead` torch threads (0: not) on the tokens
+    `draws` pick (None: the argmax) (RemoteLM.forward)."""
+    return functools.partial(lm.forward, ahead=ahead, draws=draws) if ahead and isinstance(lm, RemoteLM) \
+        else lm.forward
 
 
 def fits(lm) -> str | None:

@@ -38,7 +38,7 @@ from .decoding import RunState, crop_draft, emit, forward, share_features, step_
 from .draft_process import step_fn
 from .events import (ACCEPTED, BONUS, BRANCH_DRAFT, CORRECTION, DRAFT, RESCUED, VERIFY, BranchResolved, DraftProposed,
                      Event, Rollback, Verified)
-from .sampling import (NO_REPLACEMENT, TOPK, candidate_q, draw_candidates, residual_distribution, sample,
+from .sampling import (NO_REPLACEMENT, TOPK, candidate_q, draw_candidates, residual_distribution,
                        top_alternatives, verify_block, verify_candidates)
 
 REJECT_AT_ONCE, PARTLY, ALL_ACCEPTED = 0, 1, 2  # H-RAD classes
@@ -243,8 +243,9 @@ async def draft_step(state: RunState, spec: Speculation, ds: DraftState, policy:
     if spec.fork is None:
         seq = state.tokens + spec.path
         feed = seq[len(ds.rows[0]):]
+        draw = state.next_draws(1)  # drawn before the row is seen: a fork or a hold below leaves it unused
         logits = await forward(state, draft, state.draft_worker, cache, feed, DRAFT, events, solo=solo,
-                               ahead=ahead_threads(state))
+                               ahead=ahead_threads(state), draws=draw)
         ds.rows[0] = seq
         raw = logits[-1].float().softmax(-1)  # confidence is read from the untempered distribution
         q = state.probs(logits[-1])
@@ -286,7 +287,7 @@ async def draft_step(state: RunState, spec: Speculation, ds: DraftState, policy:
                                             parent_position=len(seq), top=[top_alternatives(q)], kind="candidates",
                                             confidence=top[0], odds=policy.acceptance(top[0])))
                 return
-        x = sample(q, state.draft_generator)
+        x = draw[0].token(q)
         ds.confidence = float(raw.max())
         spec.path.append(x)
         spec.path_q.append(q)
@@ -303,8 +304,9 @@ async def draft_step(state: RunState, spec: Speculation, ds: DraftState, policy:
         ds.rows = [list(ds.rows[0]) for _ in range(k)]
     last = [(b[-1] if b else c) for c, b in zip(fork.candidates, fork.branches)]
     x = torch.tensor(last, dtype=torch.long)[:, None]  # [k, 1]
-    logits, span = await state.draft_worker.run(step_fn(draft, ahead_threads(state)), x, cache, kind=BRANCH_DRAFT,
-                                                step=state.step, t0=state.t0, tokens=k, solo=solo)
+    draws = state.next_draws(k)
+    logits, span = await state.draft_worker.run(step_fn(draft, ahead_threads(state), draws), x, cache,
+                                                kind=BRANCH_DRAFT, step=state.step, t0=state.t0, tokens=k, solo=solo)
     events.append(span)
     raw = logits[:, -1].float().softmax(-1)  # [k, V], untempered
     ds.fresh = False
@@ -323,7 +325,7 @@ async def draft_step(state: RunState, spec: Speculation, ds: DraftState, policy:
     for i in range(k):
         ds.rows[i] = ds.rows[i] + [last[i]]
         q = state.probs(logits[i, -1])
-        t = sample(q, state.draft_generator)
+        t = draws[i].token(q)
         fork.branches[i].append(t)
         fork.branch_q[i].append(q)
         fork.branch_conf[i].append(float(raw[i, t]))
@@ -332,10 +334,11 @@ async def draft_step(state: RunState, spec: Speculation, ds: DraftState, policy:
 
 
 def ahead_threads(state: RunState) -> int:
-    """Greedy, the draft's next step feeds its argmax, so a draft in its own process takes it while this one is read
+    """A draft in its own process takes its next step on the token each row's draw picks (state.next_draws: the argmax
+    when greedy, the inverse CDF at a uniform drawn beforehand when sampling) while this one is read
     (draft_process.step_ahead), on the worker's own threads: the target's next pass may start beside it, and a step on
-    the solo threads would take a core from it. 0 (not) when sampling."""
-    return state.draft_worker.threads if state.cfg.greedy else 0
+    the solo threads would take a core from it."""
+    return state.draft_worker.threads
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

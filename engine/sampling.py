@@ -32,17 +32,51 @@ def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, to
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """Draw one token id from a 1-D probability row (argmax when the row is one-hot), by inverse CDF in float64:
-    the first token whose cumulative mass exceeds U · total, U ~ Uniform[0, 1), so token i comes with probability
-    probs[i] / total (a token of mass 0 never: its CDF step is empty). Why not torch.multinomial: over a 49k-token
-    row it costs 1.05 ms on one CPU thread against 0.07 ms for this, and a sampled round draws several tokens on the
-    host, between the forwards (docs/RESULTS.md §0k)."""
+    """Draw one token id from a 1-D probability row (argmax when the row is one-hot), by inverse CDF in float64
+    (sample_at), U ~ Uniform[0, 1). Why not torch.multinomial: over a 49k-token row it costs 1.05 ms on one CPU thread
+    against 0.07 ms for this, and a sampled round draws several tokens on the host, between the forwards
+    (docs/RESULTS.md §0k)."""
+    if float(probs.max()) == 1.0:
+        return int(probs.argmax())
+    return sample_at(probs, draw_u(generator))
+
+
+def draw_u(generator: torch.Generator | None) -> float:
+    """U ~ Uniform[0, 1) in float64: 53 bits, not 24."""
+    return float(torch.rand((), generator=generator, dtype=torch.float64))
+
+
+def sample_at(probs: torch.Tensor, u: float) -> int:
+    """The token at U = u of a 1-D probability row's inverse CDF: the first token whose cumulative mass exceeds
+    u · total, so with u ~ Uniform[0, 1) token i comes with probability probs[i] / total (a token of mass 0 never: its
+    CDF step is empty). A one-hot row gives its token whatever u is."""
     if float(probs.max()) == 1.0:
         return int(probs.argmax())
     cdf = probs.double().cumsum(-1)
-    u = float(torch.rand((), generator=generator, dtype=torch.float64)) * float(cdf[-1])  # 53 bits, not 24
-    i = int(torch.searchsorted(cdf, torch.tensor(u, dtype=torch.float64, device=cdf.device), right=True))
+    x = u * float(cdf[-1])
+    i = int(torch.searchsorted(cdf, torch.tensor(x, dtype=torch.float64, device=cdf.device), right=True))
     return i if i < len(cdf) else int(probs.nonzero().max())  # u rounded up to the total: the last token with mass
+
+
+@dataclass(frozen=True)
+class NextDraw:
+    """How the engine picks a draft row's next token, fixed before the forward that computes the row: its sampling
+    settings and the uniform u it will invert the row's CDF at (drawn beforehand from the draft's generator; 0 when
+    greedy, whose row is one-hot). So a draft in its own process can take the step on that token at once, while the
+    engine reads the row (draft_process.step_ahead), when sampling as when greedy. The engine picks by its own
+    probabilities (`token`); the child's guess (`guess`) is only a guess: where it differs the step is undone."""
+    temperature: float
+    top_k: int
+    top_p: float
+    u: float = 0.0
+
+    def token(self, probs: torch.Tensor) -> int:
+        """The token this draw gives on the row `probs` (what the engine drafts)."""
+        return sample_at(probs, self.u)
+
+    def guess(self, logits: torch.Tensor) -> int:
+        """The same draw on a row of logits [V], read through the same settings."""
+        return self.token(logits_to_probs(logits, self.temperature, self.top_k, self.top_p))
 
 
 def uniform(generator: torch.Generator | None) -> float:

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from engine import sampling
-from engine.sampling import (IID, NO_REPLACEMENT, TOPK, candidate_step, draw_candidates, logits_to_probs,
-                             verify_candidates)
+from engine.sampling import (IID, NO_REPLACEMENT, TOPK, candidate_step, draw_candidates, draw_u, logits_to_probs,
+                             sample, sample_at, verify_candidates)
 
 from .exact_draws import outcomes
 
@@ -127,3 +127,27 @@ def test_engine_draws_candidates_with_the_enumerated_probabilities(scheme):
 
     assert pvalue(scheme) > 1e-3
     assert pvalue(IID if scheme == NO_REPLACEMENT else NO_REPLACEMENT) < 1e-6
+
+
+def test_a_draw_fixed_before_its_row_is_the_inverse_cdf_at_its_uniform():
+    """sample_at(q, u) is token i for u in [CDF(i-1), CDF(i)) (read 1e-9 inside each bound; a token of mass 0 has an
+    empty interval, a one-hot row gives its token at any u), and sample(q, g) is sample_at at the uniform g draws next:
+    a draw fixed before the draft's row is seen (sampling.NextDraw) has the probabilities of one drawn after it."""
+    q = rand_dist(3)
+    q[2] = 0.0
+    q = (q / q.sum()).float()
+    cdf = (q.double().cumsum(-1) / q.double().sum()).tolist()
+    lo = 0.0
+    for i, hi in enumerate(cdf):
+        if hi > lo:
+            for u in (lo + 1e-9, (lo + hi) / 2, hi - 1e-9):
+                assert sample_at(q, u) == i
+        else:
+            assert i == 2  # mass 0: no u gives it
+        lo = hi
+    assert sample_at(torch.nn.functional.one_hot(torch.tensor(4), 6).float(), 0.999) == 4
+    g = torch.Generator().manual_seed(3)
+    for _ in range(200):
+        ahead = torch.Generator()
+        ahead.set_state(g.get_state())
+        assert sample(q, g) == sample_at(q, draw_u(ahead))

@@ -15,6 +15,7 @@ from engine.config import GenerationConfig, SpecBranchError
 from engine.draft_process import LOW_PRIORITY, RemoteLM, in_process, low_priority
 from engine.engine import Engine
 from engine.models import ModelPair, load_pair, with_draft
+from engine.sampling import NextDraw, draw_u, logits_to_probs
 
 from .test_parallel_lossless import check_sampled
 from .test_sampling_montecarlo import PROMPT
@@ -71,6 +72,35 @@ def test_the_child_computes_the_local_drafts_bits(process_engine):
         remote.forward(torch.zeros(2, 1, dtype=torch.long), caches[1])
 
 
+def test_the_child_steps_ahead_on_the_token_a_sampled_draw_picks(process_engine):
+    """Sampling, the engine fixes each row's uniform before it asks for the row (sampling.NextDraw), so the child takes
+    the step on the token the engine will draw: on the path, and on every branch of a fork. A step the engine does not
+    ask for is undone, and every answer is the local draft's bits."""
+    remote = process_engine.pair.draft
+    g = torch.Generator().manual_seed(11)
+    caches = [remote.local.new_cache(), remote.new_cache()]
+
+    def step(x, draws):  # one draft step, on the local draft and in the child; returns the tokens the engine draws
+        local = remote.local.forward(x, caches[0])
+        there = remote.forward(x, caches[1], ahead=1, draws=draws)
+        assert torch.equal(local, there)
+        probs = logits_to_probs(there[:, -1], 0.8, 40, 0.95)  # [B, V]: the engine's own probabilities
+        return torch.tensor([[d.token(p)] for d, p in zip(draws, probs)])
+
+    nxt = step(torch.randint(0, remote.vocab_size, (1, 8), generator=g), [NextDraw(0.8, 40, 0.95, draw_u(g))])
+    taken = remote.steps_taken_ahead
+    for _ in range(3):  # each asked for step was taken ahead on the drawn token
+        nxt = step(nxt, [NextDraw(0.8, 40, 0.95, draw_u(g))])
+    assert remote.steps_taken_ahead == taken + 3
+    for c in caches:
+        c.batch_repeat_interleave(3)  # a fork: the step taken ahead is undone, then one row per branch
+    nxt = step(torch.cat([nxt] * 3), [NextDraw(0.8, 40, 0.95, draw_u(g)) for _ in range(3)])
+    step(nxt, [NextDraw(0.8, 40, 0.95, draw_u(g)) for _ in range(3)])  # every branch's drawn token, taken ahead
+    assert remote.steps_taken_ahead == taken + 4
+    step(1 - nxt.clamp(max=1), [NextDraw(0.8, 40, 0.95, draw_u(g)) for _ in range(3)])  # not those: undone first
+    assert remote.steps_taken_ahead == taken + 4
+
+
 @pytest.mark.parametrize("method, extra", [("sd", {}), ("pearl", {}), ("specbranch", dict(epsilon=1.0))])
 def test_greedy_output_through_the_child_is_the_targets(process_engine, method, extra):
     target = process_engine.pair.target.model
@@ -84,8 +114,14 @@ def test_greedy_output_through_the_child_is_the_targets(process_engine, method, 
         assert process_engine.pair.draft.steps_taken_ahead > taken
 
 
-def test_sampled_output_through_the_child_follows_the_target(process_engine):
-    check_sampled(process_engine, "specbranch", dict(gamma=3, branches=3, epsilon=1.0, head_start=0.2))
+@pytest.mark.parametrize("method, extra", [("specbranch", dict(gamma=3, branches=3, epsilon=1.0, head_start=0.2)),
+                                           ("pearl", dict(gamma=3, head_start=0.01))])
+def test_sampled_output_through_the_child_follows_the_target(process_engine, method, extra):
+    taken = process_engine.pair.draft.steps_taken_ahead
+    check_sampled(process_engine, method, extra)
+    if method == "pearl":  # its head start's second step was served by the sampled step taken ahead (SpecBranch here
+        # forks at every step, and a fork undoes the step taken ahead), and its output still follows the target
+        assert process_engine.pair.draft.steps_taken_ahead > taken
 
 
 def test_the_child_loads_the_targets_weights_without_its_fast_layouts(tiny_dirs, process_engine):
