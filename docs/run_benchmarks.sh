@@ -663,3 +663,13 @@ for s in 0 1 2; do
   $PY -m engine bench $HS --dataset all --limit 2 --temperature 1 --seed $s --head-start 0 \
       --json docs/headstart0-split-t1-s$s.json
 done
+# 35. Sampled draft steps taken ahead (docs/RESULTS.md §0y): A = 3c2798b (before), B = a26338f (this change), each
+#     from a worktree of its own (git worktree add /tmp/wtA 3c2798b; /tmp/wtB a26338f), alternated B A A B B A at T=1
+#     and B A A B at T=0; the JSON was first written to /tmp/sa-$v-t$T-s$s.json and copied to
+#     docs/sampled-ahead-$v-t$T-s$s.json
+SA="--methods ar,sd,pearl,specbranch --draft self --max-new-tokens 64 --gamma 8 --draft-stop 0 --head-start 0.02 --epsilon 0.1 --branches 3 --hold 0 --draft-forward lean-compiled --dataset all --limit 2"
+for run in "1 0 B" "1 0 A" "1 1 A" "1 1 B" "1 2 B" "1 2 A" "0 0 B" "0 0 A" "0 1 A" "0 1 B"; do
+  set -- $run
+  (cd /tmp/wt$3 && PYTHONPATH=. "$(realpath "$OLDPWD/$PY")" -m engine bench $SA --temperature $1 --seed $2 \
+      --json "$OLDPWD/docs/sampled-ahead-$3-t$1-s$2.json")
+done
