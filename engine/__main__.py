@@ -245,10 +245,15 @@ def cmd_train_hrad(args) -> None:
 
 
 def cmd_costs(args) -> None:
+    from .bench import read_report
     from .costs import run_costs
 
     writable_file(args.json_out, "costs")
-    run_costs(build_engine(args, need_draft=args.draft != "none"), args)
+    if args.model_only and not args.bench:
+        raise SpecBranchError("--model-only models a bench JSON: name one with --bench")
+    report = read_report(args.bench) if args.bench else None  # refused before any model loads
+    engine = None if args.model_only else build_engine(args, need_draft=args.draft != "none")
+    run_costs(engine, args, report)
 
 
 def cmd_distill(args) -> None:
@@ -300,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("costs", help="measure forward costs; model each benchmarked method's limit")
     add_model_arguments(c)
     c.add_argument("--bench", help="a bench JSON: add measured vs modelled speedup per method")
+    c.add_argument("--model-only", action="store_true",
+                   help="only model the --bench JSON: no model loads and no forward is measured")
     c.add_argument("--context", type=int, default=200, help="tokens already in the cache")
     c.add_argument("--max-tokens", type=int, default=8, help="target forwards of 1..N tokens")
     c.add_argument("--max-rows", type=int, default=4, help="draft steps on 1..N rows")

@@ -234,19 +234,25 @@ def format_spread_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def read_report(path: str) -> dict:
+    """A bench JSON (`bench --json`), or a SpecBranchError that says why it cannot be one."""
+    from .config import SpecBranchError
+
+    try:
+        with open(path) as f:
+            report = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SpecBranchError(f"cannot read bench report {path}: {exc}") from None
+    if not isinstance(report, dict) or not isinstance(report.get("results"), dict):
+        raise SpecBranchError(f"{path} is not a bench report (no 'results')")
+    return report
+
+
 def run_summary(args) -> dict:
-    from .config import SpecBranchError, writable_file
+    from .config import writable_file
 
     writable_file(args.json_out, "summary")
-    reports = []
-    for path in args.reports:
-        try:
-            with open(path) as f:
-                reports.append(json.load(f))
-        except (OSError, json.JSONDecodeError) as exc:
-            raise SpecBranchError(f"cannot read bench report {path}: {exc}") from None
-        if not isinstance(reports[-1], dict) or "results" not in reports[-1]:
-            raise SpecBranchError(f"{path} is not a bench report (no 'results')")
+    reports = [read_report(path) for path in args.reports]
     summary = summarize_runs(reports, args.dataset)
     print(format_spread_table(summary))
     if args.json_out:

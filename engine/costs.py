@@ -15,6 +15,13 @@ Two parts, both written to one JSON:
              per target pass and D = the mean draft step (both models' forwards as measured beside each other in
              the overlapped runs), all from the same bench run. measured / modelled is the share of the limit
              reached; the rest is idle time the model does not predict and host overhead.
+             bound: which model sets an overlapped round's length (draft: d · D > T_verify).
+             no waste: the same limit with only the draft steps whose tokens were committed, d · (1 − wasted draft
+             rate). Where a method is draft-bound, no waste / modelled is the most that any branch policy can
+             add to it at the same forward costs and with as many tokens made by the target (corrections,
+             bonuses): each committed token the draft made costs one draft step at the least, so the best a
+             policy can do is to waste none (docs/RESULTS.md §0z). For PEARL it is SpecBranch's headroom over
+             PEARL on that pair.
 """
 from __future__ import annotations
 
@@ -116,46 +123,62 @@ def modelled(report: dict, dataset: str = "all") -> dict[str, dict]:
             continue
         method = label.split("@")[0]
         tau, t_v = agg.get("mean_accepted_length"), agg.get("target_forward_ms")
+        model = no_waste = bound = None
         if label == "ar":
-            model = 1.0
-        elif not tau or not t_v:
-            model = None  # hf-assisted: its forwards are not visible to us
-        else:
+            model = no_waste = 1.0
+        elif tau and t_v:  # hf-assisted's forwards are not visible to us
             rounds = max(agg["target_forwards"] - agg["prompts"], 1)  # the prefill is no round
             drafting = agg["draft_forwards"] / rounds * (agg.get("draft_forward_ms") or 0.0)  # d · D
-            model = tau * t_ar / (t_v + drafting if method == "sd" else max(t_v, drafting))
+            serial = method == "sd"
+
+            def limit(draft_ms: float) -> float:
+                return tau * t_ar / (t_v + draft_ms if serial else max(t_v, draft_ms))
+            model = limit(drafting)
+            no_waste = limit(drafting * (1 - (agg.get("wasted_draft_rate") or 0.0)))
+            bound = "serial" if serial else "draft" if drafting > t_v else "target"
         measured = agg.get("speedup_vs_ar")
         out[label] = {"measured": measured, "modelled": None if model is None else round(model, 3),
                       "share_of_limit": round(measured / model, 3) if model and measured else None,
+                      "bound": bound, "no_waste": None if no_waste is None else round(no_waste, 3),
                       "tau": tau, "alpha": agg.get("acceptance_rate"), "verify_ms": t_v,
                       "per_position_acceptance": agg.get("per_position_acceptance")}
     return out
 
 
 def format_model(rows: dict[str, dict]) -> str:
-    lines = ["method | measured | modelled (forwards only) | share of limit | τ | α | target ms/forward",
-             "---|---|---|---|---|---|---"]
+    lines = ["method | measured | modelled (forwards only) | share of limit | bound | no waste | τ | α | "
+             "target ms/forward", "---|---|---|---|---|---|---|---|---"]
     for label, r in rows.items():
-        cells = [label] + ["" if r[k] is None else f"{r[k]:.3g}" for k in
-                           ("measured", "modelled", "share_of_limit", "tau", "alpha", "verify_ms")]
+        cells = [label] + ["" if r[k] is None else r[k] if isinstance(r[k], str) else f"{r[k]:.3g}" for k in
+                           ("measured", "modelled", "share_of_limit", "bound", "no_waste", "tau", "alpha",
+                            "verify_ms")]
         lines.append(" | ".join(cells))
     return "\n".join(lines)
 
 
-def run_costs(engine, args) -> dict:
-    torch.set_num_threads(max(1, args.threads))
-    out = {"forwards": measure(engine.pair, args.context, args.max_tokens, args.max_rows, args.reps),
-           "pair": {"target": engine.pair.target.name, "draft": engine.pair.draft.name if engine.pair.draft else None},
-           "threads": args.threads}
-    if engine.pair.draft is not None:  # what a fork's k rows do to the target step beside them
-        out["forwards"]["target_ms_beside_draft_rows"] = engine.branch_costs(args.max_rows).target_busy_ms
-    print(json.dumps(out["forwards"]))
-    if args.bench:
-        with open(args.bench) as f:
-            report = json.load(f)
-        out["bench"] = args.bench
-        out["model"] = {d: modelled(report, d) for d in report["results"].get("ar", {})}
-        print(format_model(out["model"].get("all", {})))
+def model_bench(path: str, report: dict) -> dict:
+    """The modelled limits of every method of a bench report (read from `path`), per dataset; the pooled table is
+    printed."""
+    out = {"bench": path, "model": {d: modelled(report, d) for d in report["results"].get("ar", {})}}
+    print(format_model(out["model"].get("all", {})))
+    return out
+
+
+def run_costs(engine, args, report: dict | None = None) -> dict:
+    """Measure the forwards (unless engine is None: --model-only), then model `report`, the bench JSON at
+    args.bench."""
+    out = {}
+    if engine is not None:
+        torch.set_num_threads(max(1, args.threads))
+        out = {"forwards": measure(engine.pair, args.context, args.max_tokens, args.max_rows, args.reps),
+               "pair": {"target": engine.pair.target.name,
+                        "draft": engine.pair.draft.name if engine.pair.draft else None},
+               "threads": args.threads}
+        if engine.pair.draft is not None:  # what a fork's k rows do to the target step beside them
+            out["forwards"]["target_ms_beside_draft_rows"] = engine.branch_costs(args.max_rows).target_busy_ms
+        print(json.dumps(out["forwards"]))
+    if report is not None:
+        out.update(model_bench(args.bench, report))
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(out, f, indent=2)
