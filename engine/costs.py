@@ -33,6 +33,7 @@ import time
 import torch
 
 from . import cache as kv
+from .metrics import round_pace
 
 
 def median_ms(fn, reps: int) -> float:
@@ -130,12 +131,9 @@ def modelled(report: dict, dataset: str = "all") -> dict[str, dict]:
             rounds = max(agg["target_forwards"] - agg["prompts"], 1)  # the prefill is no round
             drafting = agg["draft_forwards"] / rounds * (agg.get("draft_forward_ms") or 0.0)  # d · D
             serial = method == "sd"
-
-            def limit(draft_ms: float) -> float:
-                return tau * t_ar / (t_v + draft_ms if serial else max(t_v, draft_ms))
-            model = limit(drafting)
-            no_waste = limit(drafting * (1 - (agg.get("wasted_draft_rate") or 0.0)))
-            bound = "serial" if serial else "draft" if drafting > t_v else "target"
+            model = tau * t_ar / (t_v + drafting if serial else max(t_v, drafting))
+            bound, headroom = round_pace(t_v, drafting, agg.get("wasted_draft_rate"), serial)
+            no_waste = model * (headroom or 1.0)
         measured = agg.get("speedup_vs_ar")
         out[label] = {"measured": measured, "modelled": None if model is None else round(model, 3),
                       "share_of_limit": round(measured / model, 3) if model and measured else None,

@@ -13,11 +13,13 @@ Definitions (SPECBRANCH.md §5):
                       alone (the target waits on the draft: SD's drafting, a parallel method's head start) and
                       neither (host); the four add up to 1
   host overhead       decode time with no forward running on either worker, per step
+  pace                which model sets a round's length (round_pace): draft, target, or serial (SD)
+  no-waste headroom   a round's length / its length with only the draft steps whose tokens were committed
 """
 from __future__ import annotations
 
-from .events import (ACCEPTED, RESCUED, BranchResolved, DraftProposed, Event, Finished, Rollback, TimingSpan,
-                     TokensEmitted, Verified)
+from .events import (ACCEPTED, RESCUED, BranchResolved, DraftProposed, Event, Finished, Rollback, RunStarted,
+                     TimingSpan, TokensEmitted, Verified)
 
 FORMULAS = {
     "tokens_per_s": "tokens emitted after prefill / decode wall time",
@@ -34,7 +36,26 @@ FORMULAS = {
     "overlap": "time both models compute at once / decode wall time",
     "wall_split": "decode wall time: both compute / the target alone / the draft alone (the target waits on it) / "
                   "neither (host); adds up to 1",
+    "pace": "which model sets a round (one target forward and the draft steps of it): draft if draft forwards a "
+            "round × mean draft forward > mean target forward, else target; serial for SD (one, then the other)",
+    "no_waste_headroom": "a round's modelled length / its length with draft forwards a round × (1 - wasted draft "
+                         "rate). Where the draft sets the pace, the most that any branch or rollback policy could "
+                         "speed this run up at the same forward costs: each committed draft token costs a draft step",
 }
+
+
+def round_pace(verify_ms: float | None, draft_ms_a_round: float, wasted: float | None,
+               serial: bool) -> tuple[str | None, float | None]:
+    """(pace, no-waste headroom) of a run whose rounds are one target forward of `verify_ms` and draft forwards
+    worth `draft_ms_a_round` (d · D). An overlapped round lasts as long as the slower model; a serial one (SD) as
+    both in turn. With only the draft steps whose tokens were committed, d · (1 - wasted), it would last less;
+    the ratio is 1 where the target sets the pace. (None, None) where nothing was measured."""
+    def round_ms(draft_ms: float) -> float:
+        return verify_ms + draft_ms if serial else max(verify_ms, draft_ms)
+    if not verify_ms or not draft_ms_a_round:
+        return None, None
+    pace = "serial" if serial else "draft" if draft_ms_a_round > verify_ms else "target"
+    return pace, round_ms(draft_ms_a_round) / round_ms(draft_ms_a_round * (1 - (wasted or 0.0)))
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -117,6 +138,13 @@ def compute_metrics(events: list[Event]) -> dict:
         d = [s.end - s.start for s in spans if s.worker == worker and s.kind in kinds]
         return round(1000 * sum(d) / len(d), 3) if d else None
 
+    waste = draft_waste(events)
+    started = next((e for e in events if isinstance(e, RunStarted)), None)
+    verify_ms, draft_ms = mean_ms("target", ("decode", "verify")), mean_ms("draft", ("draft", "branch_draft"))
+    rounds = target_forwards - any(s.kind == "prefill" and s.worker == "target" for s in spans)
+    pace, headroom = (None, None) if opaque or not rounds or draft_ms is None else round_pace(
+        verify_ms, draft_forwards / rounds * draft_ms, waste["wasted_draft_rate"],
+        started is not None and started.method == "sd")
     return {
         "new_tokens": new_tokens,
         "tokens_per_s": round(after_prefill / decode_s, 3) if decode_s > 0 else 0.0,
@@ -124,7 +152,7 @@ def compute_metrics(events: list[Event]) -> dict:
         "decode_s": round(decode_s, 6),
         "acceptance_rate": round(n_accepted / n_verified, 6) if n_verified else None,
         "mean_accepted_length": round(new_tokens / target_forwards, 6) if target_forwards and not opaque else None,
-        **draft_waste(events),
+        **waste,
         "verified_tokens": n_verified,
         "accepted_tokens": n_accepted,
         "target_forwards": target_forwards,
@@ -144,8 +172,10 @@ def compute_metrics(events: list[Event]) -> dict:
         "branch_rescues": sum(f.rescued for f in forks),
         "rescue_rate": round(sum(f.rescued for f in forks) / len(forks), 6) if forks else None,
         **branch_counts(forks),
-        "target_forward_ms": mean_ms("target", ("decode", "verify")),
-        "draft_forward_ms": mean_ms("draft", ("draft", "branch_draft")),
+        "target_forward_ms": verify_ms,
+        "draft_forward_ms": draft_ms,
+        "pace": pace,
+        "no_waste_headroom": None if headroom is None else round(headroom, 4),
     }
 
 

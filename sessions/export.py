@@ -40,6 +40,7 @@ METRIC_FIELDS = {"new_tokens": int, "tokens_per_s": float, "prefill_s": float, "
                  "branch_points": int, "branch_rescues": int, "rescue_rate": float | None,
                  "rescues_by_k": dict[str, list[int]], "rescues_by_depth": list[list[int]],
                  "target_forward_ms": float | None, "draft_forward_ms": float | None,
+                 "pace": str | None, "no_waste_headroom": float | None,
                  # written by earlier versions (one rollback figure); replay recomputes both figures from events
                  "rollback_rate": float | None, "rolled_back_tokens": int}
 
