@@ -21,7 +21,9 @@ The engine fixes how it will pick each row's next token before it asks for the r
 when greedy; when sampling, the inverse CDF at a uniform it drew beforehand), so the child takes the step on that
 token as soon as it has answered (step_ahead), while the engine reads the answer, samples and records; the next
 request is then answered at once, and any other request undoes the step first. An answer is the same logits either
-way, and the engine samples from its own probabilities: the child's pick is only a guess.
+way, and the engine samples from its own probabilities: the child's pick is only a guess. An answer also says when the
+child computed it, on its perf_counter, which the parent checks at start that it shares (shares_clock): a span is when
+the draft computed, not when its answer was read (runtime.Measured); a step taken ahead and then undone is in no span.
 At start the child's logits are checked bit for bit against the local draft's (RemoteLM.agrees); where the child
 cannot load or disagrees, the draft stays in this process (in_process says why). Output is exact either way: q is
 what the pass that drafted the token computed.
@@ -52,6 +54,7 @@ import torch
 
 from .cache import cropped_length
 from .config import SpecBranchError
+from .runtime import Measured
 
 START_TIMEOUT_S = 300  # loading the models in the child (a dequantized GGUF loads in seconds; a hub id may download)
 COMPILE_TIMEOUT_S = 900  # loading them and compiling the draft's step (73 s cold for the self-draft beside runs, §0w)
@@ -74,10 +77,10 @@ def serve(conn) -> None:
     except Exception as exc:  # noqa: BLE001 - any failure is the parent's message
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
-    conn.send(("ready", None))
+    conn.send(("ready", time.perf_counter()))  # its clock, which the parent checks it shares (RemoteLM.shares_clock)
     caches, failed, threads = {}, None, 1
-    ahead = None  # (cache id, ids, logits): the step taken ahead on the tokens the last answer's draws pick, fed to its
-    # cache
+    ahead = None  # (cache id, ids, logits, (start, end)): the step taken ahead on the tokens the last answer's draws
+    # pick, fed to its cache, and when it computed
     while True:
         try:
             op, cid, arg = conn.recv()
@@ -86,7 +89,7 @@ def serve(conn) -> None:
         if ahead is not None:
             taken, ahead = ahead, None
             if op == "forward" and cid == taken[0] and arg[0] == taken[1] and failed is None:
-                answer(conn, taken[2], True)  # the step asked for is the one taken ahead: its logits, at once
+                answer(conn, taken[2], True, taken[3])  # the step asked for is the one taken ahead: at once
                 if arg[2]:
                     threads = on_threads(threads, arg[2])
                     ahead = step_ahead(lm, caches, cid, taken[2], arg[3])
@@ -97,8 +100,8 @@ def serve(conn) -> None:
                 if failed is None:
                     ids, n, go_on, draws = arg
                     threads = on_threads(threads, n)
-                    logits = lm.forward(torch.tensor(ids, dtype=torch.long), caches[cid]).contiguous()
-                    answer(conn, logits, False)
+                    logits, times = timed_forward(lm, ids, caches[cid])
+                    answer(conn, logits, False, times)
                     if go_on:
                         threads = on_threads(threads, go_on)
                         ahead = step_ahead(lm, caches, cid, logits, draws)
@@ -118,13 +121,21 @@ def serve(conn) -> None:
         except Exception as exc:  # noqa: BLE001
             failed = failed or f"{type(exc).__name__}: {exc}"
         if op == "forward":
-            conn.send(("error", failed, False))
+            conn.send(("error", failed, False, None))
             failed = None
 
 
-def answer(conn, logits: torch.Tensor, taken_ahead: bool) -> None:
-    """A forward's answer: its shape and whether its step was taken ahead, then the logits' bytes."""
-    conn.send(("ok", tuple(logits.shape), taken_ahead))
+def timed_forward(lm, ids: list[list[int]], cache) -> tuple[torch.Tensor, tuple[float, float]]:
+    """The child's forward of `ids` [B, T], and when it computed (perf_counter seconds: start, end)."""
+    start = time.perf_counter()
+    logits = lm.forward(torch.tensor(ids, dtype=torch.long), cache).contiguous()
+    return logits, (start, time.perf_counter())
+
+
+def answer(conn, logits: torch.Tensor, taken_ahead: bool, times: tuple[float, float]) -> None:
+    """A forward's answer: its shape, whether its step was taken ahead and when it computed, then the logits'
+    bytes."""
+    conn.send(("ok", tuple(logits.shape), taken_ahead, times))
     conn.send_bytes(logits.view(-1).numpy())
 
 
@@ -141,7 +152,7 @@ def step_ahead(lm, caches: dict, cid: int, logits: torch.Tensor, draws: list | N
     logits wait for a request with those ids; any other request (a fork, a hold, a rejection) undoes it first."""
     rows = logits[:, -1]  # [B, V]
     ids = rows.argmax(-1)[:, None].tolist() if draws is None else [[d.guess(r)] for d, r in zip(draws, rows)]  # [B, 1]
-    return cid, ids, lm.forward(torch.tensor(ids, dtype=torch.long), caches[cid]).contiguous()
+    return cid, ids, *timed_forward(lm, ids, caches[cid])
 
 
 class RemoteCache:
@@ -239,6 +250,7 @@ class RemoteLM:
         self.local, self.recipe = local, recipe
         self._twin, self._twin_why, self._twin_thread, self._closed = None, "", None, False  # start_compile's
         self._child_status: tuple[str, str] | None = None  # the child's own compile_status, once asked
+        started = time.perf_counter()
         self._conn, self._process = _start(recipe, low)
         self._send_lock = threading.Lock()  # a message goes out whole, whichever thread sends it
         self._call_lock = threading.Lock()  # one forward in flight: its answer is the next one on the connection
@@ -249,10 +261,13 @@ class RemoteLM:
         if not self._conn.poll(timeout):
             self.close()
             raise SpecBranchError(f"the draft's process did not load the draft within {timeout:.0f} s")
-        status, why = self._receive()
+        status, said = self._receive()
         if status != "ready":
             self.close()
-            raise SpecBranchError(f"the draft's process could not load {local.name!r}: {why}")
+            raise SpecBranchError(f"the draft's process could not load {local.name!r}: {said}")
+        # the child's perf_counter read while this one waited: the same clock (Linux's is system-wide), so its
+        # forwards' times can time the spans (forward(measured=True)); else the calls around them do
+        self.shares_clock = started <= said <= time.perf_counter()
 
     def __getattr__(self, name):  # everything but the forward is the local draft's
         return getattr(self.__dict__["local"], name)
@@ -283,19 +298,20 @@ class RemoteLM:
         return cache
 
     def forward(self, input_ids: torch.Tensor, cache: RemoteCache, hidden_states: bool = False,
-                features: bool = False, ahead: int = 0, draws: list | None = None) -> torch.Tensor:
+                features: bool = False, ahead: int = 0, draws: list | None = None, measured: bool = False):
         """input_ids [B, T] -> logits [B, T, V] float32, appending T positions to `cache`
         (the child runs the local draft's forward on the calling thread's torch thread count). ahead (torch threads; 0 =
         off): the next request will most likely feed the token each row's draw picks (`draws`, sampling.NextDraw, one
         a row; None: the argmax), so the child takes that step at once on that many threads, while this answer is read
-        (step_ahead); the answer to a request is the same whether its step was taken ahead or not."""
+        (step_ahead); the answer to a request is the same whether its step was taken ahead or not. measured: return
+        runtime.Measured(logits, when the child computed them) where it shares this clock (shares_clock)."""
         if hidden_states or features:
             raise ValueError("a draft in its own process returns logits only")
         if input_ids.shape[0] != cache.rows:
             raise ValueError(f"the cache holds {cache.rows} rows, fed {input_ids.shape[0]}")
         with self._call_lock:
             self.send("forward", cache.cid, (input_ids.tolist(), torch.get_num_threads(), ahead, draws))
-            status, shape, taken_ahead = self._receive()
+            status, shape, taken_ahead, times = self._receive()
             if status != "ok":
                 raise SpecBranchError(f"the draft's forward failed in its process: {shape}")
             self.steps_taken_ahead += taken_ahead
@@ -305,7 +321,7 @@ class RemoteLM:
             except (EOFError, OSError):
                 raise self._ended() from None
         cache.length += input_ids.shape[1]
-        return logits
+        return Measured(logits, *times) if measured and self.shares_clock else logits
 
     def start_compile(self, on_done=None) -> None:
         """lean-compiled, asked for later (models.LM.start_compile): a new child loads the draft and compiles its step
@@ -405,9 +421,9 @@ def close_distributions(a: torch.Tensor, b: torch.Tensor, tv: float = 0.1) -> bo
 
 
 def step_fn(lm, ahead: int, draws: list | None = None):
-    """lm.forward, asking a draft in its own process to step ahead on `ahead` torch threads (0: not) on the tokens
-    `draws` pick (None: the argmax) (RemoteLM.forward)."""
-    return functools.partial(lm.forward, ahead=ahead, draws=draws) if ahead and isinstance(lm, RemoteLM) \
+    """lm.forward; for a draft in its own process, timed by when the child computed (runtime.Measured) and asking it to
+    step ahead on `ahead` torch threads (0: not) on the tokens `draws` pick (None: the argmax) (RemoteLM.forward)."""
+    return functools.partial(lm.forward, ahead=ahead, draws=draws, measured=True) if isinstance(lm, RemoteLM) \
         else lm.forward
 
 

@@ -23,7 +23,7 @@ import asyncio
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -82,6 +82,15 @@ def _record_on(obj, stream) -> None:
             t.record_stream(stream)
 
 
+class Measured(NamedTuple):
+    """A forward's result with when it really computed (time.perf_counter seconds), where that differs from the
+    call around it: a draft in its own process may compute a step before it is asked for (a step taken ahead), and
+    its answer arrives at once. Worker.run times the span by these."""
+    result: Any
+    start: float
+    end: float
+
+
 class Worker:
     def __init__(self, name: str, threads: int = 1, device: torch.device | str | None = None,
                  solo_threads: int | None = None):
@@ -117,7 +126,10 @@ class Worker:
                 try:
                     start = time.perf_counter()
                     result = fn(*args)
-                    return result, round(start - t0, 6), round(time.perf_counter() - t0, 6), None
+                    end = time.perf_counter()
+                    if isinstance(result, Measured):  # when it computed, not when it was asked for
+                        result, start, end = result
+                    return result, round(start - t0, 6), round(end - t0, 6), None
                 finally:
                     if threads != self.threads:
                         torch.set_num_threads(self.threads)

@@ -4,9 +4,11 @@ generate(), sampled follows the target's distribution); a draft that cannot go t
 child that dies ends the run with a message; closing the engine ends the child."""
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from engine.config import GenerationConfig, SpecBranchError
 from engine.draft_process import LOW_PRIORITY, RemoteLM, in_process, low_priority
 from engine.engine import Engine
 from engine.models import ModelPair, load_pair, with_draft
+from engine.runtime import Measured, Worker
 from engine.sampling import NextDraw, draw_u, logits_to_probs
 
 from .test_parallel_lossless import check_sampled
@@ -99,6 +102,34 @@ def test_the_child_steps_ahead_on_the_token_a_sampled_draw_picks(process_engine)
     assert remote.steps_taken_ahead == taken + 4
     step(1 - nxt.clamp(max=1), [NextDraw(0.8, 40, 0.95, draw_u(g)) for _ in range(3)])  # not those: undone first
     assert remote.steps_taken_ahead == taken + 4
+
+
+def test_a_step_taken_ahead_is_timed_when_the_child_computed_it(process_engine):
+    """A draft's span in its own process is when the child computed, on its clock, which is this one's: a step taken
+    ahead ran while the engine was busy elsewhere, so its span ends before it was asked for. Worker.run times a span by
+    such a result (runtime.Measured) instead of by the call around it."""
+    remote = process_engine.pair.draft
+    assert remote.shares_clock  # Linux's perf_counter is system-wide
+    cache = remote.new_cache()
+    before = time.perf_counter()
+    first = remote.forward(torch.tensor([PROMPT]), cache, ahead=1, measured=True)
+    assert isinstance(first, Measured) and before <= first.start < first.end <= time.perf_counter()
+    nxt = first.result[:, -1].argmax(-1)[:, None]  # the token greedy drafting feeds: the child steps on it at once
+    time.sleep(0.2)  # the engine reads the answer, samples and records meanwhile
+    asked = time.perf_counter()
+    ahead = remote.forward(nxt, cache, measured=True)
+    assert first.end <= ahead.start < ahead.end < asked  # computed before it was asked for
+    asked = time.perf_counter()
+    plain = remote.forward(ahead.result[:, -1].argmax(-1)[:, None], cache, measured=True)  # not taken ahead (ahead=0)
+    assert asked <= plain.start < plain.end <= time.perf_counter()
+    assert torch.is_tensor(remote.forward(nxt, cache))  # unmeasured: the logits alone (the probe, engine costs)
+
+    worker, t0 = Worker("draft"), time.perf_counter() - 10.0
+    try:
+        out, span = asyncio.run(worker.run(lambda: Measured("logits", t0 + 1.25, t0 + 1.5), kind="draft", step=3, t0=t0))
+    finally:
+        worker.shutdown()
+    assert out == "logits" and (span.start, span.end, span.step) == (1.25, 1.5, 3)
 
 
 @pytest.mark.parametrize("method, extra", [("sd", {}), ("pearl", {}), ("specbranch", dict(epsilon=1.0))])
