@@ -81,7 +81,7 @@ def step_alignment_figure(by_step: list[dict], labels: list[str]) -> go.Figure:
 def compare_html(result: dict) -> str:
     """The compare table. Its values come from stored or imported runs: every cell is escaped as text."""
     keys = ["tokens_per_s", "mean_accepted_length", "acceptance_rate", "path_rollback_rate", "wasted_draft_rate",
-            "overlap", "draft_alone_fraction", "new_tokens"]
+            "overlap", "draft_alone_fraction", "pace", "no_waste_headroom", "new_tokens"]
     head = "".join(f"<th>{html.escape(h)}</th>" for h in ["run", *keys, "speedup vs first"])
     rows = []
     for i, label in enumerate(result["labels"]):

@@ -481,10 +481,11 @@ def comparison_table(runs: list[list[Event]], greedy: bool) -> str:
         rows.append("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in (
             name, f"{m['tokens_per_s']:.1f}", speed, fmt(m["mean_accepted_length"]), fmt(m["acceptance_rate"]),
             fmt(m["path_rollback_rate"]), fmt(m["wasted_draft_rate"]), fmt(m["overlap"]),
-            fmt(m["draft_alone_fraction"]), same)) + "</tr>")
+            fmt(m["draft_alone_fraction"]), fmt(m.get("pace")), fmt(m.get("no_waste_headroom")), same)) + "</tr>")
     head = "".join(f"<th>{h}</th>" for h in ("method", "tokens/s", "speedup vs ar", "tokens per target forward",
                                                "acceptance", "path rollback", "wasted draft", "overlap",
-                                               "target waits on the draft", "output vs first"))
+                                               "target waits on the draft", "pace", "no-waste headroom",
+                                               "output vs first"))
     note = "" if greedy else "<p>Sampled runs differ by design; compare their statistics, not their text.</p>"
     return f'<table class="compare-table"><tr>{head}</tr>{"".join(rows)}</table>{note}'
 

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from app.replay_tab import compare_html
+from app.ui import comparison_table
 from app.views import metric_panel
 from engine.events import (ACCEPTED, CORRECTION, DraftProposed, Finished, Rollback, RunStarted, TimingSpan,
                            TokensEmitted)
 from engine.metrics import compute_metrics, round_pace
+from sessions.replay import compare_runs
 
 
 def stream(method: str, draft_ms: float, draft_steps: int = 4):
@@ -57,3 +60,14 @@ def test_the_metric_panel_shows_the_pace_with_its_formula():
     assert "<td>pace</td><td class='num'>draft</td>" in html
     assert "<td>no waste headroom</td><td class='num'>1.33</td>" in html
     assert "the most that any branch or rollback policy could speed this run up" in html
+
+
+def test_both_comparison_tables_show_each_runs_pace():
+    runs = [stream("ar", 20.0, draft_steps=0), stream("pearl", 20.0), stream("specbranch", 10.0)]
+    live = comparison_table(runs, greedy=False)  # Compare's table
+    assert "<th>pace</th><th>no-waste headroom</th>" in live
+    assert "<td>–</td><td>–</td>" in live  # ar: no draft
+    assert "<td>draft</td><td>1.33</td>" in live and "<td>target</td><td>1</td>" in live
+    stored = compare_html(compare_runs(runs))  # Replay's, with each value's difference from the first run
+    assert "<th>pace</th><th>no_waste_headroom</th>" in stored
+    assert "<td>draft</td><td>1.33</td>" in stored and "<td>target</td><td>1</td>" in stored

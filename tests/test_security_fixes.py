@@ -96,7 +96,7 @@ def test_metrics_that_are_not_numbers_are_escaped(recorded, tmp_path):  # noqa: 
     for html_text in pages:
         assert_no_markup(html_text)
     compare, _, metrics = pages[:3]
-    assert compare.count(AS_TEXT) == 2 * (1 + 8)  # both runs' labels and compared metrics, as text
+    assert compare.count(AS_TEXT) == 2 * (1 + 10)  # both runs' labels and compared metrics, as text
     assert metrics.count(AS_TEXT) >= 6
 
 
