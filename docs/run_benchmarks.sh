@@ -673,3 +673,19 @@ for run in "1 0 B" "1 0 A" "1 1 A" "1 1 B" "1 2 B" "1 2 A" "0 0 B" "0 0 A" "0 1 
   (cd /tmp/wt$3 && PYTHONPATH=. "$(realpath "$OLDPWD/$PY")" -m engine bench $SA --temperature $1 --seed $2 \
       --json "$OLDPWD/docs/sampled-ahead-$3-t$1-s$2.json")
 done
+# 36. Which model sets the pace, and the limit with no drafted token wasted (docs/RESULTS.md §0z): the ablation with
+#     the app's pair as it ships, twice: at 6fc0f4d's engine (V=-0y, its draft spans timed by the engine's call) and
+#     with the child's spans timed where it computed (V=-0z, 47acc8c); then each seed's model, from its JSON alone
+for v in -0y -0z; do
+  STEPS="1" DRAFT=self V=$v EXTRA="--gamma 8 --draft-stop 0 --head-start 0.02 --epsilon 0.1 --hold 0 --draft-forward lean-compiled" \
+      bash docs/run_ablation.sh
+done
+for f in docs/ablation-0z-t{0,1}-s{0,1,2}.json; do
+  $PY -m engine costs --bench $f --model-only --json ${f%.json}-model.json
+done
+#     and γ 8 / 16 / 12 on the tuning prompts at T=0 (seed 0; one run each, from a worktree at 6651f56, whose engine is
+#     6fc0f4d's; the JSON was first written to /tmp/sweep/g$g-t0.json and copied to docs/gamma-0z-g$g-t0.json)
+G0="--methods ar,pearl,specbranch --draft self --max-new-tokens 64 --draft-stop 0 --head-start 0.02 --epsilon 0.1 --branches 3 --hold 0 --draft-forward lean-compiled --dataset data/tuning_prompts.jsonl"
+for g in 8 16 12; do
+  $PY -m engine bench $G0 --gamma $g --temperature 0 --seed 0 --json docs/gamma-0z-g$g-t0.json
+done
