@@ -15,7 +15,7 @@ Two parts, both written to one JSON:
              per target pass and D = the mean draft step (both models' forwards as measured beside each other in
              the overlapped runs), all from the same bench run. measured / modelled is the share of the limit
              reached; the rest is idle time the model does not predict and host overhead.
-             bound: which model sets an overlapped round's length (draft: d · D > T_verify).
+             pace: which model sets an overlapped round's length (draft: d · D > T_verify; serial for SD).
              no waste: the same limit with only the draft steps whose tokens were committed, d · (1 − wasted draft
              rate). Where a method is draft-bound, no waste / modelled is the most that any branch policy can
              add to it at the same forward costs and with as many tokens made by the target (corrections,
@@ -33,7 +33,7 @@ import time
 import torch
 
 from . import cache as kv
-from .metrics import round_pace
+from .metrics import round_ms, round_pace
 
 
 def median_ms(fn, reps: int) -> float:
@@ -124,31 +124,31 @@ def modelled(report: dict, dataset: str = "all") -> dict[str, dict]:
             continue
         method = label.split("@")[0]
         tau, t_v = agg.get("mean_accepted_length"), agg.get("target_forward_ms")
-        model = no_waste = bound = None
+        model = no_waste = pace = None
         if label == "ar":
             model = no_waste = 1.0
         elif tau and t_v:  # hf-assisted's forwards are not visible to us
             rounds = max(agg["target_forwards"] - agg["prompts"], 1)  # the prefill is no round
             drafting = agg["draft_forwards"] / rounds * (agg.get("draft_forward_ms") or 0.0)  # d · D
             serial = method == "sd"
-            model = tau * t_ar / (t_v + drafting if serial else max(t_v, drafting))
-            bound, headroom = round_pace(t_v, drafting, agg.get("wasted_draft_rate"), serial)
+            model = tau * t_ar / round_ms(t_v, drafting, serial)
+            pace, headroom = round_pace(t_v, drafting, agg.get("wasted_draft_rate"), serial)
             no_waste = model * (headroom or 1.0)
         measured = agg.get("speedup_vs_ar")
         out[label] = {"measured": measured, "modelled": None if model is None else round(model, 3),
                       "share_of_limit": round(measured / model, 3) if model and measured else None,
-                      "bound": bound, "no_waste": None if no_waste is None else round(no_waste, 3),
+                      "pace": pace, "no_waste": None if no_waste is None else round(no_waste, 3),
                       "tau": tau, "alpha": agg.get("acceptance_rate"), "verify_ms": t_v,
                       "per_position_acceptance": agg.get("per_position_acceptance")}
     return out
 
 
 def format_model(rows: dict[str, dict]) -> str:
-    lines = ["method | measured | modelled (forwards only) | share of limit | bound | no waste | τ | α | "
+    lines = ["method | measured | modelled (forwards only) | share of limit | pace | no waste | τ | α | "
              "target ms/forward", "---|---|---|---|---|---|---|---|---"]
     for label, r in rows.items():
         cells = [label] + ["" if r[k] is None else r[k] if isinstance(r[k], str) else f"{r[k]:.3g}" for k in
-                           ("measured", "modelled", "share_of_limit", "bound", "no_waste", "tau", "alpha",
+                           ("measured", "modelled", "share_of_limit", "pace", "no_waste", "tau", "alpha",
                             "verify_ms")]
         lines.append(" | ".join(cells))
     return "\n".join(lines)

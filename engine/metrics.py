@@ -44,18 +44,22 @@ FORMULAS = {
 }
 
 
+def round_ms(verify_ms: float, draft_ms_a_round: float, serial: bool) -> float:
+    """How long a round of one target forward and draft forwards worth `draft_ms_a_round` (d · D) lasts if only the
+    forwards cost time: the slower model's share when they overlap, both in turn when serial (SD)."""
+    return verify_ms + draft_ms_a_round if serial else max(verify_ms, draft_ms_a_round)
+
+
 def round_pace(verify_ms: float | None, draft_ms_a_round: float, wasted: float | None,
                serial: bool) -> tuple[str | None, float | None]:
     """(pace, no-waste headroom) of a run whose rounds are one target forward of `verify_ms` and draft forwards
-    worth `draft_ms_a_round` (d · D). An overlapped round lasts as long as the slower model; a serial one (SD) as
-    both in turn. With only the draft steps whose tokens were committed, d · (1 - wasted), it would last less;
-    the ratio is 1 where the target sets the pace. (None, None) where nothing was measured."""
-    def round_ms(draft_ms: float) -> float:
-        return verify_ms + draft_ms if serial else max(verify_ms, draft_ms)
+    worth `draft_ms_a_round`. With only the draft steps whose tokens were committed, d · (1 - wasted), a round would
+    last less (round_ms); the ratio is 1 where the target sets the pace. (None, None) where nothing was measured."""
     if not verify_ms or not draft_ms_a_round:
         return None, None
     pace = "serial" if serial else "draft" if draft_ms_a_round > verify_ms else "target"
-    return pace, round_ms(draft_ms_a_round) / round_ms(draft_ms_a_round * (1 - (wasted or 0.0)))
+    return pace, (round_ms(verify_ms, draft_ms_a_round, serial)
+                  / round_ms(verify_ms, draft_ms_a_round * (1 - (wasted or 0.0)), serial))
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:

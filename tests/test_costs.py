@@ -43,7 +43,7 @@ def test_modelled_speedups_by_hand():
     assert rows["pearl@self"]["modelled"] == pytest.approx(1.389, abs=1e-3)
     assert rows["hf-assisted"]["modelled"] is None  # its forwards are invisible to us
     # which model sets a round, and the limit with no drafted token wasted
-    assert [rows[m]["bound"] for m in ("ar", "sd", "specbranch@embedded", "pearl@self", "hf-assisted")] == \
+    assert [rows[m]["pace"] for m in ("ar", "sd", "specbranch@embedded", "pearl@self", "hf-assisted")] == \
         [None, "serial", "target", "draft", None]
     assert rows["sd"]["no_waste"] == pytest.approx(1.0, abs=1e-3)
     assert rows["specbranch@embedded"]["no_waste"] == rows["specbranch@embedded"]["modelled"]
@@ -82,7 +82,7 @@ def test_model_only_reads_a_bench_without_loading_a_model(tmp_path, capsys):
                  "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert "forwards" not in result and result["bench"] == str(bench)
-    assert result["model"]["all"]["pearl"]["bound"] == "draft"
+    assert result["model"]["all"]["pearl"]["pace"] == "draft"
     assert result["model"]["all"]["pearl"]["no_waste"] == pytest.approx(1.543, abs=1e-3)
     assert "| draft | 1.54 |" in capsys.readouterr().out
 
