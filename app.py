@@ -5,7 +5,8 @@ import argparse
 import os
 import threading
 
-from app.ui import build_app, css_paths, defaults_for
+from app.main import build_app, css_paths
+from app.settings import defaults_for
 from engine.config import DRAFT_FORWARDS, DRAFT_MATMULS, DRAFT_WORKERS, TARGET_FORWARDS
 
 # the drafts a visitor may pick on the embedded target (the app's own comes first), as the menu names them: the fast
@@ -26,7 +27,7 @@ def main() -> None:
     parser.add_argument("--target", default=os.environ.get("SPECBRANCH_TARGET", "embedded"))
     parser.add_argument("--draft", default=os.environ.get("SPECBRANCH_DRAFT"),
                         help="a draft spec (python -m engine --help); default: self, the target read in 4 bits, on "
-                             "a CPU (engine.models.default_draft), else embedded. For more rejections and branches "
+                             "a CPU (engine.models.loading.default_draft), else embedded. For more rejections and branches "
                              "to watch: embedded or embedded-weak; for forks that rescue: self-skip:3,4,5,25")
     parser.add_argument("--device", default=os.environ.get("SPECBRANCH_DEVICE"))
     parser.add_argument("--draft-matmul", default=os.environ.get("SPECBRANCH_DRAFT_MATMUL", "auto"),
@@ -56,7 +57,7 @@ def main() -> None:
     parser.add_argument("--no-record", action="store_true", help="do not record sessions")
     args = parser.parse_args()
     if not args.draft:
-        from engine.models import default_draft
+        from engine.models.loading import default_draft
 
         args.draft = default_draft(args.device)
 
@@ -73,7 +74,7 @@ def main() -> None:
             engines = loaded.setdefault("engines", {})
             if draft not in engines:
                 from engine.engine import Engine
-                from engine.models import load_pair, with_draft
+                from engine.models.loading import load_pair, with_draft
 
                 if engines:
                     pair = with_draft(next(iter(engines.values())).pair.target, draft,

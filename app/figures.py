@@ -7,7 +7,7 @@ import html
 import plotly.graph_objects as go
 
 from engine.events import DraftProposed, Event, Rollback, TimingSpan, TokensEmitted
-from engine.metrics import busy_intervals
+from engine.measure.metrics import busy_intervals
 from sessions.replay import run_label
 
 KIND_COLOURS = {"prefill": "#9e9e9e", "draft": "#4caf50", "branch_draft": "#8e24aa", "verify": "#1e88e5",

@@ -15,7 +15,7 @@ from typing import Callable, Iterator
 import gradio as gr
 
 from engine.events import Event, RunStarted, TokensEmitted
-from engine.metrics import metrics_of
+from engine.measure.metrics import metrics_of
 from sessions.replay import decode_start, run_label, timed_emissions, unique_labels
 
 from .figures import timeline_figure

@@ -5,7 +5,7 @@ from __future__ import annotations
 import html
 
 from engine.events import Event, Rollback, TokensEmitted, Verified
-from engine.metrics import FORMULAS, metrics_of
+from engine.measure.metrics import FORMULAS, metrics_of
 from sessions.replay import run_label
 
 WALL_SPLIT = ("overlap", "target_alone_fraction", "draft_alone_fraction", "neither_fraction")  # metric_panel's order

@@ -106,3 +106,12 @@ class GenerationConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def config_from(args, method: str) -> GenerationConfig:
+    """The generation settings of parsed CLI arguments (engine/cli.py) for `method`, validated."""
+    return GenerationConfig(method=method, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                            top_k=args.top_k, top_p=args.top_p, seed=args.seed, gamma=args.gamma, draft_stop=args.draft_stop,
+                            feed_stop=args.feed_stop, head_start=args.head_start, branches=args.branches,
+                            epsilon=args.epsilon, hrad=args.hrad, branch_costs=args.branch_costs,
+                            calibrate=args.calibrate, hold=args.hold, hold_branches=args.hold_branches).validate()

@@ -13,19 +13,19 @@ from typing import AsyncIterator
 
 import torch
 
-from .ar import autoregressive_decode
-from .assisted import assisted_decode
-from .calibration import PRIOR_WEIGHT, RESCUE_BINS, RESCUE_PRIOR_WEIGHT, AcceptanceCalibration
-from .config import GenerationConfig, SpecBranchError
-from .costs import busy_draft, draft_features, forward_costs
-from .decoding import RunState
-from .events import DECODE, DRAFT, VERIFY, Event, Finished, Notice, RunStarted, TimingSpan, TokensEmitted
-from .hrad import find_hrad
-from .metrics import compute_metrics
-from .models import ModelPair
-from .runtime import Worker, default_solo_threads, new_event_loop
-from .parallel import BranchCosts, Policy, parallel_decode
-from .sd import speculative_decode
+from engine.methods.ar import autoregressive_decode
+from engine.methods.assisted import assisted_decode
+from engine.methods.calibration import PRIOR_WEIGHT, RESCUE_BINS, RESCUE_PRIOR_WEIGHT, AcceptanceCalibration
+from engine.config import GenerationConfig, SpecBranchError
+from engine.measure.costs import busy_draft, draft_features, forward_costs
+from engine.methods.decoding import RunState
+from engine.events import DECODE, DRAFT, VERIFY, Event, Finished, Notice, RunStarted, TimingSpan, TokensEmitted
+from engine.methods.hrad import find_hrad
+from engine.measure.metrics import compute_metrics
+from engine.models.loading import ModelPair
+from engine.runtime import Worker, default_solo_threads, new_event_loop
+from engine.methods.parallel import BranchCosts, Policy, parallel_decode
+from engine.methods.sd import speculative_decode
 
 NEEDS_DRAFT = {"sd", "pearl", "specbranch", "specbranch-no-branch", "specbranch-no-hrad", "specbranch-fixed",
                "hf-assisted"}

@@ -27,8 +27,8 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from .config import SpecBranchError
-from .events import TimingSpan
+from engine.config import SpecBranchError
+from engine.events import TimingSpan
 
 
 class OutOfMemory(SpecBranchError):

@@ -26,7 +26,7 @@ SESSION_FIELDS = {"id": str, "created": float, "title": str, "prompt": str, "tar
                   "config": dict, "versions": dict}
 RUN_FIELDS = {"id": str, "method": str, "started": float, "finished": float | None, "status": str,
               "reason": str | None, "metrics": dict | None, "token_count": int, "events": list}
-# engine.metrics.compute_metrics' keys and types: imported metrics reach the page, so each is checked
+# engine.measure.metrics.compute_metrics' keys and types: imported metrics reach the page, so each is checked
 METRIC_FIELDS = {"new_tokens": int, "tokens_per_s": float, "prefill_s": float, "decode_s": float,
                  "acceptance_rate": float | None, "mean_accepted_length": float | None,
                  "wasted_draft_rate": float | None, "path_rollback_rate": float | None,

@@ -14,7 +14,7 @@ from typing import Any
 import sqlite_utils
 
 from engine.events import Event, Finished, RunStarted, TokensEmitted
-from engine.metrics import compute_metrics
+from engine.measure.metrics import compute_metrics
 
 from .db import (SessionStoreError, dumps, event_row, new_id, open_db, refresh_session_status, run_finish_fields,
                  store_errors, transaction)

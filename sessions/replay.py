@@ -8,7 +8,7 @@ from __future__ import annotations
 from bisect import bisect_right
 
 from engine.events import PREFILL, Event, RunStarted, StepStarted, TimingSpan, TokensEmitted
-from engine.metrics import metrics_of
+from engine.measure.metrics import metrics_of
 
 
 def replay_steps(events: list[Event]) -> list[int]:

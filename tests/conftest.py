@@ -21,7 +21,7 @@ def free_port() -> int:
 def serve_app(engine, store, drafts: list[tuple[str, str]] | None = None, **launch):
     """The app on `engine` (an Engine, or with `drafts` to pick from, a function from a draft spec to its Engine)
     recording to `store`, launched on a free local port: (demo, url)."""
-    from app.ui import build_app
+    from app.main import build_app
 
     demo = build_app(engine if drafts else lambda draft=None: engine, lambda: (store, ""), drafts=drafts)
     port = free_port()
@@ -88,7 +88,7 @@ def tiny_dirs(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_dirs):
     from engine.engine import Engine
-    from engine.models import load_pair
+    from engine.models.loading import load_pair
 
     # a float32 draft: the H-RAD tests compare its confidences with float32 references, and the tests that need
     # the draft ahead of the target rely on it being cheaper (a tiny model's bfloat16 casts cost more than its
@@ -100,7 +100,7 @@ def tiny_engine(tiny_dirs):
 
 @pytest.fixture(scope="session")
 def embedded_target():
-    from engine.models import load_pair
+    from engine.models.loading import load_pair
 
     return load_pair("embedded", None, device="cpu")
 
@@ -135,6 +135,6 @@ def engine_with_draft(target_pair, draft_spec: str, matmul: str = "float32"):
     """An Engine on the already-loaded embedded target with another draft (no reload of the target); matmul: how
     the draft's matmuls read its weights (models.draft_matmul_kind)."""
     from engine.engine import Engine
-    from engine.models import with_draft
+    from engine.models.loading import with_draft
 
     return Engine(with_draft(target_pair.target, draft_spec, draft_matmul=matmul))

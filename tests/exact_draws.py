@@ -1,4 +1,4 @@
-"""Exact enumeration of the random draws inside engine.sampling's verification functions.
+"""Exact enumeration of the random draws inside engine.methods.sampling's verification functions.
 
 verify_block and verify_candidates take their randomness through a `Draws` (accept with probability a;
 sample a token from a row). `outcomes(call)` runs `call(draws)` once per combination of draw outcomes,
@@ -12,7 +12,7 @@ from typing import Callable, Iterator, TypeVar
 
 import torch
 
-from engine.sampling import Draws
+from engine.methods.sampling import Draws
 
 T = TypeVar("T")
 

@@ -91,7 +91,7 @@ def test_out_of_range_controls_are_refused_and_the_app_keeps_serving(client, ove
     (dict(hold_branches=True), "hold-branches needs a hold above 0"),
 ])
 def test_settings_validation_messages(args, message):
-    from app.ui import make_config
+    from app.settings import make_config
     from engine.config import SpecBranchError
 
     base = dict(method="specbranch", max_new=8, temperature=0, top_p=1, gamma=3, branches=3, epsilon=0.5,
@@ -234,9 +234,10 @@ def test_a_browser_id_owns_its_runs_across_page_loads(client, app_store):
 def test_app_defaults_follow_the_draft_and_the_pair_line_is_text(tiny_engine):
     """The sliders start at the settings the bench chose for the draft the app serves (docs/RESULTS.md §0f for the
     target read in 4 bits), and the line naming the pair is text, never markup."""
-    from app.ui import DEFAULTS, HOLD_BRANCHES_DEFAULTS, SELF_DEFAULTS, build_app, defaults_for
-    from engine.lm_head import int4_supported
-    from engine.models import default_draft
+    from app.main import build_app
+    from app.settings import DEFAULTS, HOLD_BRANCHES_DEFAULTS, SELF_DEFAULTS, defaults_for
+    from engine.kernels.lm_head import int4_supported
+    from engine.models.loading import default_draft
 
     assert defaults_for("self") is SELF_DEFAULTS and defaults_for("embedded") is DEFAULTS
     # the branches held too for the drafts where that cut path rollback at the same speed (§0q), not the distilled one
@@ -260,10 +261,10 @@ def test_a_visitor_picks_a_draft_from_the_offered_ones_only(tiny_engine, app_sto
     picking a draft sets the sliders to its kind's defaults."""
     from gradio_client import Client
 
-    from app.ui import SELF_DEFAULTS, SLIDER_KEYS, slider_defaults
+    from app.settings import SELF_DEFAULTS, SLIDER_KEYS, slider_defaults
     from engine.config import GenerationConfig
     from engine.engine import Engine
-    from engine.models import with_draft
+    from engine.models.loading import with_draft
 
     own = Engine(with_draft(tiny_engine.pair.target, "self", draft_matmul="float32"))
     engines, asked = {"tiny-draft": tiny_engine, "self": own}, []

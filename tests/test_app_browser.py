@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from app.tree import build_tree, step_events
-from app.ui import css_paths
+from app.main import css_paths
 from engine.events import BranchResolved, StepStarted
 
 from .conftest import serve_app

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.__main__ import main
+from engine.cli import main
 
 
 def run_cli(capsys, *argv):

@@ -7,14 +7,14 @@ from __future__ import annotations
 import torch
 
 from app.tree import step_caption
-from engine.calibration import PRIOR_WEIGHT, RESCUE_BINS, RESCUE_PRIOR_WEIGHT, AcceptanceCalibration
+from engine.methods.calibration import PRIOR_WEIGHT, RESCUE_BINS, RESCUE_PRIOR_WEIGHT, AcceptanceCalibration
 from engine.config import GenerationConfig
-from engine.decoding import RunState
+from engine.methods.decoding import RunState
 from engine.events import (ACCEPTED, BONUS, CORRECTION, RESCUED, VERIFY, BranchResolved, DraftProposed, TimingSpan,
                            Verified)
-from engine.parallel import (BranchCosts, Fork, Policy, Speculation, alternatives_share, feed_limit, judged_path,
+from engine.methods.parallel import (BranchCosts, Fork, Policy, Speculation, alternatives_share, feed_limit, judged_path,
                              line_of, missed_rescue, resolve)
-from engine.sampling import TOPK
+from engine.methods.sampling import TOPK
 
 V = 10
 
@@ -181,7 +181,7 @@ def test_a_fork_keeps_drafting_its_branches(tiny_engine):
     the last token of the previous round: an unsure token is what a fork hedges, so its branches get drafted."""
     import asyncio
 
-    from engine.parallel import DraftState, draft_until_verdict
+    from engine.methods.parallel import DraftState, draft_until_verdict
 
     async def fork_and_draft():
         cfg = GenerationConfig(method="specbranch", gamma=3, draft_stop=0.3, epsilon=1.0)
@@ -205,7 +205,7 @@ def test_drafting_stops_at_the_token_budget(tiny_engine):
     past the context: a head's cache has exactly that many rows)."""
     import asyncio
 
-    from engine.parallel import DraftState, depth, draft_until_verdict
+    from engine.methods.parallel import DraftState, depth, draft_until_verdict
 
     async def draft_long():
         cfg = GenerationConfig(method="specbranch", gamma=4, max_new_tokens=3, epsilon=1.0)
@@ -301,7 +301,7 @@ def test_engine_learns_where_its_draft_is_right(tiny_dirs):
     draft's confidence is below 0.6, run after run; calibrated, the engine learns from its verdicts that the draft
     is right at those confidences, and by its third run forks far less. Greedy output equals AR's either way."""
     from engine.engine import Engine
-    from engine.models import load_pair
+    from engine.models.loading import load_pair
 
     engine = Engine(load_pair(str(tiny_dirs["target"]), "self", device="cpu", draft_matmul="float32"))
     try:
@@ -438,7 +438,7 @@ def test_held_positions_are_left_to_the_target_and_still_measured(tiny_dirs):
     """Hold 1: the draft proposes nothing (its odds are always below 1), every position is the target's own
     token, output equals AR's, and the calibration still learns at every held position the target reached."""
     from engine.engine import Engine
-    from engine.models import load_pair
+    from engine.models.loading import load_pair
 
     engine = Engine(load_pair(str(tiny_dirs["target"]), str(tiny_dirs["draft"]), device="cpu",
                               draft_matmul="float32"))
@@ -480,7 +480,7 @@ def test_a_draft_that_holds_again_after_a_hold_follows_the_target(tiny_engine):
     before. A rejection before the held position makes the hold moot and counts nothing."""
     import asyncio
 
-    from engine.parallel import DraftState, Outcome, draft_step, head_start, release_hold
+    from engine.methods.parallel import DraftState, Outcome, draft_step, head_start, release_hold
 
     cfg = GenerationConfig(method="specbranch", gamma=3, epsilon=0.5, head_start=0.3, hold=0.5)
     state = RunState(tiny_engine.pair, cfg, tiny_engine.target_worker, tiny_engine.draft_worker,
@@ -527,8 +527,8 @@ def test_a_branch_step_below_the_hold_keeps_nothing(tiny_engine):
     (the default) only the odds before a step are read. Greedy output stays AR's either way."""
     import asyncio
 
-    from engine import cache as kv
-    from engine.parallel import DraftState, draft_step, draft_until_verdict
+    from engine.models import cache as kv
+    from engine.methods.parallel import DraftState, draft_step, draft_until_verdict
 
     cfg = GenerationConfig(method="specbranch", gamma=3, epsilon=1.0, hold=0.5)
     state = RunState(tiny_engine.pair, cfg, tiny_engine.target_worker, tiny_engine.draft_worker,

@@ -1,5 +1,5 @@
 """Exact enumeration (float64, V = 5, k up to 3) of the multi-candidate rules at a branch point, through the
-engine's own `engine.sampling.verify_candidates`: for each way of drawing the k candidates, every candidate
+engine's own `engine.methods.sampling.verify_candidates`: for each way of drawing the k candidates, every candidate
 tuple is enumerated with its probability of being drawn, and verify_candidates' uniform and final-residual
 draws are enumerated exactly (tests/exact_draws.py). The emitted token must be distributed exactly as p.
 Negative controls: the three mistakes SPECBRANCH.md lists, patched in, must each be badly biased."""
@@ -10,8 +10,8 @@ import itertools
 import pytest
 import torch
 
-from engine import sampling
-from engine.sampling import (IID, NO_REPLACEMENT, TOPK, candidate_step, draw_candidates, draw_u, logits_to_probs,
+from engine.methods import sampling
+from engine.methods.sampling import (IID, NO_REPLACEMENT, TOPK, candidate_step, draw_candidates, draw_u, logits_to_probs,
                              sample, sample_at, verify_candidates)
 
 from .exact_draws import outcomes

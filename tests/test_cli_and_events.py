@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import json
 
-from engine.__main__ import main
+from engine.cli import main
 from engine.config import GenerationConfig
 from engine.events import (DraftProposed, Finished, RunStarted, StepStarted, TimingSpan, TokensEmitted, Verified,
                            from_dict)
-from engine.lm_head import bf16_supported
-from engine.metrics import compute_metrics
+from engine.kernels.lm_head import bf16_supported
+from engine.measure.metrics import compute_metrics
 
 
 def test_generate_json(capsys, tiny_dirs):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from engine.__main__ import main
+from engine.cli import main
 from sessions import Store
 
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from engine.__main__ import main
-from engine.costs import modelled
+from engine.cli import main
+from engine.measure.costs import modelled
 
 
 def agg(tokens_per_s, speedup, tau, verify_ms, target_forwards=10, draft_forwards=0, draft_ms=None, prompts=1,

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from engine import runtime
-from engine.__main__ import main
+from engine.cli import main
 from engine.config import GenerationConfig, SpecBranchError
 from engine.engine import Engine
-from engine.models import LM, load_pair, pick_device
+from engine.models.loading import LM, load_pair, pick_device
 from engine.runtime import OutOfMemory, Worker, span_seconds
 
 from .conftest import make_tiny_model
@@ -247,8 +247,8 @@ def test_out_of_memory_from_the_cli_is_one_error_line(tmp_path, monkeypatch, cap
 
 # ---------------------------------------------------------------- distill takes its device
 def test_head_distill_tensors_are_made_on_the_given_device(tiny_dirs):
-    from engine.head import FeatureHead
-    from engine.head_distill import feature_batches, ttt_mask, unrolled_outputs
+    from engine.drafts.head import FeatureHead
+    from engine.training.head_distill import feature_batches, ttt_mask, unrolled_outputs
 
     cpu = torch.device("cpu")
     rows = [{"prompt_ids": [2, 3], "response_ids": [4, 5, 6]}, {"prompt_ids": [2], "response_ids": [7]}]

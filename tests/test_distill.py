@@ -7,12 +7,12 @@ import json
 
 import torch
 
-from engine.__main__ import main
+from engine.cli import main
 from engine.config import GenerationConfig
-from engine.distill import initial_draft
-from engine.drafts import draft_from_target, load_draft_dir
+from engine.training.distill import initial_draft
+from engine.drafts.distilled import draft_from_target, load_draft_dir
 from engine.engine import Engine
-from engine.models import load_pair
+from engine.models.loading import load_pair
 
 from .conftest import make_tiny_model
 
@@ -80,7 +80,7 @@ def test_self_prompts_magpie_tiny(tmp_path, capsys):
     only finished, new, non-excluded questions are kept; the file resumes; the responses follow."""
     from transformers import AutoTokenizer
 
-    from engine.distill import (
+    from engine.training.distill import (
         generate_self_prompts,
         pre_query_ids,
         read_jsonl,

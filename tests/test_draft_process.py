@@ -14,11 +14,12 @@ import pytest
 import torch
 
 from engine.config import GenerationConfig, SpecBranchError
-from engine.draft_process import LOW_PRIORITY, RemoteLM, in_process, low_priority
+from engine.drafts.child import LOW_PRIORITY, low_priority
+from engine.drafts.process import RemoteLM, in_process
 from engine.engine import Engine
-from engine.models import ModelPair, load_pair, with_draft
+from engine.models.loading import ModelPair, load_pair, with_draft
 from engine.runtime import Measured, Worker
-from engine.sampling import NextDraw, draw_u, logits_to_probs
+from engine.methods.sampling import NextDraw, draw_u, logits_to_probs
 
 from .test_parallel_lossless import check_sampled
 from .test_sampling_montecarlo import PROMPT

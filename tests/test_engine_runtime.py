@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 import pytest
 
-from engine.__main__ import main
+from engine.cli import main
 from engine.config import GenerationConfig
 from engine.engine import Engine
 from engine.events import Finished, Notice, RunStarted, TokensEmitted
-from engine.models import load_pair
+from engine.models.loading import load_pair
 from engine.runtime import Worker, new_event_loop
 
 from .conftest import make_tiny_model

@@ -7,7 +7,7 @@ import pytest
 
 from engine.config import GenerationConfig
 from engine.events import Rollback
-from engine.lm_head import int4_supported
+from engine.kernels.lm_head import int4_supported
 
 from .conftest import GREEDY_NEW as NEW, engine_with_draft
 
@@ -60,7 +60,7 @@ def test_int4_self_draft_in_its_own_process_matches(embedded_target, greedy_refe
     """The app's draft where the app runs it: in a child process (engine/draft_process.py) that loads it by the same
     recipe, with greedy steps taken ahead there; the output is generate()'s."""
     from engine.engine import Engine
-    from engine.models import with_draft
+    from engine.models.loading import with_draft
 
     engine = Engine(with_draft(embedded_target.target, "self", draft_matmul="int4", draft_worker="process"))
     try:

@@ -9,12 +9,12 @@ import json
 import pytest
 import torch
 
-from engine.__main__ import main
+from engine.cli import main
 from engine.config import GenerationConfig, SpecBranchError
 from engine.engine import Engine
-from engine.head import FeatureHead, HeadLM, save_head
-from engine.head_distill import losses, unrolled_outputs
-from engine.models import LM, load_model, load_pair
+from engine.drafts.head import FeatureHead, HeadLM, save_head
+from engine.training.head_distill import losses, unrolled_outputs
+from engine.models.loading import LM, load_model, load_pair
 
 from .conftest import make_tiny_model
 from .test_sampling_montecarlo import PROMPT, chi_square, exact_joint
@@ -102,7 +102,7 @@ def test_head_cache_pointer_and_stale_rows(tiny_target):
     assert cache.stale_from() == 4  # row 4 was built on a prediction of f_3, now known
     with pytest.raises(ValueError):
         cache.set_target_features(7, feats[:1])  # a gap
-    cache.crop(-2)  # what engine.cache.rollback does
+    cache.crop(-2)  # what engine.models.cache.rollback does
     assert cache.get_seq_length() == 4 and cache.kv.get_seq_length() == 4 and len(cache.built_on_pred) == 4
     again = hlm.forward(ids[:, 4:], cache)  # re-fed on true features: equals a fresh pass
     fresh = hlm.new_cache()

@@ -10,13 +10,14 @@ import shutil
 import pytest
 import torch
 
-from engine.__main__ import main
+from engine.cli import main
 from engine.config import GenerationConfig
 from engine.engine import Engine
 from engine.events import Notice
-from engine.hrad import (HRAD, Sample, evaluate, forced_samples, load_samples, macro_f1, pair_signature,
-                         samples_key, save_hrad, save_samples, split_by_prompt, train_classifier)
-from engine.models import load_pair
+from engine.methods.hrad import HRAD, pair_signature, save_hrad
+from engine.training.hrad import (Sample, evaluate, forced_samples, load_samples, macro_f1, samples_key, save_samples,
+                                  split_by_prompt, train_classifier)
+from engine.models.loading import load_pair
 
 PROMPT = [2, 3, 4]
 

@@ -8,14 +8,14 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine.bench import draft_forward_kind
+from engine.measure.bench import draft_forward_kind
 from engine.config import GenerationConfig, SpecBranchError
-from engine.draft_process import close_distributions
+from engine.drafts.process import close_distributions
 from engine.engine import Engine
 from engine.events import Notice
-from engine.lean import KVBuffer, LeanLlama, fits
-from engine.lm_head import bf16_supported, fast_linears, int4_supported
-from engine.models import LM, lean_draft
+from engine.models.lean import KVBuffer, LeanLlama, fits
+from engine.kernels.lm_head import bf16_supported, fast_linears, int4_supported
+from engine.models.loading import LM, lean_draft
 
 
 def tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
@@ -173,7 +173,7 @@ def test_compiled_steps_follow_the_eager_ones_and_decode_exactly(tiny_dirs):
     is empty; a bfloat16 draft says why it stays eager, without trying). Its states equal the eager step's to float
     rounding through steps (on one thread or two, never compiled again), a rollback, a cache that outgrows its buffers
     and a fork (whose k-row steps stay eager); greedy SD, PEARL and SpecBranch still give the target's output."""
-    from engine.models import load_pair
+    from engine.models.loading import load_pair
 
     from .test_lm_head import assert_speculation_equals_ar
 
@@ -222,7 +222,7 @@ def test_a_draft_in_its_process_compiles_in_another_and_decodes_exactly_meanwhil
     first process ends. A run before then says that it drafts with the eager step; greedy SD, PEARL and SpecBranch
     give the target's output before, while and after; once compiled, no notice. In this process the draft compiles
     when asked, at once."""
-    from engine.models import load_pair
+    from engine.models.loading import load_pair
 
     pair = load_pair(str(tiny_dirs["target"]), str(tiny_dirs["draft"]), device="cpu", draft_matmul="int4",
                      draft_forward="lean-compiled", draft_worker="process", compile_later=True)
@@ -268,7 +268,7 @@ def test_a_draft_in_its_process_compiles_in_another_and_decodes_exactly_meanwhil
 def test_a_bfloat16_draft_in_its_process_is_refused_at_once_without_a_second_process(tiny_dirs):
     """inductor cannot lower a bfloat16 draft's packed matmuls: asked to compile later, the draft says so at once and
     starts no second process; its runs carry no notice (nothing is on its way) and give the target's output."""
-    from engine.models import load_pair
+    from engine.models.loading import load_pair
 
     pair = load_pair(str(tiny_dirs["target"]), str(tiny_dirs["draft"]), device="cpu", draft_matmul="bfloat16",
                      draft_forward="lean-compiled", draft_worker="process", compile_later=True)

@@ -12,10 +12,10 @@ import torch.nn.functional as F
 
 from engine.config import GenerationConfig, SpecBranchError
 from engine.engine import Engine
-from engine.lm_head import (INT4_GROUP, LAYER_MAX_ROWS, PACK_ROWS, SHORTLIST, Bf16Matmul, HeadMatmul, Int4Matmul,
+from engine.kernels.lm_head import (INT4_GROUP, LAYER_MAX_ROWS, PACK_ROWS, SHORTLIST, Bf16Matmul, HeadMatmul, Int4Matmul,
                             ShortlistHead, bf16_supported, fast_linears, int4_fits, int4_supported, packed_matmul,
                             packed_weight)
-from engine.models import draft_matmul_kind, load_pair
+from engine.models.loading import draft_matmul_kind, load_pair
 from transformers import LlamaForCausalLM
 
 

@@ -1,15 +1,15 @@
 """Which model sets a run's pace, and the headroom a run has if no drafted token were wasted
-(engine.metrics.round_pace), by hand on constructed event streams; the metric panel shows both."""
+(engine.measure.metrics.round_pace), by hand on constructed event streams; the metric panel shows both."""
 from __future__ import annotations
 
 import pytest
 
-from app.replay_tab import compare_html
-from app.ui import comparison_table
+from app.tabs.replay import compare_html
+from app.tabs.compare import comparison_table
 from app.views import metric_panel
 from engine.events import (ACCEPTED, CORRECTION, DraftProposed, Finished, Rollback, RunStarted, TimingSpan,
                            TokensEmitted)
-from engine.metrics import compute_metrics, round_pace
+from engine.measure.metrics import compute_metrics, round_pace
 from sessions.replay import compare_runs
 
 

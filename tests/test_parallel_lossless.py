@@ -8,8 +8,8 @@ import pytest
 from engine.config import GenerationConfig
 from engine.engine import Engine
 from engine.events import BranchResolved, DraftProposed, TokensEmitted, Verified
-from engine.lm_head import bf16_supported, int4_supported
-from engine.models import load_pair
+from engine.kernels.lm_head import bf16_supported, int4_supported
+from engine.models.loading import load_pair
 
 from .conftest import GREEDY_NEW, engine_with_draft
 from .test_sampling_montecarlo import PROMPT, chi_square, exact_joint

@@ -3,9 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from engine import cache as kv
-
-
+from engine.models import cache as kv
 def check_rollback(lm, prompt, speculative, replacement):
     with torch.inference_mode():
         c = kv.new_cache(lm.model)

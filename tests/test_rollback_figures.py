@@ -1,4 +1,4 @@
-"""The two rollback figures (engine.metrics.draft_waste), by hand on constructed event streams, then on
+"""The two rollback figures (engine.measure.metrics.draft_waste), by hand on constructed event streams, then on
 real runs of the tiny models. Token ids: 1x linear drafts, 2x target tokens, 3x candidates, 4x/5x branch steps."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from app.views import metric_panel
 from engine.config import GenerationConfig
 from engine.events import (ACCEPTED, BONUS, CORRECTION, RESCUED, BranchResolved, DraftProposed, Finished, Rollback,
                            StepStarted, TokensEmitted, Verified)
-from engine.metrics import compute_metrics, metrics_of
+from engine.measure.metrics import compute_metrics, metrics_of
 from sessions.replay import events_up_to_step, replay_steps
 
 

@@ -9,7 +9,7 @@ import torch
 from scipy.stats import chisquare
 
 from engine.config import GenerationConfig
-from engine.sampling import logits_to_probs
+from engine.methods.sampling import logits_to_probs
 
 PROMPT = [2, 3, 4]
 N = 1500

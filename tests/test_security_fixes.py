@@ -13,11 +13,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from app import replay_tab
+from app.tabs import replay as replay_tab
 from app.figures import timeline_figure
 from app.identity import STORAGE_KEY, browser_id_state, browser_identity, owner_of
-from app.replay_tab import compare_html, export_dir, export_paths, step_alignment_figure
-from app.ui import views_at
+from app.tabs.replay import compare_html, export_dir, export_paths, step_alignment_figure
+from app.render import views_at
 from engine.config import GenerationConfig
 from engine.engine import Engine
 from engine.runtime import new_event_loop

@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 
 from app.figures import cumulative_figure, timeline_figure
-from app.replay_tab import step_alignment_figure
+from app.tabs.replay import step_alignment_figure
 from app.tree import tree_html
 from app.views import metric_panel, token_view
 from engine.config import GenerationConfig
 from engine.events import DraftProposed, Finished, TokensEmitted
-from engine.metrics import compute_metrics
+from engine.measure.metrics import compute_metrics
 from engine.runtime import new_event_loop
 from sessions.export import chrome_trace, chrome_trace_runs, export_json, import_json
 from sessions.replay import compare_runs, events_up_to_step, replay_steps

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine.config import GenerationConfig
-from engine.datasets import benchmark_prompts
+from engine.measure.datasets import benchmark_prompts
 from engine.events import Notice
 
 from .conftest import engine_with_draft
@@ -45,7 +45,7 @@ def test_weak_draft_acceptance(embedded_target):
 def test_head_draft_acceptance_and_greedy_equality(embedded_target):
     """The shipped feature-conditioned head: reads the target's features, keeps its acceptance, and every
     overlapped method with it equals the target's own greedy output; it has no H-RAD, and says so."""
-    from engine.head import HeadLM
+    from engine.drafts.head import HeadLM
 
     engine = engine_with_draft(embedded_target, "embedded-head")
     assert isinstance(engine.pair.draft, HeadLM)

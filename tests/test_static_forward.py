@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from engine.config import SpecBranchError
-from engine.lean import KVBuffer
-from engine.lm_head import HeadMatmul, fast_linears
-from engine.models import LM, static_target
-from engine.static_forward import StaticLlama, fits
+from engine.models.lean import KVBuffer
+from engine.kernels.lm_head import HeadMatmul, fast_linears
+from engine.models.loading import LM, static_target
+from engine.models.static_forward import StaticLlama, fits
 
 from .test_lean import tiny_llama
 

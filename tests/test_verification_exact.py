@@ -1,5 +1,5 @@
 """Exact enumeration (float64, small vocabulary) of one step of speculative decoding through the engine's own
-`engine.sampling.verify_block`: the draft tokens are enumerated with their q-probability, and verify_block's
+`engine.methods.sampling.verify_block`: the draft tokens are enumerated with their q-probability, and verify_block's
 uniform and residual/bonus draws are enumerated exactly (tests/exact_draws.py). The emitted tokens must be
 distributed exactly as the target would sample them."""
 from __future__ import annotations
@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
-from engine import sampling
-from engine.sampling import logits_to_probs, verify_block
+from engine.methods import sampling
+from engine.methods.sampling import logits_to_probs, verify_block
 
 from .exact_draws import outcomes
 

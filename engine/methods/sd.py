@@ -3,7 +3,7 @@ target forward, keep the accepted prefix plus a correction or bonus token. Seria
 computes the other waits (the "bubbles" the parallel methods remove)."""
 from __future__ import annotations
 
-from .decoding import RunState, decode_one_token, draft_block, step_loop, verify_and_commit
+from engine.methods.decoding import RunState, decode_one_token, draft_block, step_loop, verify_and_commit
 
 
 def speculative_decode(state: RunState):

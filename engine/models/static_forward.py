@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from .cache import new_cache as transformers_cache
-from .lean import CAPACITY, KVBuffer, fits as lean_misfit
-from .lm_head import COPY_BUDGET, LAYER_MAX_ROWS, HeadMatmul
+from engine.models.cache import new_cache as transformers_cache
+from engine.models.lean import CAPACITY, KVBuffer, fits as lean_misfit
+from engine.kernels.lm_head import COPY_BUDGET, LAYER_MAX_ROWS, HeadMatmul
 
 
 def fits(model) -> str | None:

@@ -31,8 +31,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import DynamicCache
 
-from .config import SpecBranchError
-from .lm_head import draft_matmul, fast_linears
+from engine.config import SpecBranchError
+from engine.kernels.lm_head import draft_matmul, fast_linears
 
 HEAD_KEY = "specbranch_head"
 

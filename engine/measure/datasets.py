@@ -10,9 +10,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import SpecBranchError
+from engine.config import SpecBranchError
 
-DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+DATA_DIR = Path(__file__).resolve().parents[2] / "data"
 DATASETS = ("mt_bench", "gsm8k", "humaneval")
 
 

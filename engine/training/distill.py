@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 import re
 import time
 from pathlib import Path
@@ -20,21 +19,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .config import SpecBranchError, writable_dir
-from .drafts import draft_from_target, is_specbranch_draft, load_draft_dir, save_draft
-
-
-# ---------------------------------------------------------------- data
-def read_jsonl(path: Path) -> list[dict]:
-    rows = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    raise SpecBranchError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
-    return rows
+from engine.config import SpecBranchError, writable_dir
+from engine.training.common import batches, capped_rows, frequent_vocab, optimizer_step, read_jsonl, split_by_prompt
+from engine.drafts.distilled import draft_from_target, is_specbranch_draft, load_draft_dir, save_draft
 
 
 def encode_prompt(tokenizer, row: dict) -> list[int]:
@@ -134,20 +121,6 @@ def generate_self_prompts(target, tokenizer, n: int, out: Path, batch_size: int,
             f.flush()
 
 
-def batches(rows: list[dict], batch_size: int, shuffle: bool, seed: int = 0):
-    """Length-bucketed batches of (input_ids [B, T], mask [B, T], response start per row)."""
-    order = sorted(range(len(rows)), key=lambda i: len(rows[i]["prompt_ids"]) + len(rows[i]["response_ids"]))
-    chunks = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
-    if shuffle:
-        random.Random(seed).shuffle(chunks)
-    for chunk in chunks:
-        seqs = [rows[i]["prompt_ids"] + rows[i]["response_ids"] for i in chunk]
-        width = max(map(len, seqs))
-        ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])  # right padding
-        mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
-        yield chunk, ids, mask
-
-
 def response_positions(rows: list[dict], chunk: list[int]) -> list[tuple[int, int, int]]:
     """(row in batch, first position, last position + 1) of the logits that predict response tokens."""
     out = []
@@ -172,14 +145,6 @@ def label_topk(target, rows: list[dict], path: Path, k: int, batch_size: int) ->
             labels[chunk[b]] = {"ids": top.to(torch.int32).cpu(), "probs": probs.half().cpu()}
     torch.save(labels, path)
     return labels
-
-
-def frequent_vocab(rows: list[dict], size: int, vocab_size: int) -> torch.Tensor:
-    """FR-Spec head: the `size` most frequent response tokens, topped up with the lowest ids
-    (BPE gives low ids to early, frequent merges). Sorted ids."""
-    counts = torch.bincount(torch.tensor([t for r in rows for t in r["response_ids"]]), minlength=vocab_size)
-    ranked = torch.argsort(counts, descending=True, stable=True)  # ties keep low ids first
-    return torch.sort(ranked[: min(size, vocab_size)]).values
 
 
 # ---------------------------------------------------------------- training
@@ -215,15 +180,6 @@ def evaluate(draft, rows, labels, head, remap, batch_size) -> float:
             agree, total = agree + a, total + t
     draft.train()
     return agree / max(total, 1)
-
-
-def optimizer_step(loss: torch.Tensor, params, opt, sched) -> None:
-    """Backward, clip the gradient norm at 1, step the optimiser and the learning-rate schedule."""
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(params, 1.0)
-    opt.step()
-    sched.step()
 
 
 def train_draft(target, rows: list[dict], labels: list[dict], val_rows, val_labels, *, layers: int, vocab: int,
@@ -286,29 +242,6 @@ def initial_draft(target, layers: int, init: Path | None):
     return draft
 
 
-def split_by_prompt(rows: list[dict], val_fraction: float, seed: int):
-    """Hold out whole prompts (a prompt's greedy and sampled responses go to the same side)."""
-    keys = sorted({tuple(r["prompt_ids"]) for r in rows})
-    random.Random(seed).shuffle(keys)
-    val_keys = set(keys[: max(1, int(len(keys) * val_fraction))])
-    train = [r for r in rows if tuple(r["prompt_ids"]) not in val_keys]
-    val = [r for r in rows if tuple(r["prompt_ids"]) in val_keys]
-    return train, val
-
-
-def capped_rows(rows: list[dict], max_tokens: int, seed: int) -> list[int]:
-    """Indices of a seeded random subset of rows holding about `max_tokens` response tokens (whole rows)."""
-    order = list(range(len(rows)))
-    random.Random(seed).shuffle(order)
-    kept, n = [], 0
-    for i in order:
-        if n >= max_tokens:
-            break
-        kept.append(i)
-        n += len(rows[i]["response_ids"])
-    return kept
-
-
 def check_inputs(args) -> None:
     """Fail fast, with the reason, on files that are missing or hold nothing to learn from."""
     for path in [*(args.corpus or []), *([args.prompts] if args.prompts else [])]:
@@ -327,7 +260,7 @@ def check_inputs(args) -> None:
 
 
 def run_distill(args) -> dict:
-    from .models import load_pair
+    from engine.models.loading import load_pair
 
     check_inputs(args)
     work = writable_dir(Path(args.work_dir), "work files")
@@ -346,7 +279,7 @@ def run_distill(args) -> dict:
                            args.gen_temperature, args.seed)
         rows += read_jsonl(generated)
     if args.self_prompts:
-        from .datasets import DATASETS, benchmark_prompts
+        from engine.measure.datasets import DATASETS, benchmark_prompts
         exclude = set().union(*(shingles(p.text) for d in DATASETS for p in benchmark_prompts(d)))
         prompt_file, generated = work / "self_prompts.jsonl", work / "self_generated.jsonl"
         generate_self_prompts(target, tok, args.self_prompts, prompt_file, args.gen_batch_size, args.seed, exclude)
@@ -361,7 +294,7 @@ def run_distill(args) -> dict:
     if len(rows) < 2:
         raise SpecBranchError("distill needs at least two (prompt, response) rows: give --corpus, --prompts or --self-prompts")
     if args.kind == "head":
-        from .head_distill import run_head_distill
+        from engine.training.head_distill import run_head_distill
         return run_head_distill(args, target, rows, work)
     train_rows, val_rows = split_by_prompt(rows, args.val_fraction, args.seed)
     labels = label_topk(target, train_rows + val_rows, work / f"labels_top{args.top_k}_{len(rows)}_{args.seed}.pt",
@@ -388,36 +321,3 @@ def run_distill(args) -> dict:
     return meta
 
 
-def add_arguments(p) -> None:
-    p.add_argument("--target", default="embedded")
-    p.add_argument("--corpus", action="append", help="JSONL rows with prompt_ids and response_ids (repeatable)")
-    p.add_argument("--prompts", help="JSONL prompts (field 'prompt', optional 'chat') to generate responses for")
-    p.add_argument("--limit", type=int, default=0, help="use only the first N prompts")
-    p.add_argument("--self-prompts", type=int, default=0,
-                   help="let the target write N user questions of its own (Magpie) and answer them")
-    p.add_argument("--generate-only", action="store_true", help="stop after generating responses")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--gen-batch-size", type=int, default=16)
-    p.add_argument("--gen-temperature", type=float, default=0.0)
-    p.add_argument("--max-tokens", type=int, default=0, help="cap on response tokens used (0 = all)")
-    p.add_argument("--kind", choices=("standalone", "head"), default="standalone",
-                   help="standalone: the target's first N layers as a small LM; head: a feature-conditioned "
-                        "draft head over the target's last hidden state (EAGLE-style)")
-    p.add_argument("--layers", type=int, default=4, help="decoder layers (standalone draft or head)")
-    p.add_argument("--init", help="standalone: go on training this saved draft (its layers; --layers is ignored) "
-                                  "instead of starting from the target's first layers")
-    p.add_argument("--unroll", type=int, default=3,
-                   help="head: training-time-test steps (drafting depths trained on the head's own predictions)")
-    p.add_argument("--vocab", type=int, default=8192, help="reduced LM-head size (FR-Spec); >= vocab means full")
-    p.add_argument("--epochs", type=float, default=3)
-    p.add_argument("--lr", type=float, default=5e-4)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--label-batch-size", type=int, default=8)
-    p.add_argument("--top-k", type=int, default=32, help="teacher probabilities kept per position")
-    p.add_argument("--val-fraction", type=float, default=0.03)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-minutes", type=float, default=None, help="stop training after this long")
-    p.add_argument("--threads", type=int, default=0)
-    p.add_argument("--device", default=None)
-    p.add_argument("--work-dir", default="runs/distill")
-    p.add_argument("--out", required=True, help="directory to write the draft to")

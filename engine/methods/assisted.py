@@ -8,8 +8,8 @@ import time
 
 import torch
 
-from .decoding import RunState, emit
-from .events import TARGET, Event, TimingSpan
+from engine.methods.decoding import RunState, emit
+from engine.events import TARGET, Event, TimingSpan
 
 
 class _Clock:

@@ -1,7 +1,7 @@
 """Plain autoregressive decoding of the target: the baseline every speedup is measured against."""
 from __future__ import annotations
 
-from .decoding import RunState, decode_one_token, step_loop
+from engine.methods.decoding import RunState, decode_one_token, step_loop
 
 
 def autoregressive_decode(state: RunState):

@@ -7,7 +7,7 @@ turns at the interpreter: a target step beside the draft costs 47-48 ms in a thr
 the parallel methods' target pass beside the 4-bit self-draft takes 66-70 ms with the draft on a thread and 56-63 ms
 with it here (§0s).
 
-How: the child (`python -m engine.draft_process`, so nothing of the parent's __main__ runs there) loads the same
+How: the child (`python -m engine.drafts.child`, so nothing of the parent's __main__ runs there) loads the same
 draft by the same recipe (models.with_draft's arguments) and keeps its caches. Here a RemoteLM stands in for the
 draft: every attribute is the local draft's (its name, tokenizer, the model hf-assisted runs), but `forward` and
 `new_cache` go to the child. A forward is answered with its logits, [B, T, V] as raw bytes, as the local draft's
@@ -47,112 +47,18 @@ import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from multiprocessing.connection import Client, Listener
+from multiprocessing.connection import Listener
 from pathlib import Path
 
 import torch
 
-from .cache import cropped_length
-from .config import SpecBranchError
-from .runtime import Measured
+from engine.models.cache import cropped_length
+from engine.config import SpecBranchError
+from engine.models.lean import compile_report
+from engine.runtime import Measured
 
 START_TIMEOUT_S = 300  # loading the models in the child (a dequantized GGUF loads in seconds; a hub id may download)
 COMPILE_TIMEOUT_S = 900  # loading them and compiling the draft's step (73 s cold for the self-draft beside runs, §0w)
-LOW_PRIORITY = 19  # the nice value a compiled twin loads and compiles at (low_priority)
-
-
-def serve(conn) -> None:
-    """The child: load the draft by the recipe the parent sends first (models.load_pair's arguments; with `low`, at
-    the lowest CPU priority: low_priority) and answer the parent until it closes the connection. An op that fails is
-    reported with the next forward's answer."""
-    torch.set_num_threads(1)
-    try:
-        recipe, low = conn.recv()
-        from .models import load_pair
-
-        def load():
-            return load_pair(**recipe).draft
-
-        lm = low_priority(load) if low else load()
-    except Exception as exc:  # noqa: BLE001 - any failure is the parent's message
-        conn.send(("error", f"{type(exc).__name__}: {exc}"))
-        return
-    conn.send(("ready", time.perf_counter()))  # its clock, which the parent checks it shares (RemoteLM.shares_clock)
-    caches, failed, threads = {}, None, 1
-    ahead = None  # (cache id, ids, logits, (start, end)): the step taken ahead on the tokens the last answer's draws
-    # pick, fed to its cache, and when it computed
-    while True:
-        try:
-            op, cid, arg = conn.recv()
-        except (EOFError, OSError):
-            return
-        if ahead is not None:
-            taken, ahead = ahead, None
-            if op == "forward" and cid == taken[0] and arg[0] == taken[1] and failed is None:
-                answer(conn, taken[2], True, taken[3])  # the step asked for is the one taken ahead: at once
-                if arg[2]:
-                    threads = on_threads(threads, arg[2])
-                    ahead = step_ahead(lm, caches, cid, taken[2], arg[3])
-                continue
-            caches[taken[0]].crop(-1)  # another request: undo the step taken ahead first
-        try:
-            if op == "forward":
-                if failed is None:
-                    ids, n, go_on, draws = arg
-                    threads = on_threads(threads, n)
-                    logits, times = timed_forward(lm, ids, caches[cid])
-                    answer(conn, logits, False, times)
-                    if go_on:
-                        threads = on_threads(threads, go_on)
-                        ahead = step_ahead(lm, caches, cid, logits, draws)
-                    continue
-            elif op == "new":
-                caches[cid] = lm.new_cache()
-            elif op == "free":
-                caches.pop(cid, None)
-            elif op == "crop":
-                caches[cid].crop(arg)
-            elif op == "repeat":
-                caches[cid].batch_repeat_interleave(arg)
-            elif op == "select":
-                caches[cid].batch_select_indices(torch.tensor(arg))
-            elif op == "compile_status":
-                conn.send(("status", *lm.compile_status()))
-        except Exception as exc:  # noqa: BLE001
-            failed = failed or f"{type(exc).__name__}: {exc}"
-        if op == "forward":
-            conn.send(("error", failed, False, None))
-            failed = None
-
-
-def timed_forward(lm, ids: list[list[int]], cache) -> tuple[torch.Tensor, tuple[float, float]]:
-    """The child's forward of `ids` [B, T], and when it computed (perf_counter seconds: start, end)."""
-    start = time.perf_counter()
-    logits = lm.forward(torch.tensor(ids, dtype=torch.long), cache).contiguous()
-    return logits, (start, time.perf_counter())
-
-
-def answer(conn, logits: torch.Tensor, taken_ahead: bool, times: tuple[float, float]) -> None:
-    """A forward's answer: its shape, whether its step was taken ahead and when it computed, then the logits'
-    bytes."""
-    conn.send(("ok", tuple(logits.shape), taken_ahead, times))
-    conn.send_bytes(logits.view(-1).numpy())
-
-
-def on_threads(current: int, n: int) -> int:
-    """Run the child's next forward on n torch threads (set only when it changes); returns n."""
-    if n != current:
-        torch.set_num_threads(n)
-    return n
-
-
-def step_ahead(lm, caches: dict, cid: int, logits: torch.Tensor, draws: list | None):
-    """While the parent reads an answer, take the step it most likely asks for next: on the token each row's draw picks
-    (sampling.NextDraw: the parent drew its uniform before asking; None: the argmax, as greedy drafting feeds). Its
-    logits wait for a request with those ids; any other request (a fork, a hold, a rejection) undoes it first."""
-    rows = logits[:, -1]  # [B, V]
-    ids = rows.argmax(-1)[:, None].tolist() if draws is None else [[d.guess(r)] for d, r in zip(draws, rows)]  # [B, 1]
-    return cid, ids, *timed_forward(lm, ids, caches[cid])
 
 
 class RemoteCache:
@@ -179,24 +85,6 @@ class RemoteCache:
         self.remote.send("select", self.cid, rows)
 
 
-def low_priority(load):
-    """load() run on a thread of its own at the lowest CPU priority (nice 19: on Linux a thread's own, inherited by
-    the compiler processes it starts), and what it returns; the calling thread, which serves the forwards once it is
-    loaded, keeps its priority. Why: a compiled twin (RemoteLM.start_compile) loads and compiles beside the draft's
-    process that serves, and beside the target; on 2 cores at the same priority the runs meanwhile ran at 0.70-0.75x
-    their speed, and at the lowest at 0.84-1.08x: it takes the cores when the app is idle (docs/RESULTS.md §0x).
-    Where a thread's priority cannot be set (not Linux), it loads at the usual one."""
-    def run():
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOW_PRIORITY)
-        except (AttributeError, OSError):
-            pass
-        return load()
-
-    with ThreadPoolExecutor(1, thread_name_prefix="draft-load-low") as pool:  # its result, or its error, here
-        return pool.submit(run).result()
-
-
 def _stop(conn, process) -> None:
     """Close the connection (the child ends at its end) and wait a moment for the child; at close or collection."""
     try:
@@ -210,16 +98,16 @@ def _stop(conn, process) -> None:
 
 
 def _start(recipe: dict, low: bool = False):
-    """Launch the child (`python -m engine.draft_process`, so nothing of this process's __main__ runs there) and
+    """Launch the child (`python -m engine.drafts.child`, so nothing of this process's __main__ runs there) and
     connect to it: (connection, process). The child finds this package as this process does; low: it loads the
     draft at the lowest CPU priority (low_priority)."""
     key = secrets.token_bytes(32)
     with tempfile.TemporaryDirectory(prefix="specbranch-draft-") as folder:
         listener = Listener(str(Path(folder) / "socket"), "AF_UNIX", authkey=key)
-        root = str(Path(__file__).resolve().parent.parent)
+        root = str(Path(__file__).resolve().parents[2])
         env = dict(os.environ, SPECBRANCH_DRAFT_KEY=key.hex(), HF_HUB_DISABLE_PROGRESS_BARS="1",
                    PYTHONPATH=os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])]))
-        process = subprocess.Popen([sys.executable, "-m", "engine.draft_process", listener.address], env=env,
+        process = subprocess.Popen([sys.executable, "-m", "engine.drafts.child", listener.address], env=env,
                                    stdin=subprocess.DEVNULL)
         with ThreadPoolExecutor(1) as pool:
             accepted = pool.submit(listener.accept)
@@ -360,8 +248,6 @@ class RemoteLM:
         else:
             self._twin = twin
         if on_done is not None:
-            from .models import compile_report
-
             on_done(compile_report(self.local.name, why, f"one-token steps compiled in a process of its own "
                                    f"({time.perf_counter() - start:.0f} s with loading); the next run takes it"))
 
@@ -457,12 +343,3 @@ def in_process(lm, recipe: dict | None):
         return lm, "the draft's process computed other logits than this one"
     return remote, ""
 
-
-def main() -> None:
-    """The child's entry: connect to the parent at argv[1] with the key it put in the environment, and serve."""
-    key = bytes.fromhex(os.environ.pop("SPECBRANCH_DRAFT_KEY"))
-    serve(Client(sys.argv[1], "AF_UNIX", authkey=key))
-
-
-if __name__ == "__main__":
-    main()

@@ -31,14 +31,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import cache as kv
-from . import hrad
-from .calibration import AcceptanceCalibration
-from .decoding import RunState, crop_draft, emit, forward, share_features, step_loop
-from .draft_process import step_fn
-from .events import (ACCEPTED, BONUS, BRANCH_DRAFT, CORRECTION, DRAFT, RESCUED, VERIFY, BranchResolved, DraftProposed,
+from engine.models import cache as kv
+from engine.methods import hrad
+from engine.methods.calibration import AcceptanceCalibration
+from engine.methods.decoding import RunState, crop_draft, emit, forward, share_features, step_loop
+from engine.drafts.process import step_fn
+from engine.events import (ACCEPTED, BONUS, BRANCH_DRAFT, CORRECTION, DRAFT, RESCUED, VERIFY, BranchResolved, DraftProposed,
                      Event, Rollback, Verified)
-from .sampling import (NO_REPLACEMENT, TOPK, candidate_q, draw_candidates, residual_distribution,
+from engine.methods.sampling import (NO_REPLACEMENT, TOPK, candidate_q, draw_candidates, residual_distribution,
                        top_alternatives, verify_block, verify_candidates)
 
 REJECT_AT_ONCE, PARTLY, ALL_ACCEPTED = 0, 1, 2  # H-RAD classes
@@ -105,7 +105,7 @@ class Policy:
     """Where to branch and how wide. max_branches = 1 gives PEARL."""
     max_branches: int = 1
     epsilon: float = 0.5  # branch at the first token whose draft confidence is below this
-    hrad: object | None = None  # engine.hrad.HRAD, or None for confidence only
+    hrad: object | None = None  # engine.methods.hrad.HRAD, or None for confidence only
     fixed_at: int | None = None  # ablation: always branch after this many linear draft steps of a round
     costs: BranchCosts | None = None  # measured costs: fork only where it pays (None: the paper's k rule alone)
     calibration: AcceptanceCalibration | None = None  # measured acceptance by confidence (None: confidence as is)

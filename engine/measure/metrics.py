@@ -18,7 +18,7 @@ Definitions (SPECBRANCH.md §5):
 """
 from __future__ import annotations
 
-from .events import (ACCEPTED, RESCUED, BranchResolved, DraftProposed, Event, Finished, Rollback, RunStarted,
+from engine.events import (ACCEPTED, RESCUED, BranchResolved, DraftProposed, Event, Finished, Rollback, RunStarted,
                      TimingSpan, TokensEmitted, Verified)
 
 FORMULAS = {

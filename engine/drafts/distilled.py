@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from .config import SpecBranchError
+from engine.config import SpecBranchError
 
 SHARED_PREFIXES = ("model.embed_tokens.", "lm_head.")
 

@@ -26,19 +26,17 @@ from pathlib import Path
 
 import torch
 
-from . import cache as kv
-from .config import DRAFT_FORWARDS, DRAFT_MATMULS, DRAFT_WORKERS, TARGET_FORWARDS, SpecBranchError
-from .draft_process import RemoteLM, in_process
-from .drafts import draft_from_target, is_specbranch_draft, load_draft_dir, place, twin_of
-from .head import FeatureHead, HeadLM, is_head_dir, load_head_dir
-from .lean import KVBuffer, LeanLlama, fits as lean_misfit
-from .static_forward import fits as static_misfit, static_llama
-from .lm_head import HeadMatmul, bf16_supported, draft_matmul, fast_linears, int4_supported
+from engine.models import cache as kv
+from engine.config import DRAFT_FORWARDS, DRAFT_MATMULS, DRAFT_WORKERS, TARGET_FORWARDS, SpecBranchError
+from engine.drafts.process import RemoteLM, in_process
+from engine.drafts.distilled import draft_from_target, is_specbranch_draft, load_draft_dir, place, twin_of
+from engine.drafts.head import FeatureHead, HeadLM, is_head_dir, load_head_dir
+from engine.models.lean import KVBuffer, LeanLlama, compile_report, fits as lean_misfit
+from engine.models.static_forward import fits as static_misfit, static_llama
+from engine.drafts.shipped import DRAFTS_DIR, EMBEDDED_DRAFTS
+from engine.kernels.lm_head import HeadMatmul, bf16_supported, draft_matmul, fast_linears, int4_supported
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DRAFTS_DIR = Path(__file__).resolve().parent / "drafts"
-EMBEDDED_DRAFTS = {"embedded": "smollm2-135m-draft", "embedded-weak": "smollm2-135m-draft-weak",
-                   "embedded-head": "smollm2-135m-head"}
 
 
 def cache_dir() -> Path:
@@ -293,11 +291,6 @@ class Out(NamedTuple):
     logits: torch.Tensor
     hidden_states: tuple | None = None
     features: torch.Tensor | None = None
-
-
-def compile_report(name: str, why: str, done: str) -> str:
-    """How a draft's compile ended, for the console: `why` it stays eager, else `done`."""
-    return f"the draft {name!r}: " + (f"steps stay eager, not compiled: {why}" if why else done)
 
 
 @dataclass

@@ -10,14 +10,14 @@ from typing import AsyncIterator
 
 import torch
 
-from . import cache as kv
-from .config import GenerationConfig
-from .draft_process import step_fn
-from .events import (BONUS, CORRECTION, DECODE, DRAFT, PREFILL, TARGET, VERIFY, DraftProposed, Event, Rollback,
+from engine.models import cache as kv
+from engine.config import GenerationConfig
+from engine.drafts.process import step_fn
+from engine.events import (BONUS, CORRECTION, DECODE, DRAFT, PREFILL, TARGET, VERIFY, DraftProposed, Event, Rollback,
                      StepStarted, TokensEmitted, Verified)
-from .models import LM, ModelPair, Out
-from .runtime import Worker
-from .sampling import NextDraw, draw_u, logits_to_probs, sample, top_alternatives, verify_block
+from engine.models.loading import LM, ModelPair, Out
+from engine.runtime import Worker
+from engine.methods.sampling import NextDraw, draw_u, logits_to_probs, sample, top_alternatives, verify_block
 
 
 @dataclass

@@ -32,8 +32,8 @@ import time
 
 import torch
 
-from . import cache as kv
-from .metrics import round_ms, round_pace
+from engine.models import cache as kv
+from engine.measure.metrics import round_ms, round_pace
 
 
 def median_ms(fn, reps: int) -> float:

@@ -28,8 +28,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from .cache import cropped_length
-from .lm_head import draft_matmul
+from engine.models.cache import cropped_length
+from engine.kernels.lm_head import draft_matmul
 
 CAPACITY = 256  # positions a new cache holds before it grows (doubling: amortised, and rare in a chat)
 # the torch threads a compiled step runs on: the workers' count, a solo step's too (12 ms on 1 against 17 ms eager on
@@ -352,3 +352,8 @@ class LeanLlama(torch.nn.Module):
             gate, up = layer["gate_up"](h).chunk(2, -1)
             x = x + layer["down"](F.silu(gate) * up)
         return F.rms_norm(x, (self.hidden,), self.norm, self.eps).view(t, b, self.hidden).transpose(0, 1)  # [b, t, H]
+
+
+def compile_report(name: str, why: str, done: str) -> str:
+    """How a draft's compile ended, for the console: `why` it stays eager, else `done`."""
+    return f"the draft {name!r}: " + (f"steps stay eager, not compiled: {why}" if why else done)

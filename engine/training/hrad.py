@@ -1,16 +1,9 @@
-"""H-RAD: a small classifier that reads the target's hidden state and the draft's confidence, and
-predicts how the next drafted block will fare, so that SpecBranch knows where to branch.
+"""`python -m engine train-hrad`: train the H-RAD classifier (engine/methods/hrad.py) for a model pair.
 
-Inputs (SPECBRANCH.md §3): the target's hidden states from its last 4 layers at the last verified
-position, concatenated with the embedding of the next token (the correction just committed): 5·H
-numbers. A fixed projection fitted on the training samples (PCA, whitened) shrinks them to d, because
-a few thousand samples of 2,880 raw features are memorised, not learned. The draft's confidence in the
-first token it drafts after the verdict is appended: the classifier runs at that draft step.
-Classes, from the run of draft tokens accepted after that position before the next rejection:
-  0  rejected at once (run = 0)        -> branch at the very first draft token
-  1  partly accepted (0 < run < L)     -> draft while confident, branch at the first token below ε
-  2  all accepted   (run >= L)         -> draft linearly, no branch this round
-L is the label horizon (default 4).
+Samples come from the target's greedy answers to training prompts, with no speculative run: one target pass and one
+draft pass over prompt + response label every token the draft mispredicts (forced_samples). The features are shrunk
+by a PCA projection fitted on the training samples; the classifier is validated by prompt and on benchmark prompts,
+against the majority class and a rule on the draft's confidence alone.
 """
 from __future__ import annotations
 
@@ -22,47 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
-from .config import SpecBranchError
-
-N_LAYERS = 4
-CLASSES = ("reject at once", "partly accepted", "all accepted")
-
-
-class HRAD(torch.nn.Module):
-    """features [5H] -> (x - mean) @ projection [d] ; confidence [1] -> MLP -> 3 logits."""
-
-    def __init__(self, in_dim: int, proj_dim: int = 32, hidden: int = 64, dropout: float = 0.0):
-        super().__init__()
-        self.in_dim, self.proj_dim, self.dropout = in_dim, proj_dim, dropout
-        self.register_buffer("mean", torch.zeros(in_dim))
-        self.register_buffer("projection", torch.zeros(in_dim, proj_dim))  # whitened PCA, fitted, never trained
-        self.fc1 = torch.nn.Linear(proj_dim + 1, hidden)
-        self.fc2 = torch.nn.Linear(hidden, 3)
-
-    def fit_projection(self, x: torch.Tensor) -> None:
-        """PCA on the training features [N, in_dim]; each kept direction scaled to unit variance."""
-        self.mean.copy_(x.mean(0))
-        _, s, v = torch.linalg.svd(x - self.mean, full_matrices=False)
-        std = (s[: self.proj_dim] / max(1, len(x) - 1) ** 0.5).clamp_min(1e-6)
-        self.projection.copy_(v[: self.proj_dim].T / std)
-
-    def forward(self, x: torch.Tensor, confidence: torch.Tensor) -> torch.Tensor:
-        z = torch.cat([(x - self.mean) @ self.projection, confidence[:, None]], dim=-1)  # [B, d + 1]
-        h = torch.nn.functional.dropout(torch.nn.functional.gelu(self.fc1(z)), self.dropout, self.training)
-        return self.fc2(h)
-
-    @torch.inference_mode()
-    def predict(self, features: torch.Tensor, confidence: float) -> int:
-        return int(self(features.float()[None], torch.tensor([confidence])).argmax(-1))
-
-
-def features(hidden_states: tuple, position: int, next_embedding: torch.Tensor) -> torch.Tensor:
-    """[4 * H + H] feature vector on CPU: last-4-layer states at `position` (batch row 0) + next-token embedding."""
-    parts = [h[0, position].float().cpu() for h in hidden_states[-N_LAYERS:]]
-    return torch.cat(parts + [next_embedding.float().cpu()])
-
+from engine.config import SpecBranchError
+from engine.methods.hrad import HRAD, features, pair_signature, save_hrad
 
 def label(run: int, horizon: int) -> int:
     return 0 if run == 0 else (2 if run >= horizon else 1)
@@ -74,40 +29,6 @@ class Sample:
     features: torch.Tensor  # [5H]
     confidence: float  # the draft's confidence in the first token it drafted after the verdict
     label: int
-
-
-def pair_signature(pair) -> dict:
-    """What an H-RAD classifier depends on: the target's features and the draft's confidence."""
-    def sig(lm):
-        c = lm.model.config
-        return {"hidden_size": c.hidden_size, "num_hidden_layers": c.num_hidden_layers,
-                "vocab_rows": len(lm.head_ids) if lm.head_ids is not None else lm.vocab_size}
-    return {"target": sig(pair.target), "draft": sig(pair.draft)}
-
-
-def save_hrad(model: HRAD, path: Path, meta: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
-    path.with_suffix(".json").write_text(json.dumps(
-        {"in_dim": model.in_dim, "proj_dim": model.proj_dim, "hidden": model.fc1.out_features, **meta}, indent=2))
-
-
-def load_hrad(path: Path, signature: dict) -> HRAD:
-    """Load H-RAD weights; raises SpecBranchError if missing, of the old format, or made for another pair."""
-    meta_path = path.with_suffix(".json")
-    if not path.exists() or not meta_path.exists():
-        raise SpecBranchError(f"no H-RAD weights at {path}")
-    meta = json.loads(meta_path.read_text())
-    for model in ("target", "draft"):
-        made_for = meta.get("pair", {}).get(model)
-        if made_for != signature[model]:
-            diff = ", ".join(f"{k} {(made_for or {}).get(k, '?')} (this {model}: {v})"
-                             for k, v in signature[model].items() if (made_for or {}).get(k) != v)
-            raise SpecBranchError(f"H-RAD weights at {path} were trained for another {model}: {diff}; "
-                                  f"retrain them with `python -m engine train-hrad`")
-    model = HRAD(meta["in_dim"], meta["proj_dim"], meta["hidden"])
-    model.load_state_dict(load_file(str(path)))
-    return model.eval()
 
 
 def macro_f1(pred: torch.Tensor, gold: torch.Tensor) -> float:
@@ -194,31 +115,6 @@ def evaluate(model: HRAD, train: list[Sample], sets: dict[str, list[Sample]]) ->
     return report
 
 
-def hrad_path_for(draft_name: str) -> Path | None:
-    """Where a draft's H-RAD weights live: beside the draft's own weights."""
-    from .models import DRAFTS_DIR, EMBEDDED_DRAFTS
-
-    if draft_name in EMBEDDED_DRAFTS:
-        return DRAFTS_DIR / EMBEDDED_DRAFTS[draft_name] / "hrad.safetensors"
-    path = Path(draft_name).expanduser()
-    return path / "hrad.safetensors" if path.is_dir() else None
-
-
-def find_hrad(pair) -> tuple[HRAD | None, str]:
-    """(classifier, notice): the notice says why there is none."""
-    if pair.draft is None:
-        return None, "no draft"
-    if getattr(pair.draft, "reads_target_features", False):
-        return None, "a draft head has no H-RAD classifier"
-    path = hrad_path_for(pair.draft.name)
-    if path is None:
-        return None, f"no H-RAD weights for draft {pair.draft.name!r}"
-    try:
-        return load_hrad(path, pair_signature(pair)), ""
-    except SpecBranchError as exc:
-        return None, str(exc)
-
-
 @torch.inference_mode()
 def forced_samples(pair, prompt_ids: list[int], response: list[int], horizon: int, prompt: int = 0) -> list[Sample]:
     """Samples from one greedy response of the target, with no speculative run: one target pass and one
@@ -252,7 +148,7 @@ def training_rows(corpora: list[Path], limit: int, seed: int) -> list[dict]:
     """Up to `limit` distinct training-split prompts with the target's greedy response, the same number
     from each source (GSM8K, HumanEval, MT-Bench second turns, the target's own questions), so that the
     classifier does not learn only GSM8K's rhythm."""
-    from .distill import read_jsonl
+    from engine.training.distill import read_jsonl
 
     by_source: dict[str, list[dict]] = {}
     seen = set()
@@ -310,8 +206,8 @@ def run_train_hrad(args) -> dict:
     and on benchmark prompts, write weights + card."""
     from tqdm import tqdm
 
-    from .config import GenerationConfig
-    from .datasets import DATA_DIR, benchmark_prompts
+    from engine.config import GenerationConfig
+    from engine.measure.datasets import DATA_DIR, benchmark_prompts
 
     corpora = [Path(c) for c in args.corpus or [DATA_DIR / "teacher_smollm2_135m.jsonl",
                                                 DATA_DIR / "self_smollm2_135m.jsonl",
@@ -368,18 +264,3 @@ def run_train_hrad(args) -> dict:
     return meta
 
 
-def add_arguments(p) -> None:
-    p.add_argument("--corpus", action="append", help="training prompts (prompt_ids), repeatable (default: "
-                   "data/teacher_smollm2_135m.jsonl, data/self_smollm2_135m.jsonl, data/self2_smollm2_135m.jsonl)")
-    p.add_argument("--limit", type=int, default=600, help="training prompts (with the target's greedy answer) to read")
-    p.add_argument("--held-out-limit", type=int, default=4, help="benchmark prompts per dataset for accuracy")
-    p.add_argument("--horizon", type=int, default=4, help="accepted run at which a block counts as all accepted")
-    p.add_argument("--val-fraction", type=float, default=0.2, help="training prompts held out for validation")
-    p.add_argument("--epochs", type=int, default=30)
-    p.add_argument("--proj-dim", type=int, default=8, help="PCA directions kept of the 5·H target features")
-    p.add_argument("--hidden", type=int, default=64, help="MLP width")
-    p.add_argument("--dropout", type=float, default=0.2)
-    p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--samples", default="runs/hrad/samples.pt",
-                   help="collected samples, reused when collected for the same weights and settings")
-    p.add_argument("--out", required=True, help="path of the .safetensors to write (a .json goes beside it)")

@@ -12,7 +12,8 @@ import time
 import torch
 from tqdm import tqdm
 
-from .datasets import benchmark_prompts
+from engine.config import SpecBranchError, config_from, writable_file
+from engine.measure.datasets import benchmark_prompts
 
 SUMMED = ("new_tokens", "drafted_tokens", "verified_tokens", "accepted_tokens", "wasted_draft_tokens",
           "path_drafted_tokens", "path_rolled_back_tokens", "target_forwards", "draft_forwards")
@@ -42,7 +43,7 @@ def aggregate(runs: list[dict]) -> dict:
         "mean_accepted_length": (round(tot["new_tokens"] / tot["target_forwards"], 4)
                                  if tot["target_forwards"] and all(r.get("mean_accepted_length") is not None
                                                                    for r in runs) else None),
-        # the two rollback figures (engine.metrics.draft_waste) of finished runs, pooled as ratios of sums
+        # the two rollback figures (engine.measure.metrics.draft_waste) of finished runs, pooled as ratios of sums
         "path_rollback_rate": ratio(tot["path_rolled_back_tokens"], tot["path_drafted_tokens"]),
         "wasted_draft_rate": ratio(tot["wasted_draft_tokens"], tot["drafted_tokens"]),
         "target_idle_fraction": weighted("target_idle_fraction"),
@@ -62,7 +63,7 @@ def aggregate(runs: list[dict]) -> dict:
 
 
 def pooled_branch_counts(runs: list[dict]) -> dict:
-    """engine.metrics.branch_counts summed over runs."""
+    """engine.measure.metrics.branch_counts summed over runs."""
     by_k: dict[str, list[int]] = {}
     by_depth: list[list[int]] = []
     for r in runs:
@@ -91,8 +92,6 @@ def calibration_report(entries: list[tuple[str, object, str]], args) -> dict:
     """What each SpecBranch variant's runs measured (Engine.calibration keeps one table per method): the target's
     acceptance of drafted tokens by the draft's confidence, and a fork's rescues by its alternatives' share.
     The top-level pair is `specbranch`'s, where it ran (the key earlier reports have)."""
-    from .__main__ import config_from
-
     tables = {}
     for label, eng, m in entries:
         if m.startswith("specbranch"):
@@ -116,8 +115,6 @@ def draft_forward_kind(draft, method: str) -> str | None:
 
 def run_bench(entries: list[tuple[str, object, str]], args, log=None) -> dict:
     """entries: (label, engine, method). Every entry runs each prompt in turn; `ar` is the reference."""
-    from .__main__ import config_from
-
     engine = entries[0][1]
     methods = [label for label, _, _ in entries]
     datasets = ["mt_bench", "gsm8k", "humaneval"] if args.dataset == "all" else [args.dataset]
@@ -236,8 +233,6 @@ def format_spread_table(summary: dict) -> str:
 
 def read_report(path: str) -> dict:
     """A bench JSON (`bench --json`), or a SpecBranchError that says why it cannot be one."""
-    from .config import SpecBranchError
-
     try:
         with open(path) as f:
             report = json.load(f)
@@ -249,8 +244,6 @@ def read_report(path: str) -> dict:
 
 
 def run_summary(args) -> dict:
-    from .config import writable_file
-
     writable_file(args.json_out, "summary")
     reports = [read_report(path) for path in args.reports]
     summary = summarize_runs(reports, args.dataset)

@@ -1,0 +1,78 @@
+"""What the training tools share: reading corpora, batching (prompt, response) rows, splitting them by prompt,
+capping a corpus at a token budget, the frequent-token vocabulary of a reduced head, and one optimizer step."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+
+from engine.config import SpecBranchError
+
+
+# ---------------------------------------------------------------- data
+def read_jsonl(path: Path) -> list[dict]:
+    rows = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise SpecBranchError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
+    return rows
+
+
+def batches(rows: list[dict], batch_size: int, shuffle: bool, seed: int = 0):
+    """Length-bucketed batches of (input_ids [B, T], mask [B, T], response start per row)."""
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i]["prompt_ids"]) + len(rows[i]["response_ids"]))
+    chunks = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    if shuffle:
+        random.Random(seed).shuffle(chunks)
+    for chunk in chunks:
+        seqs = [rows[i]["prompt_ids"] + rows[i]["response_ids"] for i in chunk]
+        width = max(map(len, seqs))
+        ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])  # right padding
+        mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+        yield chunk, ids, mask
+
+
+def frequent_vocab(rows: list[dict], size: int, vocab_size: int) -> torch.Tensor:
+    """FR-Spec head: the `size` most frequent response tokens, topped up with the lowest ids
+    (BPE gives low ids to early, frequent merges). Sorted ids."""
+    counts = torch.bincount(torch.tensor([t for r in rows for t in r["response_ids"]]), minlength=vocab_size)
+    ranked = torch.argsort(counts, descending=True, stable=True)  # ties keep low ids first
+    return torch.sort(ranked[: min(size, vocab_size)]).values
+
+
+def optimizer_step(loss: torch.Tensor, params, opt, sched) -> None:
+    """Backward, clip the gradient norm at 1, step the optimiser and the learning-rate schedule."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    sched.step()
+
+
+def split_by_prompt(rows: list[dict], val_fraction: float, seed: int):
+    """Hold out whole prompts (a prompt's greedy and sampled responses go to the same side)."""
+    keys = sorted({tuple(r["prompt_ids"]) for r in rows})
+    random.Random(seed).shuffle(keys)
+    val_keys = set(keys[: max(1, int(len(keys) * val_fraction))])
+    train = [r for r in rows if tuple(r["prompt_ids"]) not in val_keys]
+    val = [r for r in rows if tuple(r["prompt_ids"]) in val_keys]
+    return train, val
+
+
+def capped_rows(rows: list[dict], max_tokens: int, seed: int) -> list[int]:
+    """Indices of a seeded random subset of rows holding about `max_tokens` response tokens (whole rows)."""
+    order = list(range(len(rows)))
+    random.Random(seed).shuffle(order)
+    kept, n = [], 0
+    for i in order:
+        if n >= max_tokens:
+            break
+        kept.append(i)
+        n += len(rows[i]["response_ids"])
+    return kept
