@@ -11,7 +11,7 @@ from engine.events import Notice
 
 from .conftest import engine_with_draft
 
-# floors set just under the figures measured with these prompts (see engine/drafts/*/README.md)
+# floors set just under the figures measured with these prompts (see weights/*/README.md)
 MAIN_FLOOR = 0.33  # measured 0.356 (v3; v2 gave 0.353)
 WEAK_RANGE = (0.28, 0.33)  # measured 0.304
 HEAD_FLOOR = 0.29  # measured 0.313

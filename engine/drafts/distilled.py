@@ -2,7 +2,7 @@
 
 On disk a draft is a directory with
   config.json         the draft's transformers config, plus a "specbranch_draft" entry
-  model-NN.safetensors  only the draft's own weights (layers, final norm), in float16, in files < 24 MiB
+  model-NN.safetensors  only the draft's own weights (layers, final norm), bfloat16 (drafts/storage.py)
   vocab_subset.safetensors   (optional) ids of the reduced LM head, FR-Spec style
 The shared tensors (embeddings, head) are taken from the target at load time, so a shipped draft
 stays a few tens of MB. With a reduced head the draft's logits are -inf outside the subset, so q is
@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.config import SpecBranchError
+from engine.drafts.storage import load_weights, save_weights
 
 SHARED_PREFIXES = ("model.embed_tokens.", "lm_head.")
 
@@ -79,22 +80,6 @@ def share_with_target(draft, target) -> None:
     draft.lm_head = target.lm_head
 
 
-MAX_SHARD_BYTES = 24 * 2**20
-
-
-def shards(weights: dict[str, torch.Tensor], limit: int) -> list[dict[str, torch.Tensor]]:
-    """Split a state dict, in key order, into groups of at most `limit` bytes (one tensor may exceed it)."""
-    out, size = [{}], 0
-    for name in sorted(weights):
-        nbytes = weights[name].numel() * weights[name].element_size()
-        if out[-1] and size + nbytes > limit:
-            out.append({})
-            size = 0
-        out[-1][name] = weights[name]
-        size += nbytes
-    return out
-
-
 def own_state_dict(draft) -> dict[str, torch.Tensor]:
     return {k: v for k, v in draft.state_dict().items() if not k.startswith(SHARED_PREFIXES)}
 
@@ -105,11 +90,7 @@ def save_draft(draft, out: Path, vocab_subset: torch.Tensor | None, meta: dict) 
     config["specbranch_draft"] = {"shared_from_target": list(SHARED_PREFIXES),
                                   "vocab_subset": vocab_subset is not None, **meta}
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    weights = {k: v.detach().to("cpu", torch.float16).contiguous() for k, v in own_state_dict(draft).items()}
-    for old in out.glob("model*.safetensors"):
-        old.unlink()
-    for i, shard in enumerate(shards(weights, MAX_SHARD_BYTES)):  # small files travel and diff well in git
-        save_file(shard, str(out / f"model-{i:02d}.safetensors"))
+    save_weights(own_state_dict(draft), out)
     if vocab_subset is not None:
         save_file({"ids": vocab_subset.to(torch.int64).cpu().contiguous()}, str(out / "vocab_subset.safetensors"))
 
@@ -126,10 +107,7 @@ def load_draft_dir(path: Path, target, dtype: torch.dtype, device: torch.device)
                               f"(hidden {config.hidden_size}, vocab {config.vocab_size}; the target has "
                               f"{target.config.hidden_size}, {target.config.vocab_size})")
     draft = type(target)(config)
-    weights = {}
-    for file in sorted(path.glob("model*.safetensors")):
-        weights.update(load_file(str(file)))
-    missing, unexpected = draft.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, strict=False)
+    missing, unexpected = draft.load_state_dict(load_weights(path, dtype), strict=False)
     missing = [k for k in missing if not k.startswith(SHARED_PREFIXES)]
     if missing or unexpected:
         raise SpecBranchError(f"draft {path} does not fit: missing {missing[:3]}, unexpected {unexpected[:3]}")

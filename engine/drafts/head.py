@@ -18,7 +18,7 @@ Rollback is a length pointer over both. `stale_from` says where rows were built 
 true feature has since replaced, so the engine can re-feed them (EAGLE re-drafts from the verified prefix).
 
 On disk (`save_head`): config.json (the target's config with 1..n layers, plus a "specbranch_head" entry),
-model-00.safetensors (fc, layers, norm; float16), vocab_subset.safetensors. The embeddings and the LM
+model-NN.safetensors (fc, layers, norm; bfloat16, drafts/storage.py), vocab_subset.safetensors. The embeddings and the LM
 head rows are borrowed from the target at load time.
 """
 from __future__ import annotations
@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 from transformers import DynamicCache
 
 from engine.config import SpecBranchError
+from engine.drafts.storage import load_weights, save_weights
 from engine.kernels.lm_head import draft_matmul, fast_linears
 
 HEAD_KEY = "specbranch_head"
@@ -245,9 +246,7 @@ def save_head(head: FeatureHead, out: Path, vocab_subset: torch.Tensor, meta: di
     config[HEAD_KEY] = {"hidden_size": head.config.hidden_size, "vocab_size": head.config.vocab_size,
                         "target_layers": meta.get("target_layers"), **meta}
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    weights = {k: v.detach().to("cpu", torch.float16).contiguous() for k, v in head.state_dict().items()
-               if "rotary_emb" not in k}
-    save_file(weights, str(out / "model-00.safetensors"))
+    save_weights({k: v for k, v in head.state_dict().items() if "rotary_emb" not in k}, out)
     save_file({"ids": vocab_subset.to(torch.int64).cpu().contiguous()}, str(out / "vocab_subset.safetensors"))
 
 
@@ -267,8 +266,7 @@ def load_head_dir(path: Path, target_model, dtype: torch.dtype, device) -> tuple
     config._attn_implementation = target_model.config._attn_implementation  # as the target's layers run
     inner = target_model.model
     head = FeatureHead(config, type(inner.layers[-1]), type(inner.rotary_emb), type(inner.norm))
-    weights = load_file(str(path / "model-00.safetensors"))
-    missing, unexpected = head.load_state_dict({k: v.to(torch.float32) for k, v in weights.items()}, strict=False)
+    missing, unexpected = head.load_state_dict(load_weights(path, torch.float32), strict=False)
     missing = [k for k in missing if "rotary_emb" not in k]
     if missing or unexpected:
         raise SpecBranchError(f"draft head {path} does not fit: missing {missing[:3]}, unexpected {unexpected[:3]}")
