@@ -130,7 +130,7 @@ def add_distill_arguments(p: argparse.ArgumentParser) -> None:
 def add_hrad_arguments(p: argparse.ArgumentParser) -> None:
     """`train-hrad`'s own arguments (besides the model and sampling arguments)."""
     p.add_argument("--corpus", action="append", help="training prompts (prompt_ids), repeatable (default: "
-                   "data/teacher_smollm2_135m.jsonl, data/self_smollm2_135m.jsonl, data/self2_smollm2_135m.jsonl)")
+                   "data/teacher_smollm2_135m.jsonl.gz, data/self_smollm2_135m.jsonl.gz, data/self2_smollm2_135m.jsonl.gz)")
     p.add_argument("--limit", type=int, default=600, help="training prompts (with the target's greedy answer) to read")
     p.add_argument("--held-out-limit", type=int, default=4, help="benchmark prompts per dataset for accuracy")
     p.add_argument("--horizon", type=int, default=4, help="accepted run at which a block counts as all accepted")

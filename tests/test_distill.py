@@ -80,12 +80,8 @@ def test_self_prompts_magpie_tiny(tmp_path, capsys):
     only finished, new, non-excluded questions are kept; the file resumes; the responses follow."""
     from transformers import AutoTokenizer
 
-    from engine.training.distill import (
-        generate_self_prompts,
-        pre_query_ids,
-        read_jsonl,
-        shingles,
-    )
+    from engine.training.common import read_jsonl
+    from engine.training.distill import generate_self_prompts, pre_query_ids, shingles
 
     target = make_tiny_model(tmp_path / "target", seed=3, layers=2, init=0.3, context=128, eos=1)
     tok = AutoTokenizer.from_pretrained(target)
@@ -150,3 +146,15 @@ def test_distill_bad_input(tmp_path, capsys):
         assert main(base + extra) == 2
         assert message in capsys.readouterr().err
     assert not (tmp_path / "d").exists()  # nothing written for refused input
+
+
+def test_the_shipped_training_corpora_read_gzipped():
+    """The training corpora ship gzipped (data/*.jsonl.gz); read_jsonl reads them as the plain files they were,
+    and a plain file still reads."""
+    from engine.measure.datasets import DATA_DIR
+    from engine.training.common import read_jsonl
+
+    rows = read_jsonl(DATA_DIR / "teacher_smollm2_135m.jsonl.gz")
+    assert len(rows) == 2360 and {"prompt_ids", "response_ids"} <= set(rows[0])
+    plain = DATA_DIR / "tuning_prompts.jsonl"
+    assert read_jsonl(plain) == [json.loads(line) for line in plain.read_text().splitlines() if line]

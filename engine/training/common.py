@@ -2,6 +2,7 @@
 capping a corpus at a token budget, the frequent-token vocabulary of a reduced head, and one optimizer step."""
 from __future__ import annotations
 
+import gzip
 import json
 import random
 from pathlib import Path
@@ -13,8 +14,9 @@ from engine.config import SpecBranchError
 
 # ---------------------------------------------------------------- data
 def read_jsonl(path: Path) -> list[dict]:
+    """Rows of a JSON-lines file, plain or gzipped (name ending .gz: the shipped training corpora are)."""
     rows = []
-    with open(path) as f:
+    with (gzip.open(path, "rt") if str(path).endswith(".gz") else open(path)) as f:
         for n, line in enumerate(f, 1):
             if line.strip():
                 try:

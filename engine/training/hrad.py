@@ -209,9 +209,9 @@ def run_train_hrad(args) -> dict:
     from engine.config import GenerationConfig
     from engine.measure.datasets import DATA_DIR, benchmark_prompts
 
-    corpora = [Path(c) for c in args.corpus or [DATA_DIR / "teacher_smollm2_135m.jsonl",
-                                                DATA_DIR / "self_smollm2_135m.jsonl",
-                                                DATA_DIR / "self2_smollm2_135m.jsonl"]]
+    corpora = [Path(c) for c in args.corpus or [DATA_DIR / "teacher_smollm2_135m.jsonl.gz",
+                                                DATA_DIR / "self_smollm2_135m.jsonl.gz",
+                                                DATA_DIR / "self2_smollm2_135m.jsonl.gz"]]
     for c in corpora:
         if not c.is_file():
             raise SpecBranchError(f"no corpus at {c}")
