@@ -94,6 +94,7 @@ def busy_intervals(spans: list[TimingSpan], worker: str, start: float, end: floa
 
 
 def compute_metrics(events: list[Event]) -> dict:
+    """Every metric of a run (the module's docstring defines them), from its events alone."""
     finished = next((e for e in events if isinstance(e, Finished)), None)
     spans = [e for e in events if isinstance(e, TimingSpan)]
     emitted = [e for e in events if isinstance(e, TokensEmitted)]
@@ -111,44 +112,9 @@ def compute_metrics(events: list[Event]) -> dict:
     target_forwards = sum(1 for s in spans if s.worker == "target")
     opaque = any(s.kind == "assisted_generate" for s in spans)  # hf-assisted: its forwards are not visible
     draft_forwards = sum(1 for s in spans if s.worker == "draft" and s.kind != "prefill")
-
-    # per position: a verdict on the first branch (branch=1, fed through an accepted branch point) goes on
-    # from the step's path verdict: its tokens sit after the path and the branch point (which passed)
-    offsets, base = [], {}
-    for v in verified:
-        if v.branch == 0:
-            base[v.step] = v.drafted
-        offsets.append(0 if v.branch == 0 else base.get(v.step, 0) + 1)
-    longest = max((o + v.drafted for o, v in zip(offsets, verified)), default=0)
-    reached, passed = [0] * longest, [0] * longest
-    for o, v in zip(offsets, verified):
-        if o:
-            reached[o - 1] += 1
-            passed[o - 1] += 1
-        for i in range(v.drafted):
-            if i <= v.accepted:
-                reached[o + i] += 1
-                passed[o + i] += i < v.accepted
-
-    window_start, window_end = prefill_end, prefill_end + decode_s
-    busy = {w: busy_intervals(spans, w, window_start, window_end) for w in ("target", "draft")}
-    wall = max(decode_s, 1e-9)
-    both = _intersection(busy["target"], busy["draft"])
-    # engine overhead: decode time in which neither model runs a forward (Python, sampling, verification)
-    neither = decode_s - _length(_union(busy["target"] + busy["draft"]))
-    steps = sum(1 for e in events if e.type == "step_started")
-
-    def mean_ms(worker, kinds):
-        d = [s.end - s.start for s in spans if s.worker == worker and s.kind in kinds]
-        return round(1000 * sum(d) / len(d), 3) if d else None
-
+    passed, reached = per_position(verified)
     waste = draft_waste(events)
-    started = next((e for e in events if isinstance(e, RunStarted)), None)
-    verify_ms, draft_ms = mean_ms("target", ("decode", "verify")), mean_ms("draft", ("draft", "branch_draft"))
-    rounds = target_forwards - any(s.kind == "prefill" and s.worker == "target" for s in spans)
-    pace, headroom = (None, None) if opaque or not rounds or draft_ms is None else round_pace(
-        verify_ms, draft_forwards / rounds * draft_ms, waste["wasted_draft_rate"],
-        started is not None and started.method == "sd")
+    steps = sum(1 for e in events if e.type == "step_started")
     return {
         "new_tokens": new_tokens,
         "tokens_per_s": round(after_prefill / decode_s, 3) if decode_s > 0 else 0.0,
@@ -164,23 +130,70 @@ def compute_metrics(events: list[Event]) -> dict:
         "per_position_acceptance": [round(p / r, 6) if r else None for p, r in zip(passed, reached)],
         "per_position_counts": [[p, r] for p, r in zip(passed, reached)],  # (accepted, reached): pools across runs
         "accepted_length_histogram": _histogram([v.accepted for v in verified]),
-        "target_idle_fraction": round(1 - _length(busy["target"]) / wall, 6),
-        "draft_idle_fraction": round(1 - _length(busy["draft"]) / wall, 6) if draft_forwards else None,
-        "overlap": round(both / wall, 6),
-        # the rest of the wall split: only one model computes (the other waits on it), or neither does
-        "target_alone_fraction": round((_length(busy["target"]) - both) / wall, 6),
-        "draft_alone_fraction": round((_length(busy["draft"]) - both) / wall, 6),
-        "neither_fraction": round(max(0.0, neither) / wall, 6),
-        "host_overhead_ms_per_step": round(1000 * neither / steps, 3) if steps else None,
+        **wall_split(spans, prefill_end, decode_s, steps, draft_forwards > 0),
         "branch_points": len(forks),
         "branch_rescues": sum(f.rescued for f in forks),
         "rescue_rate": round(sum(f.rescued for f in forks) / len(forks), 6) if forks else None,
         **branch_counts(forks),
-        "target_forward_ms": verify_ms,
-        "draft_forward_ms": draft_ms,
-        "pace": pace,
-        "no_waste_headroom": None if headroom is None else round(headroom, 4),
+        **forward_pace(events, spans, draft_forwards, waste["wasted_draft_rate"], opaque),
     }
+
+
+def per_position(verified: list[Verified]) -> tuple[list[int], list[int]]:
+    """(accepted, reached) at each draft position: a verdict on the first branch (branch=1, fed through an accepted
+    branch point) goes on from the step's path verdict, since its tokens sit after the path and the branch point
+    (which passed)."""
+    offsets, base = [], {}
+    for v in verified:
+        if v.branch == 0:
+            base[v.step] = v.drafted
+        offsets.append(0 if v.branch == 0 else base.get(v.step, 0) + 1)
+    longest = max((o + v.drafted for o, v in zip(offsets, verified)), default=0)
+    reached, passed = [0] * longest, [0] * longest
+    for o, v in zip(offsets, verified):
+        if o:
+            reached[o - 1] += 1
+            passed[o - 1] += 1
+        for i in range(v.drafted):
+            if i <= v.accepted:
+                reached[o + i] += 1
+                passed[o + i] += i < v.accepted
+    return passed, reached
+
+
+def wall_split(spans: list[TimingSpan], start: float, decode_s: float, steps: int, has_draft: bool) -> dict:
+    """The decode window [start, start + decode_s] split four ways: both models compute (overlap), the target alone,
+    the draft alone (the target waits on it) and neither (host work: Python, sampling, verification)."""
+    busy = {w: busy_intervals(spans, w, start, start + decode_s) for w in ("target", "draft")}
+    wall = max(decode_s, 1e-9)
+    both = _intersection(busy["target"], busy["draft"])
+    neither = decode_s - _length(_union(busy["target"] + busy["draft"]))
+    return {
+        "target_idle_fraction": round(1 - _length(busy["target"]) / wall, 6),
+        "draft_idle_fraction": round(1 - _length(busy["draft"]) / wall, 6) if has_draft else None,
+        "overlap": round(both / wall, 6),
+        "target_alone_fraction": round((_length(busy["target"]) - both) / wall, 6),
+        "draft_alone_fraction": round((_length(busy["draft"]) - both) / wall, 6),
+        "neither_fraction": round(max(0.0, neither) / wall, 6),
+        "host_overhead_ms_per_step": round(1000 * neither / steps, 3) if steps else None,
+    }
+
+
+def forward_pace(events: list[Event], spans: list[TimingSpan], draft_forwards: int, wasted: float | None,
+                 opaque: bool) -> dict:
+    """The mean forward of each model, which one sets a round's pace and the no-waste headroom (round_pace)."""
+    def mean_ms(worker, kinds):
+        d = [s.end - s.start for s in spans if s.worker == worker and s.kind in kinds]
+        return round(1000 * sum(d) / len(d), 3) if d else None
+
+    started = next((e for e in events if isinstance(e, RunStarted)), None)
+    verify_ms, draft_ms = mean_ms("target", ("decode", "verify")), mean_ms("draft", ("draft", "branch_draft"))
+    target_forwards = sum(1 for s in spans if s.worker == "target")
+    rounds = target_forwards - any(s.kind == "prefill" and s.worker == "target" for s in spans)
+    pace, headroom = (None, None) if opaque or not rounds or draft_ms is None else round_pace(
+        verify_ms, draft_forwards / rounds * draft_ms, wasted, started is not None and started.method == "sd")
+    return {"target_forward_ms": verify_ms, "draft_forward_ms": draft_ms, "pace": pace,
+            "no_waste_headroom": None if headroom is None else round(headroom, 4)}
 
 
 def branch_counts(forks: list[BranchResolved]) -> dict:

@@ -239,64 +239,86 @@ async def draft_step(state: RunState, spec: Speculation, ds: DraftState, policy:
                      solo: bool = False) -> None:
     """One draft forward: extend the path by a token, or fork here, or extend every branch by one.
     solo: the target waits on this step (the head start), so it may have the cores (Worker.run)."""
-    draft, cache = state.pair.draft, state.draft_cache
     if spec.fork is None:
-        seq = state.tokens + spec.path
-        feed = seq[len(ds.rows[0]):]
-        draw = state.next_draws(1)  # drawn before the row is seen: a fork or a hold below leaves it unused
-        logits = await forward(state, draft, state.draft_worker, cache, feed, DRAFT, events, solo=solo,
-                               ahead=ahead_threads(state), draws=draw)
-        ds.rows[0] = seq
-        raw = logits[-1].float().softmax(-1)  # confidence is read from the untempered distribution
-        q = state.probs(logits[-1])
-        if ds.hrad_features is not None:
-            hrad_predict(state, ds, policy, float(raw.max()))
-        # the largest probabilities, best first (PEARL never forks: its confidence is all it needs)
-        best = raw.topk(min(policy.max_branches, raw.shape[-1])) if policy.max_branches > 1 else None
-        top = best.values.tolist() if best is not None else [float(raw.max())]
-        # the fork the draft could make here: where its token is rejected, missed_rescue plays it for the rescue table
-        alts = (alternatives_share(top, len(top)), best.indices.tolist()) \
-            if best is not None and policy.reads_rescues else None
-        k = policy.branch_width(top, ds.fresh, ds.hrad_class, ds.linear_steps,
-                                steps_left=2 * state.cfg.gamma - len(spec.path) - 1)
-        ds.fresh = False
-        ds.linear_steps += 1
-        odds = policy.path_odds(spec) * policy.holds_up(top, k) if policy.hold > 0 else 1.0
-        if ds.after_hold:
-            ds.holds_again[0] += policy.held_back(odds)
-            ds.holds_again[1] += 1
-            ds.after_hold = False
-        if policy.held_back(odds):
-            ds.held, ds.held_top, ds.held_alts = q, top[0], alts
-            events.append(DraftProposed(state.step, [], [], [], parent_position=len(seq), kind="held",
-                                        confidence=top[0], odds=odds))
-            return
-        if k > 1:
-            # greedy: the draft's top-k (point masses; the rule needs only p, so the untempered row serves);
-            # sampled: k draws from q without replacement, verified in the order drawn
-            scheme, row = (TOPK, raw) if state.cfg.greedy else (NO_REPLACEMENT, q)
-            cands = draw_candidates(row, k, scheme, state.draft_generator)
-            if len(cands) > 1:
-                spec.fork = Fork(row, cands, scheme, len(spec.path), [[] for _ in cands], [[] for _ in cands],
-                                 [float(raw[c]) for c in cands], [[] for _ in cands], top[0],
-                                 alternatives_share(top, len(cands)), policy.holds_up(top, len(cands)))
-                # the draft is as sure as the mass its candidates cover: a fork hedges an unsure token, so the
-                # draft-stop rule must not end the round before the branches are drafted
-                ds.confidence = float(raw[cands].sum())
-                events.append(DraftProposed(state.step, cands, state.pieces(cands), [float(q[c]) for c in cands],
-                                            parent_position=len(seq), top=[top_alternatives(q)], kind="candidates",
-                                            confidence=top[0], odds=policy.acceptance(top[0])))
-                return
-        x = draw[0].token(q)
-        ds.confidence = float(raw.max())
-        spec.path.append(x)
-        spec.path_q.append(q)
-        spec.path_conf.append(float(raw[x]))
-        spec.path_top.append(top[0])
-        spec.path_alts.append(alts)
-        events.append(DraftProposed(state.step, [x], state.pieces([x]), [float(q[x])],
-                                    parent_position=len(seq), top=[top_alternatives(q)]))
+        await path_step(state, spec, ds, policy, events, solo)
+    else:
+        await branch_step(state, spec, ds, policy, events, solo)
+
+
+async def path_step(state: RunState, spec: Speculation, ds: DraftState, policy: Policy, events: list[Event],
+                    solo: bool) -> None:
+    """The draft's next token on the path; or, where the policy expects a rejection, a fork here (fork_here); or,
+    where what it would draft would most likely be rolled back, nothing (a hold)."""
+    draft, cache = state.pair.draft, state.draft_cache
+    seq = state.tokens + spec.path
+    feed = seq[len(ds.rows[0]):]
+    draw = state.next_draws(1)  # drawn before the row is seen: a fork or a hold below leaves it unused
+    logits = await forward(state, draft, state.draft_worker, cache, feed, DRAFT, events, solo=solo,
+                           ahead=ahead_threads(state), draws=draw)
+    ds.rows[0] = seq
+    raw = logits[-1].float().softmax(-1)  # confidence is read from the untempered distribution
+    q = state.probs(logits[-1])
+    if ds.hrad_features is not None:
+        hrad_predict(state, ds, policy, float(raw.max()))
+    # the largest probabilities, best first (PEARL never forks: its confidence is all it needs)
+    best = raw.topk(min(policy.max_branches, raw.shape[-1])) if policy.max_branches > 1 else None
+    top = best.values.tolist() if best is not None else [float(raw.max())]
+    # the fork the draft could make here: where its token is rejected, missed_rescue plays it for the rescue table
+    alts = (alternatives_share(top, len(top)), best.indices.tolist()) \
+        if best is not None and policy.reads_rescues else None
+    k = policy.branch_width(top, ds.fresh, ds.hrad_class, ds.linear_steps,
+                            steps_left=2 * state.cfg.gamma - len(spec.path) - 1)
+    ds.fresh = False
+    ds.linear_steps += 1
+    odds = policy.path_odds(spec) * policy.holds_up(top, k) if policy.hold > 0 else 1.0
+    if ds.after_hold:
+        ds.holds_again[0] += policy.held_back(odds)
+        ds.holds_again[1] += 1
+        ds.after_hold = False
+    if policy.held_back(odds):
+        ds.held, ds.held_top, ds.held_alts = q, top[0], alts
+        events.append(DraftProposed(state.step, [], [], [], parent_position=len(seq), kind="held",
+                                    confidence=top[0], odds=odds))
         return
+    if k > 1 and fork_here(state, spec, ds, policy, events, k, raw, q, top, len(seq)):
+        return
+    x = draw[0].token(q)
+    ds.confidence = float(raw.max())
+    spec.path.append(x)
+    spec.path_q.append(q)
+    spec.path_conf.append(float(raw[x]))
+    spec.path_top.append(top[0])
+    spec.path_alts.append(alts)
+    events.append(DraftProposed(state.step, [x], state.pieces([x]), [float(q[x])],
+                                parent_position=len(seq), top=[top_alternatives(q)]))
+
+
+def fork_here(state: RunState, spec: Speculation, ds: DraftState, policy: Policy, events: list[Event], k: int,
+              raw: torch.Tensor, q: torch.Tensor, top: list[float], position: int) -> bool:
+    """Fork k branches here from the draft's candidates (raw: its untempered row [V], q: the row tokens are drawn
+    from); False where fewer than two distinct candidates came out, so the path goes on."""
+    # greedy: the draft's top-k (point masses; the rule needs only p, so the untempered row serves);
+    # sampled: k draws from q without replacement, verified in the order drawn
+    scheme, row = (TOPK, raw) if state.cfg.greedy else (NO_REPLACEMENT, q)
+    cands = draw_candidates(row, k, scheme, state.draft_generator)
+    if len(cands) < 2:
+        return False
+    spec.fork = Fork(row, cands, scheme, len(spec.path), [[] for _ in cands], [[] for _ in cands],
+                     [float(raw[c]) for c in cands], [[] for _ in cands], top[0],
+                     alternatives_share(top, len(cands)), policy.holds_up(top, len(cands)))
+    # the draft is as sure as the mass its candidates cover: a fork hedges an unsure token, so the draft-stop rule
+    # must not end the round before the branches are drafted
+    ds.confidence = float(raw[cands].sum())
+    events.append(DraftProposed(state.step, cands, state.pieces(cands), [float(q[c]) for c in cands],
+                                parent_position=position, top=[top_alternatives(q)], kind="candidates",
+                                confidence=top[0], odds=policy.acceptance(top[0])))
+    return True
+
+
+async def branch_step(state: RunState, spec: Speculation, ds: DraftState, policy: Policy, events: list[Event],
+                      solo: bool) -> None:
+    """Every branch of the fork one token further, in one k-row forward; or none, where the branches hold."""
+    draft, cache = state.pair.draft, state.draft_cache
     fork = spec.fork
     k = len(fork.candidates)
     if len(ds.rows) == 1:  # first step after forking: one cache row per branch
