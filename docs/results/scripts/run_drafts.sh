@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# How the shipped drafts and the curve in docs/RESULTS.md §1 were made (CPU, 2 cores). Run from the
+# How the shipped distilled drafts and their data-size curve (docs/models.md) were made (CPU, 2 cores). Run from the
 # repository root after `make install`. Stages are resumable: a work dir keeps generations and labels.
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
@@ -26,7 +26,7 @@ if [[ $STAGE == all || $STAGE == main ]]; then  # labels 18 min, then ~13 min an
   $PY -m engine distill $COMMON --layers 6 --epochs 3 --lr 1e-3 --out runs/drafts/main-v2
 fi
 
-if [[ $STAGE == v3 ]]; then  # the shipped draft, trained on with self2 added (docs/RESULTS.md §0d)
+if [[ $STAGE == v3 ]]; then  # the shipped draft, trained on with self2 added (v3; its history: docs/results/history.md)
   # On the 2-core machine the top-32 labels of 971k tokens took 60 min (cached in the work dir, reused) and the
   # 759 training steps 52 min.
   mkdir -p runs/v2-init && git archive 75303b3 engine/drafts/smollm2-135m-draft | tar -x -C runs/v2-init

@@ -1,0 +1,330 @@
+"""Regenerate the tables of docs/results/README.md (and the README's headline) from docs/results/json/.
+
+    python docs/results/make_tables.py           rewrite every table between its markers
+    python docs/results/make_tables.py --check   exit 1 if a table differs from what the JSON gives
+
+A table sits between `<!-- table:NAME -->` and `<!-- /table -->`; everything outside the markers is left as is.
+Standard library only. The JSON files are `python -m engine bench --json` reports (one run), `python -m engine
+summarize` reports (mean ± sample sd over seeds), and `python -m engine costs` reports (forward costs, and the model
+of a bench).
+"""
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+JSON = HERE / "json"
+FILES = [HERE / "README.md", HERE.parent.parent / "README.md"]
+MARKER = re.compile(r"(<!-- table:([a-z-]+) -->\n)(.*?)(<!-- /table -->)", re.S)
+
+
+def load(name: str) -> dict:
+    return json.loads((JSON / f"{name}.json").read_text())
+
+
+def link(names: list[str], base: str = "json/") -> str:
+    """Links to JSON files; one run per seed (NAME-s0, NAME-s1, ...) as NAME-s[0], [1], ..."""
+    stem = names[0][:-1]
+    if len(names) > 1 and all(n[:-1] == stem and n[-1].isdigit() for n in names):
+        return stem + ", ".join(f"[{n[-1]}]({base}{n}.json)" for n in names) + " (.json)"
+    return ", ".join(f"[{n}.json]({base}{n}.json)" for n in names)
+
+
+class Figures:
+    """Per-method figures of one source: a summary, one bench run, or several bench runs (one per seed) pooled
+    here as `engine summarize` does: mean and sample sd of each run's pooled figures."""
+
+    def __init__(self, names: list[str], dataset: str = "all"):
+        self.names = names
+        runs = [load(n) for n in names]
+        self.stats: dict[str, dict[str, tuple[float, float | None]]] = {}
+        if len(runs) == 1 and "methods" in runs[0]:
+            for method, metrics in runs[0]["methods"].items():
+                self.stats[method] = {k: (v["mean"], v["sd"] if v["n"] > 1 else None)
+                                      for k, v in metrics.items() if v}
+            self.n = len(runs[0]["runs"])
+            return
+        self.n = len(runs)
+        for method in runs[0]["results"]:
+            rows = [run["results"][method][dataset] for run in runs]
+            out = {}
+            for key, value in rows[0].items():
+                if isinstance(value, (int, float)) and all(isinstance(r.get(key), (int, float)) for r in rows):
+                    values = [r[key] for r in rows]
+                    out[key] = (statistics.mean(values), statistics.stdev(values) if len(values) > 1 else None)
+            self.stats[method] = out
+
+    def get(self, method: str, key: str):
+        return self.stats.get(method, {}).get(key)
+
+    def fmt(self, method: str, key: str, digits: int = 2, sd: bool = True) -> str:
+        value = self.get(method, key)
+        if value is None:
+            return "–"
+        mean, spread = value
+        text = f"{mean:.{digits}f}"
+        return f"{text} ± {spread:.{digits}f}" if sd and spread is not None else text
+
+    def shipped(self) -> str:
+        """SpecBranch as it ships (confidence only): `specbranch`, except where the bench's `specbranch` row ran
+        H-RAD with weights for its draft (the distilled draft's ablation): there `specbranch-no-hrad`."""
+        return "specbranch-no-hrad" if self.names[0] in HRAD_RAN else "specbranch"
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- the sources of each table
+SELF_T0, SELF_T1 = "ablation-0z-t0", "ablation-0z-t1"
+SEEDS = {t: [f"ablation-0z-t{t}-s{s}" for s in range(3)] for t in (0, 1)}
+WEAK_ON = [f"holdbranches-recheck-on-s{s}" for s in range(3)]
+WEAK_OFF = [f"holdbranches-recheck-off-s{s}" for s in range(3)]
+
+# benches whose `specbranch` row ran H-RAD with weights made for its draft; elsewhere `--hrad` found none and
+# `specbranch` ran the shipped code (confidence only)
+HRAD_RAN = {"ablation-0e-t0", "ablation-0e-t1"}
+
+# (draft, T, sources, settings, when measured)
+SPEED = [
+    ("`self` (4-bit, compiled)", 0, [SELF_T0], "A", "2026-11-26, current engine"),
+    ("`self` (4-bit, compiled)", 1, [SELF_T1], "A", "2026-11-26, current engine"),
+    ("`self-skip:4,5`", 0, ["skip4-5-t0"], "B, hold 0.5", "2026-11-24, older engine"),
+    ("`self-skip:4,5`", 1, ["skip4-5-t1"], "B, hold 0.5", "2026-11-24, older engine"),
+    ("`self-skip:3,4,5,25`", 0, ["skip3-4-5-25-t0"], "B, hold 0.5", "2026-11-24, older engine"),
+    ("`embedded`", 0, ["ablation-0e-t0"], "B", "2026-11-23, older engine"),
+    ("`embedded`", 1, ["ablation-0e-t1"], "B", "2026-11-23, older engine"),
+    ("`embedded-head`", 0, ["bench-cpu-head-t0"], "C", "2026-11-22, older engine, one run"),
+    ("`embedded-head`", 1, ["bench-cpu-head-t1"], "C", "2026-11-22, older engine, one run"),
+    ("`embedded-weak`, foreign prompts", 0, WEAK_ON, "B, hold 0.5, hold branches", "2026-11-24, draft in its process"),
+]
+
+
+def speed() -> str:
+    rows = []
+    for draft, t, names, settings, when in SPEED:
+        f = Figures(names)
+        sb = f.shipped()
+        rows.append([draft, str(t), f.fmt("ar", "tokens_per_s", 1, sd=False), f.fmt("sd", "speedup_vs_ar"),
+                     f.fmt("pearl", "speedup_vs_ar"), f"**{f.fmt(sb, 'speedup_vs_ar')}**",
+                     f.fmt("hf-assisted", "speedup_vs_ar"), f.fmt("pearl", "acceptance_rate", 3, sd=False),
+                     str(f.n), settings, when, link(names)])
+    return table(["draft", "T", "`ar` tok/s", "sd", "pearl", "specbranch", "hf-assisted", "α (pearl)", "runs",
+                  "settings", "measured", "JSON"], rows)
+
+
+# (draft, what it is, α source: (names, method, note), costs JSON or None, speed source at T=0, pick it when)
+DRAFTS = [
+    ("`self`", "the target read in 4 bits", (["draft-self-int4-t0-n10"], "sd", "SD, 30 prompts"),
+     "compiled-costs-lean-compiled", SELF_T0,
+     "speed: the fastest on a CPU, and the default there; little to reject or branch"),
+    ("`self-skip:3,4,5,25`", "the target without 4 of its layers, 4-bit",
+     (["skip3-4-5-25-t0"], "pearl", "PEARL, 6 prompts"), "branchkv-costs-B-self-skip", "skip3-4-5-25-t0",
+     "watching forks rescue (a quarter of them do) at about `ar`'s speed"),
+    ("`self-skip:4,5`", "the target without 2 of its layers, 4-bit", (["skip4-5-t0"], "pearl", "PEARL, 6 prompts"),
+     None, "skip4-5-t0", "a mid-α pair a little faster than `ar`"),
+    ("`embedded`", "distilled 6-layer draft (shipped)", (["draft-v3-alpha"], "sd@runs/draft-v3", "SD, 30 prompts"),
+     "costs-cpu-draft-0e", "ablation-0e-t0", "the default off a CPU; rejections and rollbacks to watch"),
+    ("`embedded-weak`", "distilled 2-layer draft (shipped)", (["draft-embedded-weak-t0-n10"], "sd", "SD, 30 prompts"),
+     None, None, "the poorly aligned regime: rollbacks, holds (α 0.10 on the foreign prompts)"),
+    ("`embedded-head`", "EAGLE-style head on the target's features", (["bench-cpu-head-t0"], "sd", "SD, 12 prompts"),
+     "costs-cpu-head", "bench-cpu-head-t0", "studying feature-conditioned drafting; not for speed here"),
+]
+
+
+def drafts() -> str:
+    rows = []
+    for draft, what, (names, method, note), costs, fast, when in DRAFTS:
+        alpha = Figures(names).fmt(method, "acceptance_rate", 3, sd=False)
+        if costs:
+            fw = load(costs)["forwards"]
+            step = f"{fw['draft_ms_by_rows']['1']:.1f} / {fw['target_ms_by_tokens']['1']:.1f} ({link([costs])})"
+        elif draft == "`embedded-weak`":
+            step = f"{Figures(names).fmt(method, 'draft_forward_ms', 1, sd=False)} (the draft, in its SD run)"
+        else:
+            step = "–"
+        if fast:
+            f = Figures([fast])
+            best = (f"pearl {f.fmt('pearl', 'speedup_vs_ar', sd=False)}, "
+                    f"specbranch {f.fmt(f.shipped(), 'speedup_vs_ar', sd=False)}")
+        else:
+            best = "see the rollback table"
+        rows.append([draft, what, f"{alpha} ({note}; {link(names)})", step, best, when])
+    return table(["draft", "what it is", "α at T=0", "draft step / target step, ms", "vs `ar` at T=0", "pick it for"],
+                 rows)
+
+
+def bound() -> str:
+    rows = []
+    for t in (0, 1):
+        for s, name in enumerate(SEEDS[t]):
+            model = load(f"{name}-model")["model"]
+            bench = load(name)["results"]
+            m = {k: model["all"][k] for k in ("sd", "pearl", "specbranch")}
+            headroom = m["pearl"]["no_waste"] / m["pearl"]["modelled"]
+            by_set = ", ".join(f"{model[d]['specbranch']['measured'] / model[d]['sd']['measured']:.2f}"
+                               for d in ("mt_bench", "gsm8k", "humaneval"))
+            rows.append([str(t), str(s), f"{m['specbranch']['measured'] / m['pearl']['measured']:.3f}",
+                         f"{headroom:.3f}", f"{bench['pearl']['all']['wasted_draft_rate']:.3f}",
+                         f"{bench['specbranch']['all']['wasted_draft_rate']:.3f}",
+                         f"{m['pearl']['pace']}, {m['pearl']['share_of_limit']:.2f}",
+                         f"{m['specbranch']['pace']}, {m['specbranch']['share_of_limit']:.2f}",
+                         f"{m['specbranch']['measured'] / m['sd']['measured']:.2f} ({by_set})",
+                         f"[bench]({'json/' + name}.json), [model]({'json/' + name}-model.json)"])
+    return table(["T", "seed", "specbranch / pearl", "pearl's no-waste headroom", "pearl wasted draft",
+                  "specbranch wasted draft", "pearl: pace, share of its limit", "specbranch: pace, share of its limit",
+                  "specbranch / sd (MT-Bench, GSM8K, HumanEval)", "JSON"], rows)
+
+
+# (regime, draft, T, sources, specbranch's settings)
+ROLLBACK = [
+    ("near-perfect draft", "`self`", 0, [SELF_T0], "hold 0"),
+    ("near-perfect draft", "`self`", 1, [SELF_T1], "hold 0"),
+    ("mid α, forks rescue", "`self-skip:3,4,5,25`", 0, ["skip3-4-5-25-t0"], "hold 0.5"),
+    ("mid α", "`self-skip:4,5`", 0, ["skip4-5-t0"], "hold 0.5"),
+    ("mid α", "`self-skip:4,5`", 1, ["skip4-5-t1"], "hold 0.5"),
+    ("distilled draft", "`embedded`", 0, ["missed-distilled-t0"], "hold 0.5"),
+    ("distilled draft", "`embedded`", 1, ["sampled-distilled-t1"], "hold 0.5"),
+    ("poorly aligned (foreign prompts)", "`embedded-weak`", 0, ["weak-foreign-0h"], "hold 0"),
+    ("poorly aligned (foreign prompts)", "`embedded-weak`", 0, WEAK_OFF, "hold 0.5"),
+    ("poorly aligned (foreign prompts)", "`embedded-weak`", 0, WEAK_ON, "hold 0.5, `--hold-branches`"),
+]
+
+
+def rollback() -> str:
+    rows = []
+    for regime, draft, t, names, settings in ROLLBACK:
+        f = Figures(names)
+        sb = f.shipped()
+        ratio = lambda key: f.get(sb, key)[0] / f.get("pearl", key)[0]  # noqa: E731
+        rows.append([regime, draft, str(t), f.fmt("sd", "path_rollback_rate", 3, sd=False),
+                     f.fmt("pearl", "path_rollback_rate", 3, sd=False), f.fmt(sb, "path_rollback_rate", 3, sd=False),
+                     settings, f"**{ratio('path_rollback_rate'):.2f}×**", f"{ratio('speedup_vs_ar'):.2f}×",
+                     f.fmt(sb, "branch_rescues", 1, sd=False), str(f.n), link(names)])
+    return table(["regime", "draft", "T", "sd", "pearl", "specbranch", "specbranch's settings",
+                  "specbranch / pearl, path rollback", "specbranch / pearl, speed", "rescues a run", "runs", "JSON"],
+                 rows)
+
+
+# (draft, how its step runs, costs JSON, measured)
+COSTS = [
+    ("`self`", "4-bit, lean, eager", "compiled-costs-lean", "2026-11-25"),
+    ("`self`", "4-bit, lean, compiled", "compiled-costs-lean-compiled", "2026-11-25"),
+    ("`self-skip:3,4,5,25`", "4-bit, lean, eager, shared-prefix branches", "branchkv-costs-B-self-skip", "2026-11-24"),
+    ("`embedded`", "bfloat16 matmuls, transformers' forward", "costs-cpu-draft-0e", "2026-11-23"),
+    ("`embedded-head`", "float32, 1 layer on the target's features", "costs-cpu-head", "2026-11-22"),
+]
+
+
+def costs() -> str:
+    rows = []
+    for draft, how, name, when in COSTS:
+        fw = load(name)["forwards"]
+        ms = lambda d: " / ".join(f"{v:.1f}" for v in d.values())  # noqa: E731
+        rows.append([draft, how, ms(fw["target_ms_by_tokens"]), ms(fw["draft_ms_by_rows"]),
+                     ms(fw.get("target_ms_beside_draft_rows", {})) or "–", f"{fw['c']:.2f}", when, link([name])])
+    return table(["draft", "draft's step", "target fed 1, 2, … tokens", "draft on 1, 2, … rows",
+                  "target (1 token) beside 1, 2, … draft rows", "c", "measured", "JSON"], rows)
+
+
+def model() -> str:
+    rows = []
+    for t in (0, 1):
+        models = [load(f"{name}-model")["model"]["all"] for name in SEEDS[t]]
+        benches = [load(name)["results"] for name in SEEDS[t]]
+        for method in ("sd", "pearl", "specbranch", "specbranch-no-branch", "specbranch-fixed"):
+            col = lambda key: [m[method][key] for m in models]  # noqa: E731
+            spread = lambda v, d=2: (f"{min(v):.{d}f}" if f"{min(v):.{d}f}" == f"{max(v):.{d}f}"  # noqa: E731
+                                     else f"{min(v):.{d}f}–{max(v):.{d}f}")
+            rows.append([str(t), method, spread(col("measured")), spread(col("modelled")),
+                         spread(col("share_of_limit")), spread(col("tau")), spread(col("verify_ms"), 1),
+                         spread([b[method]["all"]["draft_forward_ms"] for b in benches], 1),
+                         spread([b[method]["all"]["draft_forwards"] / b[method]["all"]["target_forwards"]
+                                 for b in benches], 1), models[0][method]["pace"]])
+    return table(["T", "method", "measured vs ar", "modelled", "share of the limit", "τ", "T_verify, ms", "D, ms",
+                  "d (draft steps a pass)", "pace"], rows)
+
+
+def headline() -> str:
+    f0, f1 = Figures([SELF_T0]), Figures([SELF_T1])
+    rows = []
+    for method in ("sd", "pearl", "specbranch", "specbranch-no-branch", "specbranch-no-hrad", "specbranch-fixed",
+                   "hf-assisted"):
+        bold = method == "specbranch"
+        cell = lambda f: f"**{f.fmt(method, 'speedup_vs_ar')}**" if bold else f.fmt(method, "speedup_vs_ar")  # noqa
+        rows.append([f"`{method}`", cell(f0), cell(f1), f0.fmt(method, "acceptance_rate", 3, sd=False),
+                     f0.fmt(method, "path_rollback_rate", 3, sd=False)])
+    out = table(["method", "vs `ar`, T=0", "vs `ar`, T=1", "α, T=0", "path rollback, T=0"], rows)
+    return out + (f"\n`ar`: {f0.fmt('ar', 'tokens_per_s', 1)} tokens/s at T=0. JSON: "
+                  f"{link([SELF_T0, SELF_T1], 'docs/results/json/')} (each pools 3 seeds).\n")
+
+
+# the costs reports do not record their command line; these are the commands that wrote them
+COSTS_COMMANDS = {
+    "compiled-costs-lean": "python -m engine costs --draft self --draft-forward lean --draft-worker thread "
+                           "--max-rows 3 --max-tokens 1 --reps 30",
+    "compiled-costs-lean-compiled": "python -m engine costs --draft self --draft-forward lean-compiled "
+                                    "--draft-worker thread --max-rows 3 --max-tokens 1 --reps 30",
+    "branchkv-costs-B-self-skip": "python -m engine costs --draft self-skip:3,4,5,25 --draft-worker thread "
+                                  "--max-rows 3 --max-tokens 1 --reps 30",
+    "costs-cpu-draft-0e": "python -m engine costs --draft embedded --max-rows 3 --max-tokens 4 "
+                          "--json docs/costs-cpu-draft-0e.json",
+    "costs-cpu-head": "python -m engine costs --draft embedded-head --reps 30 --bench docs/bench-cpu-head-t0.json",
+}
+
+
+def command_of(name: str) -> tuple[str, str]:
+    """(the command that wrote a JSON file, when)."""
+    data = load(name)
+    if name in COSTS_COMMANDS:
+        return COSTS_COMMANDS[name], "–"
+    if name.endswith("-model"):
+        return f"python -m engine costs --bench docs/{name[:-6]}.json --model-only", "–"
+    if "runs" in data:
+        first = re.sub(r"^\S*engine/__main__\.py", "python -m engine", data["runs"][0]["command"])
+        seeds = ", ".join(str(run["seed"]) for run in data["runs"])
+        return f"{first}, for seeds {seeds}; then python -m engine summarize over them", "–"
+    return re.sub(r"^\S*engine/__main__\.py", "python -m engine", data["command"]), data.get("when", "–")
+
+
+def sources() -> str:
+    rows = []
+    for path in sorted(JSON.glob("*.json")):
+        command, when = command_of(path.stem)
+        rows.append([link([path.stem]), f"`{command}`", when])
+    return table(["JSON", "command (as recorded; paths as they were then)", "when"], rows)
+
+
+TABLES = {"speed": speed, "drafts": drafts, "bound": bound, "rollback": rollback, "costs": costs, "model": model,
+          "sources": sources, "headline": headline}
+
+
+def render(text: str) -> str:
+    return MARKER.sub(lambda m: m.group(1) + TABLES[m.group(2)]() + m.group(4), text)
+
+
+def main(argv: list[str]) -> int:
+    check = "--check" in argv
+    stale = []
+    for path in FILES:
+        if not path.exists():
+            continue
+        text = path.read_text()
+        new = render(text)
+        if new != text:
+            stale.append(path)
+            if not check:
+                path.write_text(new)
+    for path in stale:
+        print(f"{'stale' if check else 'rewrote'}: {path}")
+    return 1 if check and stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
