@@ -29,7 +29,7 @@ def load(name: str) -> dict:
 def link(names: list[str], base: str = "json/") -> str:
     """Links to JSON files; one run per seed (NAME-s0, NAME-s1, ...) as NAME-s[0], [1], ..."""
     stem = names[0][:-1]
-    if len(names) > 1 and all(n[:-1] == stem and n[-1].isdigit() for n in names):
+    if len(names) > 1 and stem.endswith("-s") and all(n[:-1] == stem and n[-1].isdigit() for n in names):
         return stem + ", ".join(f"[{n[-1]}]({base}{n}.json)" for n in names) + " (.json)"
     return ", ".join(f"[{n}.json]({base}{n}.json)" for n in names)
 
