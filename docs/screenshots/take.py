@@ -24,7 +24,7 @@ MAX_NEW = "64"
 
 def serve(db: Path) -> subprocess.Popen:
     # the draft's step eager: the app's default compiles it in the background for about a minute, and runs beside
-    # that compile stall for up to a second (docs/RESULTS.md §0z), which the timed screenshots would show
+    # that compile stall for up to a second (docs/app.md), which the timed screenshots would show
     proc = subprocess.Popen([sys.executable, str(ROOT / "app.py"), "--port", str(PORT), "--db", str(db),
                              "--target", "embedded", "--draft", "self-skip:3,4,5,25", "--draft-forward", "lean"],
                             cwd=ROOT)
