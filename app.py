@@ -10,7 +10,7 @@ from app.settings import defaults_for
 from engine.config import DRAFT_FORWARDS, DRAFT_MATMULS, DRAFT_WORKERS, TARGET_FORWARDS
 
 # the drafts a visitor may pick on the embedded target (the app's own comes first), as the menu names them: the fast
-# one, the one whose forks rescue, and those wrong often enough to show rejections (docs/RESULTS.md §0h, §0l, §0e, §1)
+# one, the one whose forks rescue, and those wrong often enough to show rejections (docs/models.md)
 EMBEDDED_CHOICES = {
     "self": "self: the target itself (in 4 bits on a CPU), right 99 % of the time, the fastest",
     "self-skip:3,4,5,25": "self-skip:3,4,5,25: the target without 4 of its layers, right about 70 %; forks rescue",

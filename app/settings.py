@@ -11,13 +11,13 @@ LIVE_METHODS = ["specbranch", "pearl", "sd", "ar", "specbranch-no-branch", "spec
 COMPARE_METHODS = ["ar", "sd", "pearl", "specbranch"]
 
 # The Live and Compare defaults, chosen by the bench on data/tuning_prompts.jsonl for each kind of draft: a
-# distilled draft (docs/RESULTS.md §0, §0e), and the target itself read in 4 bits, which agrees with the target on
-# over 99 % of tokens, so it drafts long blocks without stopping and forks only where it is very unsure (§0f; γ 8
-# since SpecBranch's head start reads its measured acceptance, §0o: on the tuning prompts SpecBranch ran 2.49 / 2.63 /
+# distilled draft (docs/models.md), and the target itself read in 4 bits, which agrees with the target on
+# over 99 % of tokens, so it drafts long blocks without stopping and forks only where it is very unsure (docs/models.md; γ 8
+# since SpecBranch's head start reads its measured acceptance, docs/methods.md: on the tuning prompts SpecBranch ran 2.49 / 2.63 /
 # 2.72× ar at T=0 and 2.30 / 2.60 / 2.38× at T=1 with γ 6 / 8 / 10).
-# SpecBranch's hold (§0i): 0.5 for a distilled draft (tuning prompts: 1.01× PEARL at T=1 against 0.86× without, a
+# SpecBranch's hold (docs/methods.md): 0.5 for a distilled draft (tuning prompts: 1.01× PEARL at T=1 against 0.86× without, a
 # tie at T=0, path rollback halved); 0 for the 4-bit self-draft, which it only slowed (0.71-0.75× PEARL)
-# The hold on a fork's branches (§0q) cut path rollback at the same speed with the weak draft (benchmark split,
+# The hold on a fork's branches (docs/methods.md) cut path rollback at the same speed with the weak draft (benchmark split,
 # foreign prompts: 0.42× PEARL's against 0.51× without, 1.16× PEARL's speed either way) and with the layer-skipping
 # self-draft (tuning prompts), but cost the distilled draft 7 % at T=0 on the tuning prompts: on for the first two
 DEFAULTS = {"gamma": 3, "epsilon": 0.5, "draft_stop": 0.3, "feed_stop": 0.0, "head_start": 0.3, "hold": 0.5,
@@ -27,15 +27,15 @@ SELF_DEFAULTS = {"gamma": 8, "epsilon": 0.1, "draft_stop": 0.0, "feed_stop": 0.0
                  "hold_branches": False, "hrad": False}
 
 # H-RAD ships off: on held-out prompts it placed branch points no better than the draft's confidence alone
-# (classification and speed, docs/RESULTS.md §0b); the checkbox says so where the user decides
+# (classification and speed, docs/methods.md); the checkbox says so where the user decides
 HRAD_LABEL = ("H-RAD (classifier places branch points). Off by default: on held-out prompts it was no faster "
-              "than confidence only (docs/RESULTS.md §0b)")
+              "than confidence only (docs/methods.md)")
 
 
 HOLD_BRANCHES_LABEL = ("Hold the branches too (SpecBranch, with a hold): a branch step that would take the first "
                        "branch's odds below the hold keeps nothing. On by default for embedded-weak and self-skip "
                        "drafts: it cut path rollback at the same speed; off for the distilled draft, which it made 7 % "
-                       "slower at T=0 (docs/RESULTS.md §0q)")
+                       "slower at T=0 (docs/methods.md)")
 
 DRAFT_LABEL = "Draft (loaded on first use; picking one sets the sliders to the settings the bench chose for its kind)"
 

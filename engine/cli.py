@@ -64,7 +64,7 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epsilon", type=float, default=0.5, help="specbranch: confidence threshold for branching, [0, 1]")
     p.add_argument("--hrad", dest="hrad", action="store_true",
                    help="specbranch: let H-RAD place branch points (off by default: on held-out prompts it did not "
-                        "beat confidence only, docs/RESULTS.md §0b)")
+                        "beat confidence only, docs/methods.md)")
     p.add_argument("--no-hrad", dest="hrad", action="store_false", help="specbranch: confidence only (the default)")
     p.add_argument("--branch-costs", action="store_true",
                    help="specbranch: fork only where the measured forward costs say a fork pays (measured once "
@@ -82,7 +82,7 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hold-branches", action="store_true",
                    help="specbranch, with --hold: also keep nothing of a branch step where the first branch's odds "
                         "with the token it would add fall below the hold (fewer branch tokens rolled back; costs τ "
-                        "where branch tokens are often accepted, docs/RESULTS.md §0q)")
+                        "where branch tokens are often accepted, docs/methods.md)")
 
 
 def add_record_arguments(p: argparse.ArgumentParser) -> None:

@@ -61,7 +61,7 @@ class GenerationConfig:
     # its odds that the whole block is accepted stay at least this (0 = off: the target starts at once, as in PEARL)
     branches: int = 3  # specbranch: most candidates at a branch point (k_max)
     epsilon: float = 0.5  # specbranch: branch at the first draft token with confidence below this
-    hrad: bool = False  # specbranch: let the H-RAD classifier place branch points (off by default: docs/RESULTS.md §0b)
+    hrad: bool = False  # specbranch: let the H-RAD classifier place branch points (off by default: docs/methods.md)
     branch_costs: bool = False  # specbranch: fork only where the measured costs say it pays (else the paper's k rule)
     calibrate: bool = True  # specbranch: read the draft's confidence as the acceptance this engine measured at it
     # (engine/calibration.py) before comparing it with ε; False: the confidence as is (the paper's rule)
@@ -69,7 +69,7 @@ class GenerationConfig:
     # candidates; the acceptance read as for ε) fall below this: the target takes that position itself (0 = off)
     hold_branches: bool = False  # specbranch, with a hold: a branch step keeps nothing where the first branch's odds
     # with the token it would add fall below the hold (else only the odds before the step are read): fewer branch
-    # tokens rolled back, a little less τ where branch tokens are often accepted (docs/RESULTS.md §0q)
+    # tokens rolled back, a little less τ where branch tokens are often accepted (docs/methods.md)
 
     @property
     def greedy(self) -> bool:

@@ -118,7 +118,7 @@ class Engine:
         """The generation itself (the caller holds the engine's lock)."""
         # the host work between forwards (sampling, verification) runs here, on the caller's thread: one torch thread,
         # like each worker's. A caller that never set its count keeps an OpenMP team as wide as the machine, and on 2
-        # cores that team takes a core from the workers (docs/RESULTS.md §0n: PEARL 16 % slower)
+        # cores that team takes a core from the workers (docs/models.md: PEARL 16 % slower)
         torch.set_num_threads(1)
         take = getattr(self.pair.draft, "take_compiled", None)  # a draft compiled in a process of its own, if ready
         if take is not None:
@@ -196,7 +196,7 @@ class Engine:
         their thread count), 128 tokens in: a draft step on 1..max_rows rows alone (the row counts in turn, 15
         times: costs.forward_costs), and a target step while the draft steps on k rows beside it (in `rounds`
         rounds over every k, the median kept). A fork's worth is a difference of these, and measured one after
-        another they drifted by a third on the 2-core CPU (docs/RESULTS.md §0t)."""
+        another they drifted by a third on the 2-core CPU (docs/results/README.md)."""
         if self._branch_costs is None or max(self._branch_costs.draft_ms) < max_rows:
             context = min(128, self.pair.target.context_length // 2)
             feats = draft_features(self.pair, context)

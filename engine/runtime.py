@@ -41,7 +41,7 @@ def _init_thread(threads: int) -> None:
 
 def default_solo_threads() -> int:
     """Torch threads for a draft step the target waits on: the cores this process may use, at most 2 (on the 2-core
-    CPU a 4-bit draft step takes 11.6 ms on 2 threads against 15.5 on 1, docs/RESULTS.md §0n; more is unmeasured)."""
+    CPU a 4-bit draft step takes 11.6 ms on 2 threads against 15.5 on 1, docs/models.md; more is unmeasured)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux

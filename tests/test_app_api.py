@@ -232,7 +232,7 @@ def test_a_browser_id_owns_its_runs_across_page_loads(client, app_store):
 
 
 def test_app_defaults_follow_the_draft_and_the_pair_line_is_text(tiny_engine):
-    """The sliders start at the settings the bench chose for the draft the app serves (docs/RESULTS.md §0f for the
+    """The sliders start at the settings the bench chose for the draft the app serves (docs/models.md for the
     target read in 4 bits), and the line naming the pair is text, never markup."""
     from app.main import build_app
     from app.settings import DEFAULTS, HOLD_BRANCHES_DEFAULTS, SELF_DEFAULTS, defaults_for
@@ -240,7 +240,7 @@ def test_app_defaults_follow_the_draft_and_the_pair_line_is_text(tiny_engine):
     from engine.models.loading import default_draft
 
     assert defaults_for("self") is SELF_DEFAULTS and defaults_for("embedded") is DEFAULTS
-    # the branches held too for the drafts where that cut path rollback at the same speed (§0q), not the distilled one
+    # the branches held too for the drafts where that cut path rollback at the same speed (docs/methods.md), not the distilled one
     assert defaults_for("embedded-weak") is defaults_for("self-skip:3,4,5,25") is HOLD_BRANCHES_DEFAULTS
     assert defaults_for(None) is defaults_for("/some/draft") is DEFAULTS
     assert default_draft("cpu") == ("self" if int4_supported() else "embedded")

@@ -158,7 +158,7 @@ def test_costs_decide_whether_a_fork_pays():
     # k rows beside the target never speed it up: a target step measured faster beside more rows counts as no change
     noisy = BranchCosts({1: 10.0, 2: 11.0, 3: 12.0}, {1: 60.0, 2: 50.0, 3: 60.0})
     assert noisy.net_gain_ms(2, 0.3, steps=5) == cheap.net_gain_ms(2, 0.3, steps=5)
-    # this CPU's figures for the layer-skipping self-draft (docs/RESULTS.md §0t): 3 rows cost 1.5 one-row steps,
+    # this CPU's figures for the layer-skipping self-draft (docs/results/README.md): 3 rows cost 1.5 one-row steps,
     # so at the odds above not even 2 rows pay
     cpu = BranchCosts({1: 14.1, 2: 17.4, 3: 21.3}, {1: 52.1, 2: 55.3, 3: 51.7})
     assert Policy(max_branches=3, epsilon=0.5, costs=cpu).branch_width(top, False, None, steps_left=5) == 1

@@ -2,7 +2,7 @@
 engine's own `engine.methods.sampling.verify_candidates`: for each way of drawing the k candidates, every candidate
 tuple is enumerated with its probability of being drawn, and verify_candidates' uniform and final-residual
 draws are enumerated exactly (tests/exact_draws.py). The emitted token must be distributed exactly as p.
-Negative controls: the three mistakes SPECBRANCH.md lists, patched in, must each be badly biased."""
+Negative controls: the three mistakes docs/specbranch.md lists, patched in, must each be badly biased."""
 from __future__ import annotations
 
 import itertools

@@ -189,7 +189,7 @@ def test_compiled_steps_follow_the_eager_ones_and_decode_exactly(tiny_dirs):
     caches = {lean: lean.new_cache(capacity=8) for lean in (compiled, eager)}  # 8 -> 16 -> 32: grows mid-steps
     for lean, cache in caches.items():
         lean(ids[:, :4], cache)
-    # no compile mid-run: each of these failed a guard of the compiled graph before (docs/RESULTS.md §0w): ids made
+    # no compile mid-run: each of these failed a guard of the compiled graph before (docs/models.md): ids made
     # outside inference mode, buffers of another length than the warm-up's, a step asked for on two threads
     threads, no_recompile = torch.get_num_threads(), torch._dynamo.config.patch(error_on_recompile=True)
     try:

@@ -28,28 +28,28 @@ below ε. A draft that is right even when unsure (the app's 4-bit draft) then st
 rounds; the paper's rule, which trusts the confidence as is, is `--no-calibrate` on the CLI.
 The same counts set how far the draft leads the target (the head start): sampled, a near-copy of the target is
 accepted even where it drew a token it gave little mass, so SpecBranch leads whole blocks where PEARL, which reads
-each drawn token's probability, starts the target's pass early (docs/RESULTS.md §0o).
+each drawn token's probability, starts the target's pass early (docs/methods.md).
 The *hold* slider makes SpecBranch rollback-aware: where the odds that what it would draft is accepted (those of
 the tokens still pending times its own, or a fork's, as measured) fall below the hold, the draft drafts nothing,
 and the target takes that token itself, as in plain decoding. The step's caption says "the draft held back". With
 a draft that is often wrong, this is what keeps the rollback markers rare. *Hold the branches too* (on by default
 for `embedded-weak` and `self-skip:...`, off for the distilled draft) also stops a fork's branches where one more
-token would take their odds below the hold; the step's caption then says "the branches held back" (docs/RESULTS.md
-§0q). A fork's odds are counted the same way:
+token would take their odds below the hold; the step's caption then says "the branches held back" (docs/results/README.md
+docs/methods.md). A fork's odds are counted the same way:
 wherever the target rejects the draft's token, fork or not, the engine plays the fork the draft could have made
 there and counts whether it would have rescued that position. Where, in this run, the draft has more often held
 back again than drafted right after a hold, the target's next pass starts at once: on the timeline the draft's next
 step runs beside that pass instead of before it, and the step's caption says the pass did not wait on a draft step
-(docs/RESULTS.md §0p).
+(docs/methods.md).
 
 **Which draft.** On a CPU the app drafts with the target itself, its weights read in 4 bits (the GGUF file they came
-from stores them so; docs/RESULTS.md §0f, §0h). A draft step then costs about a third of a target step, and the
+from stores them so; docs/models.md). A draft step then costs about a third of a target step, and the
 draft agrees with the target on over 99 % of tokens, so speculation pays, but there is little to reject, roll back
 or branch. To watch those, pick another draft in the Draft menu: `embedded` (a distilled 6-layer draft, right about
 half the time) or `embedded-weak`. To watch forks rescue, `self-skip:3,4,5,25` (the target without 4 of its 30
 layers, right about 70 % of the time): where it is unsure, its runners-up often hold the target's token and about a
 quarter of its forks rescue. Over the benchmark prompts it ran about as fast as plain decoding (1.02–1.09× over 3
-seeds, docs/RESULTS.md §0l); one short run can be slower. A draft loads on first use (seconds), and picking one sets
+seeds, docs/models.md); one short run can be slower. A draft loads on first use (seconds), and picking one sets
 the sliders to the settings the bench chose for its kind.
 
 **The charts.** *Branch tree*: one step, left to right: the committed prefix, the drafted path, the fork
@@ -59,7 +59,7 @@ Hover a node for p, q, p/q and u. Pick a step with ◀ ▶, the slider, or a mar
 *Timeline*: measured forward passes of each model; overlap means both computed at once. The metric panel's *wall
 split* divides the run's time four ways: both models compute, the target alone, the draft alone (the target waits
 on it) and neither. On this 2-core CPU two models computing at once share the memory bus, so each forward runs
-slower beside the other: in one bench run a target pass cost 66 ms in SD and 87 ms in PEARL (docs/RESULTS.md §0m).
+slower beside the other: in one bench run a target pass cost 66 ms in SD and 87 ms in PEARL (docs/metrics.md).
 *Per-position acceptance*: how often the i-th draft token survives given the ones before it did.
 *Race* (Compare, Replay): the runs, recorded one after another, replayed side by side on one clock.
 """

@@ -118,7 +118,7 @@ def low_priority(load):
     the compiler processes it starts), and what it returns; the calling thread, which serves the forwards once it is
     loaded, keeps its priority. Why: a compiled twin (RemoteLM.start_compile) loads and compiles beside the draft's
     process that serves, and beside the target; on 2 cores at the same priority the runs meanwhile ran at 0.70-0.75x
-    their speed, and at the lowest at 0.84-1.08x: it takes the cores when the app is idle (docs/RESULTS.md §0x).
+    their speed, and at the lowest at 0.84-1.08x: it takes the cores when the app is idle (docs/models.md).
     Where a thread's priority cannot be set (not Linux), it loads at the usual one."""
     def run():
         try:

@@ -1,4 +1,4 @@
-"""Feature-conditioned draft head (EAGLE-style; SPECBRANCH.md §6).
+"""Feature-conditioned draft head (EAGLE-style; docs/specbranch.md (Feature-conditioned drafts)).
 
 The draft is not a small LM. It reads what the target already computed:
 

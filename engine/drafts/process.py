@@ -3,9 +3,9 @@ over a local socket.
 
 Why: on the CPU every op of both forwards is dispatched from Python. As two threads of one process the models take
 turns at the interpreter: a target step beside the draft costs 47-48 ms in a thread against 37-42 ms alone, and
-37.5-41 ms beside the same draft in another process (docs/RESULTS.md §0r, docs/beside_the_draft.py). In the engine
+37.5-41 ms beside the same draft in another process (docs/models.md). In the engine
 the parallel methods' target pass beside the 4-bit self-draft takes 66-70 ms with the draft on a thread and 56-63 ms
-with it here (§0s).
+with it here (docs/models.md).
 
 How: the child (`python -m engine.drafts.child`, so nothing of the parent's __main__ runs there) loads the same
 draft by the same recipe (models.with_draft's arguments) and keeps its caches. Here a RemoteLM stands in for the
@@ -58,7 +58,7 @@ from engine.models.lean import compile_report
 from engine.runtime import Measured
 
 START_TIMEOUT_S = 300  # loading the models in the child (a dequantized GGUF loads in seconds; a hub id may download)
-COMPILE_TIMEOUT_S = 900  # loading them and compiling the draft's step (73 s cold for the self-draft beside runs, §0w)
+COMPILE_TIMEOUT_S = 900  # loading them and compiling the draft's step (73 s cold for the self-draft beside runs, docs/models.md)
 
 
 class RemoteCache:
@@ -215,7 +215,7 @@ class RemoteLM:
         """lean-compiled, asked for later (models.LM.start_compile): a new child loads the draft and compiles its step
         at load, in a process of its own, while this one's child serves with the eager step. On a thread of a serving
         process the compile would hold the interpreter that the draft's steps need: runs beside it ran at 0.25x `ar`
-        (docs/RESULTS.md §0w); in a process of its own it only shares the cores, and it loads and compiles at the
+        (docs/models.md); in a process of its own it only shares the cores, and it loads and compiles at the
         lowest CPU priority (low_priority), so it takes them when the app is idle. The first run to start once it is
         ready takes it (take_compiled). on_done(message) says how it ended."""
         if self._twin_thread is not None or self.compile_status()[0] != "waiting":
@@ -278,7 +278,7 @@ class RemoteLM:
     def agrees(self, tokens: int = 24, seed: int = 0, exact: bool = True) -> bool:
         """Whether the child's draft gives the local draft's logits bit for bit (exact), or else the same model's: each
         row's distributions within 0.1 in total variation (a compiled step rounds otherwise than the eager one: 0.014
-        on the self-draft's step, against 0.53 for the layer-skipping draft; docs/RESULTS.md §0w). A prefill, a step,
+        on the self-draft's step, against 0.53 for the layer-skipping draft; docs/models.md). A prefill, a step,
         a rollback and a step on two rows (a fork), on random tokens."""
         g = torch.Generator().manual_seed(seed)
         ids = torch.randint(0, min(self.local.vocab_size, 1000), (1, tokens), generator=g)

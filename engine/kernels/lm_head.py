@@ -6,7 +6,7 @@ is fast for one row only: 2-3 rows cost 1.5-2x one. oneDNN with the weight packe
 (torch.ops.mkldnn, what torch.compile's CPU freezing uses) costs about what one row costs up to ~6 rows, and less
 than F.linear for a whole prefill. Its rows do not depend on how many rows are fed (bit for bit), so 2-3 rows are
 padded to 4, the cheaper kernel, without changing them. Whole forward of the embedded target on a 200-token
-cache, 1 thread, interleaved medians (docs/ab_layouts.py, docs/RESULTS.md §0d):
+cache, 1 thread, interleaved medians (docs/models.md):
   tokens                       1      2      3      4      5      6      8
   without the packed copies  59.3   87.0  100.3   91.2  112.4  112.9  115.3 ms
   with them                  58.1   67.0   63.9   62.2   62.5   64.3   75.6 ms
@@ -64,7 +64,7 @@ def bf16_supported() -> bool:
 class Bf16Matmul:
     """out = x @ Wᵀ (float32 in, float32 out) through a bfloat16 copy of W that oneDNN packed once for one row:
     half the bytes of a float32 step to stream. The embedded draft's linears and head on this CPU: 4.6 ms against
-    8.1 for float32 x @ Wᵀ (1 row), 4.5 against 14.8 (3 rows) (docs/draft_matmul_kernels.py). Lossy, so for a
+    8.1 for float32 x @ Wᵀ (1 row), 4.5 against 14.8 (3 rows) (docs/models.md). Lossy, so for a
     draft only. A gradient to track goes through F.linear on the float32 weight."""
 
     def __init__(self, weight: torch.Tensor, keep_weight: bool = True):
@@ -101,8 +101,8 @@ class Int4Matmul:
     """out = x @ Wᵀ (float32 in, float32 out) through a 4-bit copy of W: per group of INT4_GROUP weights along a
     row, w ≈ (q - 8)·scale + zero with q in 0..15, min-max rounded, packed once by aten for the CPU kernel. An
     eighth of float32's bytes: the embedded target's 210 linears take 12.7-14.2 ms for one row, casts included,
-    against 37.0-39.8 ms in float32 x @ Wᵀ and 26.5-33.3 ms through Bf16Matmul (1 thread, two runs of
-    docs/draft_matmul_kernels.py). Lossy, so for a draft only. A gradient to track goes through F.linear on the
+    against 37.0-39.8 ms in float32 x @ Wᵀ and 26.5-33.3 ms through Bf16Matmul (1 thread, two runs;
+    docs/models.md). Lossy, so for a draft only. A gradient to track goes through F.linear on the
     float32 weight."""
 
     def __init__(self, weight: torch.Tensor, keep_weight: bool = True):
@@ -132,7 +132,7 @@ class ShortlistHead:
     """An LM head out = x @ Wᵀ for a 4-bit draft: every logit through a 4-bit copy of W (Int4Matmul), then the
     SHORTLIST largest of each row recomputed from W's float32 rows. The argmax, and the confidences that steer
     drafting, are then float32's wherever float32's argmax is among the 4-bit top SHORTLIST (every position of the
-    tuning prompts' greedy continuations: docs/int4_self_draft_heads.py), at a 4-bit matmul's cost (49k rows: ~2 ms
+    tuning prompts' greedy continuations: docs/models.md), at a 4-bit matmul's cost (49k rows: ~2 ms
     against ~5.5 for float32 x @ Wᵀ, 1 thread). The other logits keep the 4-bit rounding; lossless all the same, since
     q is whatever this head gives (tests/test_lm_head.py). A gradient to track goes through F.linear."""
 
@@ -156,8 +156,8 @@ def draft_matmul(kind: str, weight: torch.Tensor, head: bool = False, keep_weigh
     its kernel fits (int4_fits): the decoder layers' through Int4Matmul, and the LM head (head=True) through
     ShortlistHead, whose largest logits are float32's: the head decides the draft's argmax. For the embedded target as
     its own draft, greedy agreement with the target was 0.996 with a float32 head, 0.975 with a bfloat16 one and 0.900
-    with a plain 4-bit one, a draft step 25.7, 20.9 and 19.8 ms (docs/int4_self_draft_heads.py, §0f; the shortlist
-    head's figures are in docs/RESULTS.md §0h). keep_weight=False: a bfloat16 or 4-bit matmul keeps no reference to
+    with a plain 4-bit one, a draft step 25.7, 20.9 and 19.8 ms (docs/models.md; the shortlist
+    head's figures are in docs/models.md). keep_weight=False: a bfloat16 or 4-bit matmul keeps no reference to
     the float32 weight (a fused copy made for it is then freed; gradients cannot flow through it)."""
     if kind == "int4" and int4_fits(weight):
         return ShortlistHead(weight) if head else Int4Matmul(weight, keep_weight)

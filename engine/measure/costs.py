@@ -20,7 +20,7 @@ Two parts, both written to one JSON:
              rate). Where a method is draft-bound, no waste / modelled is the most that any branch policy can
              add to it at the same forward costs and with as many tokens made by the target (corrections,
              bonuses): each committed token the draft made costs one draft step at the least, so the best a
-             policy can do is to waste none (docs/RESULTS.md §0z). For PEARL it is SpecBranch's headroom over
+             policy can do is to waste none (docs/metrics.md). For PEARL it is SpecBranch's headroom over
              PEARL on that pair.
 """
 from __future__ import annotations
@@ -68,7 +68,7 @@ def forward_costs(lm, context: int, widths: list[int], per_row: bool = False, re
                   features: dict | None = None) -> dict[int, float]:
     """ms of one forward of `w` new tokens, or (per_row) of 1 token on each of `w` cache rows (a branch step):
     the median of `reps`, the widths taken in turn within each rep, so that a drift of the machine's speed
-    (a third within seconds on the 2-core CPU, docs/RESULTS.md §0t) moves them all, not the one measured then."""
+    (a third within seconds on the 2-core CPU, docs/results/README.md) moves them all, not the one measured then."""
     steps = {w: step_of(lm, context, w, per_row, features) for w in widths}
     for step in steps.values():
         step()  # warm

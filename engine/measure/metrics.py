@@ -1,5 +1,5 @@
 """Metrics, computed from the event stream alone (so replay reproduces them exactly).
-Definitions (SPECBRANCH.md §5):
+Definitions (docs/specbranch.md (Metrics)):
   tokens/s            tokens emitted after prefill / decode wall time (prefill reported separately)
   acceptance rate     accepted draft tokens / draft tokens the target verified
   mean accepted len   emitted tokens / target forward passes (prefill included, so AR = 1)
@@ -212,7 +212,7 @@ def branch_counts(forks: list[BranchResolved]) -> dict:
 
 
 def draft_waste(events: list[Event]) -> dict:
-    """The two rollback figures (SPECBRANCH.md §5), from the events alone:
+    """The two rollback figures (docs/specbranch.md (Metrics)), from the events alone:
 
     wasted draft rate  = (drafted - committed) / drafted
     path rollback rate = (path drafted - committed) / path drafted

@@ -5,7 +5,7 @@ The paper's rule reads the draft's confidence (its largest probability at a posi
 token is accepted, and forks below ε. That holds for a draft as calibrated as it is sure; for a draft close to its
 target it does not: the embedded target read in 4 bits agrees with the float32 target at 0.99 of positions, also
 where its largest probability is 0.05 (at T=1 a flat row is flat for both models, and min(1, p/q) stays near 1),
-so the paper's rule forks where nothing is ever rescued (docs/RESULTS.md §0g: 17 % of draft tokens wasted at T=1).
+so the paper's rule forks where nothing is ever rescued (docs/models.md: 17 % of draft tokens wasted at T=1).
 
 AcceptanceCalibration keeps, per confidence bin, how many drafted path tokens the target judged and accepted, and
 reads a confidence as the posterior mean acceptance of its bin under a prior centred on the confidence itself
@@ -17,7 +17,7 @@ The same class, with RESCUE_BINS and RESCUE_PRIOR_WEIGHT, keeps the rescue table
 rejected, whether another was the target's token, by the share of the draft's remaining mass they covered. Its prior is
 pooled: a bin with few verdicts reads the rate the other bins measured (itself starting at the share), not the share
 alone, because a far-off draft's share is a guess the pair's own rescues refute at once (the weak draft: 0 rescues in
-4 judged forks a run, docs/RESULTS.md §0j), and forks are too few to fill 5 bins one by one. So, where a decision
+4 judged forks a run, docs/methods.md), and forks are too few to fill 5 bins one by one. So, where a decision
 reads the table (Policy.reads_rescues), every rejection of the draft's own token is a verdict too
 (parallel.missed_rescue): greedy, whether the target's token was among the draft's top k, which is exactly what a fork
 there would have decided; sampled, one play of that fork.

@@ -1,7 +1,7 @@
 """H-RAD: a small classifier that reads the target's hidden state and the draft's confidence, and
 predicts how the next drafted block will fare, so that SpecBranch knows where to branch.
 
-Inputs (SPECBRANCH.md §3): the target's hidden states from its last 4 layers at the last verified
+Inputs (docs/specbranch.md (SpecBranch)): the target's hidden states from its last 4 layers at the last verified
 position, concatenated with the embedding of the next token (the correction just committed): 5·H
 numbers. A fixed projection fitted on the training samples (PCA, whitened) shrinks them to d, because
 a few thousand samples of 2,880 raw features are memorised, not learned. The draft's confidence in the

@@ -91,7 +91,7 @@ class BranchCosts:
         """Expected ms a fork of k candidates saves over drafting on along its first candidate, for `steps`
         branch steps. A rescue (odds `alternatives`: that candidate 2..k is the target's token) does not save a
         target pass: the target's correction is that token anyway, and the surviving branch was not verified.
-        It saves the drafting of that branch's tokens, which become the next block (SPECBRANCH.md §3):
+        It saves the drafting of that branch's tokens, which become the next block (docs/specbranch.md (SpecBranch)):
         `steps` one-row steps. The fork costs each of those steps on k rows instead of 1, and what k rows do
         to the target step beside them. The draft's time counts in full: it drafts on until the verdict."""
         saved = alternatives * steps * self.draft_ms[1]
@@ -148,7 +148,7 @@ class Policy:
         token was drafted (path_odds' reading; a branch token, whose position's largest probability is not kept,
         at its own). The two differ when sampling: the rule accepts a token drawn from q with probability
         sum(min(p, q)) whichever token it is, so a near-copy of the target is accepted almost always, also where it
-        drew a token it gave 0.1, and only a measured table can say so (docs/RESULTS.md §0o)."""
+        drew a token it gave 0.1, and only a measured table can say so (docs/methods.md)."""
         def read(tops, confs, n):
             tops = list(tops[:n]) + [None] * (n - len(tops))
             confs = list(confs[:n]) + [None] * (n - len(confs))

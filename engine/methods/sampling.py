@@ -35,7 +35,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """Draw one token id from a 1-D probability row (argmax when the row is one-hot), by inverse CDF in float64
     (sample_at), U ~ Uniform[0, 1). Why not torch.multinomial: over a 49k-token row it costs 1.05 ms on one CPU thread
     against 0.07 ms for this, and a sampled round draws several tokens on the host, between the forwards
-    (docs/RESULTS.md §0k)."""
+    (docs/methods.md)."""
     if float(probs.max()) == 1.0:
         return int(probs.argmax())
     return sample_at(probs, draw_u(generator))
@@ -163,7 +163,7 @@ def top_alternatives(probs: torch.Tensor, k: int = 3) -> list[list[float]]:
 
 # ---------------------------------------------------------------- several candidates at one position
 # A branch point offers k candidate tokens x_1..x_k. Which exact rule keeps the output distributed as p
-# depends on how the candidates were drawn (SPECBRANCH.md §3); each rule below is one step of a chain:
+# depends on how the candidates were drawn (docs/specbranch.md (SpecBranch)); each rule below is one step of a chain:
 # try candidate i against p_i, and on rejection move on to p_{i+1}; after the last, sample from p_{k+1}.
 TOPK, IID, NO_REPLACEMENT = "topk", "iid", "without_replacement"
 

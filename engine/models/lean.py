@@ -1,9 +1,9 @@
 """A lean decode path for a Llama draft, in gpt-fast's shape: fused matmuls and a KV cache where rollback is a
 pointer.
 
-Why: the 4-bit self-draft is the slower side of an overlapped round (docs/RESULTS.md §0f), and of its ~28 ms step
+Why: the 4-bit self-draft is the slower side of an overlapped round (docs/models.md), and of its ~28 ms step
 only 6.6 ms were the 4-bit products. The rest was the float32 head (5.4 ms; it stays in models.LM, a
-lm_head.ShortlistHead since §0h) and transformers' forward around the products: the KV cache's `cat` (each step
+lm_head.ShortlistHead since docs/models.md) and transformers' forward around the products: the KV cache's `cat` (each step
 copies every layer's whole cache, 4.1 ms) and ~10 ms of per-op overhead (seven linear layers a layer, each casting
 to bfloat16 and back, the rotary embedding applied to q and to k apart, a mask built per call). Here a layer runs
 four matmuls (q, k and v fused into one weight, gate and up into another), the rotary embedding is applied to q
@@ -18,7 +18,7 @@ forward, and output stays exact whatever the draft computes (q is the draft's ow
 
 With compiled=True (--draft-forward lean-compiled) a one-token step on one branch, the step a draft takes most,
 runs through torch.compile (inductor's C++ kernels fuse the norms, the rotary embedding and the MLP's gate into
-few loops): about a fifth of the step was per-op overhead around the matmuls (docs/RESULTS.md §0v). Its floats
+few loops): about a fifth of the step was per-op overhead around the matmuls (docs/models.md). Its floats
 differ from the eager step's by rounding; q is still what the pass that drafted the token computed.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ from engine.kernels.lm_head import draft_matmul
 
 CAPACITY = 256  # positions a new cache holds before it grows (doubling: amortised, and rare in a chat)
 # the torch threads a compiled step runs on: the workers' count, a solo step's too (12 ms on 1 against 17 ms eager on
-# 2, docs/RESULTS.md §0w)
+# 2, docs/models.md)
 STEP_THREADS = 1
 
 
@@ -80,7 +80,7 @@ class KVBuffer:
     def reserve(self, n: int) -> None:
         """Room for n more positions and one spare (grows by doubling, keeping what is held). The spare keeps a write
         from ever filling the buffer: a compiled step specialises on K and V being a part of it, not all of it, and
-        would compile again midway (docs/RESULTS.md §0w)."""
+        would compile again midway (docs/models.md)."""
         need = self.length + n
         if need < self.capacity:
             return
@@ -140,7 +140,7 @@ class BranchKV(KVBuffer):
     tokens behind the shared ones.
     Why: on this CPU a 3-row step of the 4-bit self-draft spent 4.5 ms in attention against 1.7 ms for one row,
     each row reading its own copy of the same 200 positions, and every fork first copied every layer's K and V k
-    times (docs/RESULTS.md §0u). With one branch it is KVBuffer with one row: the same positions, mask and bits.
+    times (docs/models.md). With one branch it is KVBuffer with one row: the same positions, mask and bits.
     `length` counts physical positions; get_seq_length() is a branch's length (shared + depth), as the engine sees
     it."""
 
@@ -305,7 +305,7 @@ class LeanLlama(torch.nn.Module):
             return self._forward(input_ids, cache)
         # the compiled graph guards on the torch thread count and on the ids' dispatch keys and strides: it runs on
         # the threads it was compiled for, and the ids are cloned here into a fresh inference tensor, as at the
-        # warm-up; else each would compile the graph again in the middle of a run (27 s, 4 s, docs/RESULTS.md §0w)
+        # warm-up; else each would compile the graph again in the middle of a run (27 s, 4 s, docs/models.md)
         threads = torch.get_num_threads()
         if threads != STEP_THREADS:
             torch.set_num_threads(STEP_THREADS)
@@ -319,7 +319,7 @@ class LeanLlama(torch.nn.Module):
         """The step's bookkeeping (positions, room in the cache, the rotary rows, the mask), then its decoder layers
         (`decode`: the compiled _decode, else _decode itself). The rotary table stays out of the compiled graph: its
         length equalled the cache buffers' at the warm-up, so the graph assumed they stay equal (duck sizing) and a
-        new cache after a regrown table compiled it again (27 s, docs/RESULTS.md §0w)."""
+        new cache after a regrown table compiled it again (27 s, docs/models.md)."""
         b, t = input_ids.shape  # b: the cache's branches
         if cache.rows != b:
             raise ValueError(f"the cache holds {cache.rows} rows, fed {b}")

@@ -109,7 +109,7 @@ def draft_matmul_kind(choice: str, device: torch.device, dtype: torch.dtype, sel
 
 def default_draft(device: str | None = None) -> str:
     """The draft the app serves unless told: the target itself where its matmuls would read its weights in 4 bits
-    (a float32 target on the CPU; docs/RESULTS.md §0h: 1.8-2.2x plain decoding on this CPU), else the distilled
+    (a float32 target on the CPU; docs/models.md: 1.8-2.2x plain decoding on this CPU), else the distilled
     6-layer draft (on a GPU a draft in the target's own precision would cost what the target does)."""
     dev = pick_device(device)
     self_kind = draft_matmul_kind("auto", dev, pick_dtype(None, dev), self_draft=True)
@@ -231,7 +231,7 @@ class LM:
         """Compile the draft's one-token step now, where it was asked for later (compile_later); on_done(message)
         then says how it ended. A draft in its own process compiles in a new one instead (draft_process.RemoteLM).
         Not on a thread of this process: tracing holds the interpreter, and the engine's own steps would wait on it
-        (docs/RESULTS.md §0w)."""
+        (docs/models.md)."""
         if self.compile_status()[0] == "waiting":
             self._lean.compile_step()
             if on_done is not None:
@@ -439,7 +439,7 @@ DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 def static_target(model, forward: str) -> bool:
     """Whether the target runs engine/static_forward.py's path: asked for (forward "static", the default) and a model
     that fits it (static_forward.fits: a Llama on the CPU with sdpa attention); else transformers' forward, which
-    computes the same bits. docs/RESULTS.md §0r has what it saves."""
+    computes the same bits. docs/models.md has what it saves."""
     if forward not in TARGET_FORWARDS:
         raise SpecBranchError(f"unknown target forward {forward!r}; choose one of {', '.join(TARGET_FORWARDS)}")
     return forward == "static" and static_misfit(model) is None
@@ -449,7 +449,7 @@ def lean_draft(draft_model, target_model, forward: str) -> bool:
     """Whether a draft runs engine/lean.py's decode path: asked for (forward "lean", the default, or "lean-compiled":
     its one-token steps through torch.compile), on the CPU, a model that fits it (lean.fits), and not the float32
     target itself (its fused weights would be copies of the target's; a quantized self-draft is a twin,
-    drafts.twin_of). docs/RESULTS.md §0g has what it saves."""
+    drafts.twin_of). docs/models.md has what it saves."""
     if forward not in DRAFT_FORWARDS:
         raise SpecBranchError(f"unknown draft forward {forward!r}; choose one of {', '.join(DRAFT_FORWARDS)}")
     return (forward in ("lean", "lean-compiled") and draft_model is not target_model

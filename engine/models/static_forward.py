@@ -4,9 +4,9 @@ over a KV cache where rollback is a pointer.
 Why: a target step on the CPU is mostly matmuls of a few rows, streaming the weights: transformers' forward runs seven a
 layer (210 for the embedded target). Stacking q, k and v into one weight, and gate and up into another, makes it four
 (120), each output column the same dot product as in its own layer. A 1-token step of the embedded target took 42
-against 50 ms (medians of 75 alternated), and `ar` ran 1.12-1.23x as fast in the bench (docs/RESULTS.md §0r). Writing
+against 50 ms (medians of 75 alternated), and `ar` ran 1.12-1.23x as fast in the bench (docs/models.md). Writing
 K and V in place instead of transformers' DynamicCache concatenation, and skipping the forward's per-call machinery,
-measured no faster alone (§0r); they stay because the path needs its own loop anyway.
+measured no faster alone (docs/models.md); they stay because the path needs its own loop anyway.
 
 Exactness: every other op is the one transformers runs, on the same values in the same order: the same modules'
 forwards (the routed linear layers of lm_head.fast_linears), the rotary embedding's table and apply_rotary_pos_emb's
