@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.config import SpecBranchError
 from engine.drafts.storage import load_weights, save_weights
+from engine.models.devices import cast_model
 
 SHARED_PREFIXES = ("model.embed_tokens.", "lm_head.")
 
@@ -70,7 +71,7 @@ def twin_of(target, skip: tuple[int, ...] = ()):
         renamed[name] = tensor
     twin.load_state_dict(renamed, assign=True)
     share_with_target(twin, target)
-    return twin.to(target.device).eval()
+    return cast_model(twin, target.device).eval()
 
 
 def share_with_target(draft, target) -> None:
@@ -123,4 +124,4 @@ def place(draft, target, device: torch.device, dtype: torch.dtype):
     if torch.device(device) != target.device or dtype != target.dtype:
         draft.model.embed_tokens = copy.deepcopy(target.model.embed_tokens)
         draft.lm_head = copy.deepcopy(target.lm_head)
-    return draft.to(device=device, dtype=dtype).eval()
+    return cast_model(draft, device, dtype).eval()  # its rotary table stays float32

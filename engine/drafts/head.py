@@ -34,6 +34,7 @@ from transformers import DynamicCache
 from engine.config import SpecBranchError
 from engine.drafts.storage import load_weights, save_weights
 from engine.kernels.lm_head import draft_matmul, fast_linears
+from engine.models.devices import cast_model
 
 HEAD_KEY = "specbranch_head"
 
@@ -67,7 +68,7 @@ class FeatureHead(torch.nn.Module):
         inner = target.model
         config = head_config(target.config, n_layers)
         head = cls(config, type(inner.layers[-1]), type(inner.rotary_emb), type(inner.norm))
-        head.to(dtype=next(target.parameters()).dtype)
+        cast_model(head, dtype=next(target.parameters()).dtype)  # its rotary table stays float32
         if init_from_last:
             for mine, theirs in zip(head.layers, inner.layers[-n_layers:]):
                 mine.load_state_dict(theirs.state_dict())
@@ -273,4 +274,4 @@ def load_head_dir(path: Path, target_model, dtype: torch.dtype, device) -> tuple
     subset = load_file(str(path / "vocab_subset.safetensors"))["ids"]
     if int(subset.max()) >= tc.vocab_size:
         raise SpecBranchError(f"draft head {path}: its vocabulary subset names ids beyond the target's {tc.vocab_size}")
-    return head.to(device=device, dtype=dtype).eval(), subset.to(device)
+    return cast_model(head, device, dtype).eval(), subset.to(device)

@@ -285,11 +285,13 @@ class LeanLlama(torch.nn.Module):
         return BranchKV(len(self.layers), self.kv_heads, self.head_dim, self.norm.dtype, self.norm.device, capacity)
 
     def _rope_table(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [end, D] (at least): computed once by the model's rotary module, regrown by doubling."""
+        """cos, sin [end, D] (at least), float32 whatever the weights' dtype: computed once by the model's rotary
+        module from its float32 inv_freq, regrown by doubling. A step casts the rows it reads to the states' dtype,
+        as the rotary module's forward casts its float32 cos and sin (the same values, so the same bits)."""
         if self._cos is None or self._cos.shape[0] < end:
             n = max(end, 2 * (0 if self._cos is None else self._cos.shape[0]), CAPACITY)
             pos = torch.arange(n, device=self.norm.device)[None]
-            cos, sin = self.rotary(self.norm.new_zeros(1), position_ids=pos)
+            cos, sin = self.rotary(torch.zeros(1, device=self.norm.device), position_ids=pos)
             self._cos, self._sin = cos[0], sin[0]
         return self._cos, self._sin
 
@@ -326,7 +328,8 @@ class LeanLlama(torch.nn.Module):
         positions = cache.positions(t)  # [n]
         cache.reserve(t)
         cos, sin = self._rope_table(cache.get_seq_length() + t)  # the last new token's position + 1
-        out = (decode or self._decode)(input_ids, cache, cos[positions], sin[positions],
+        dtype = self.norm.dtype
+        out = (decode or self._decode)(input_ids, cache, cos[positions].to(dtype), sin[positions].to(dtype),
                                        cache.mask(t, self.heads // self.kv_heads))
         cache.advance(t)
         return out

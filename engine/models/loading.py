@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from engine.models import cache as kv
+from engine.models.devices import canonical_device, cast_model, same_device
 from engine.config import DRAFT_FORWARDS, DRAFT_MATMULS, DRAFT_WORKERS, TARGET_FORWARDS, SpecBranchError
 from engine.drafts.process import RemoteLM, in_process
 from engine.drafts.distilled import draft_from_target, is_specbranch_draft, load_draft_dir, place, twin_of
@@ -171,7 +172,7 @@ def load_model(spec: str, device: torch.device, dtype: torch.dtype, trust_remote
     except (OSError, ValueError, EnvironmentError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise SpecBranchError(f"could not load model {spec!r}: {first}") from None
-    return model.to(device).eval(), tokenizer
+    return cast_model(model, device).eval(), tokenizer
 
 
 # CausalLMs whose logits are exactly lm_head(last hidden state): no softcap, scale or bias after it

@@ -1,0 +1,71 @@
+"""Issue 41, part 3, the models' defects that reading the CUDA path showed, checked on the CPU: rotary tables that stay
+float32 whatever a draft's dtype, a prefill whose LM head runs on its last row only, devices compared by their
+canonical names, and the static-cache decode paths (lean, static_forward) in a device-agnostic variant whose steps
+have static shapes and no host sync (what torch.compile(mode="reduce-overhead") captures as CUDA graphs on a GPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from engine.drafts.distilled import draft_from_target, load_draft_dir, place, save_draft
+from engine.drafts.head import FeatureHead, load_head_dir, save_head
+from engine.models.devices import cast_model, rotary_buffers
+from engine.models.lean import LeanLlama
+
+from .test_lean import tiny_llama
+
+
+# ---------------------------------------------------------------- 1. rotary tables stay float32
+def fp32_inv_freq(config) -> torch.Tensor:
+    """The table transformers computes for `config`, in float32."""
+    return LlamaRotaryEmbedding(config).inv_freq
+
+
+def assert_rotary_fp32(module, config) -> None:
+    found = rotary_buffers(module)
+    assert found, "no rotary table found"
+    want = fp32_inv_freq(config)
+    for owner, name in found:
+        table = getattr(owner, name)
+        assert table.dtype == torch.float32, (name, table.dtype)
+        assert torch.equal(table, want), name
+
+
+def test_a_draft_or_head_cast_to_bfloat16_keeps_float32_rotary_tables(tmp_path):
+    """A distilled draft (place, load_draft_dir), a feature head (from_target of a bfloat16 target, load_head_dir) and
+    any module through cast_model: their weights in bfloat16, their inv_freq float32 with the float32 values (a .to()
+    rounded them to bfloat16: 0.0094 became 0.0093994140625 and so on). The lean path's precomputed cos and sin are
+    float32 too, equal to the rotary module's own float32 output."""
+    target = tiny_llama(seed=1)
+    config = target.config
+    draft = place(draft_from_target(target, 2), target, "cpu", torch.bfloat16)
+    assert next(draft.parameters()).dtype == torch.bfloat16
+    assert_rotary_fp32(draft, config)
+
+    save_draft(draft_from_target(target, 2), tmp_path / "draft", None, {})
+    loaded, _ = load_draft_dir(tmp_path / "draft", target, torch.bfloat16, torch.device("cpu"))
+    assert next(loaded.parameters()).dtype == torch.bfloat16
+    assert_rotary_fp32(loaded, config)
+
+    bf16_target = cast_model(tiny_llama(seed=1), dtype=torch.bfloat16)
+    assert_rotary_fp32(bf16_target, config)
+    head = FeatureHead.from_target(bf16_target, 1)
+    assert next(head.parameters()).dtype == torch.bfloat16
+    assert_rotary_fp32(head, config)
+    save_head(FeatureHead.from_target(target, 1), tmp_path / "head", torch.arange(10),
+              {"hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
+               "target_layers": config.num_hidden_layers})
+    head, _ = load_head_dir(tmp_path / "head", target, torch.bfloat16, "cpu")
+    assert next(head.parameters()).dtype == torch.bfloat16
+    assert_rotary_fp32(head, config)
+
+    rounded = tiny_llama(seed=1).to(torch.bfloat16)  # cast elsewhere, without the helper: recomputed from the config
+    assert_rotary_fp32(cast_model(rounded, dtype=torch.bfloat16), config)
+
+    lean = LeanLlama(draft, "float32")
+    cos, sin = lean._rope_table(40)
+    rotary = LlamaRotaryEmbedding(config)
+    want_cos, want_sin = rotary(torch.zeros(1), torch.arange(cos.shape[0])[None])
+    assert cos.dtype == sin.dtype == torch.float32
+    assert torch.equal(cos, want_cos[0]) and torch.equal(sin, want_sin[0])
