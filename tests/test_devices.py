@@ -177,7 +177,9 @@ def test_usable_devices_pass(monkeypatch):
     assert pick_device("cpu") == torch.device("cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert pick_device("cuda:1") == torch.device("cuda", 1) and pick_device("cuda") == torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    # `cuda` by its canonical name, the one its tensors and the workers report (models/devices.py)
+    assert pick_device("cuda:1") == torch.device("cuda", 1) and pick_device("cuda") == torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert pick_device(None) == torch.device("cpu")
     with pytest.raises(SpecBranchError):

@@ -69,3 +69,41 @@ def test_a_draft_or_head_cast_to_bfloat16_keeps_float32_rotary_tables(tmp_path):
     want_cos, want_sin = rotary(torch.zeros(1), torch.arange(cos.shape[0])[None])
     assert cos.dtype == sin.dtype == torch.float32
     assert torch.equal(cos, want_cos[0]) and torch.equal(sin, want_sin[0])
+
+
+# ---------------------------------------------------------------- 3. devices compared by their canonical names
+def fake_gpus(monkeypatch, count: int = 2, current: int = 0) -> None:
+    """torch.cuda as on a machine with `count` GPUs, `current` the current one (no CUDA call is made)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+
+
+def test_devices_are_canonical_and_a_draft_on_the_targets_gpu_shares_its_embeddings(monkeypatch):
+    """pick_device names the GPU as its tensors (and the workers) do, `cuda:<current>`; and `place`, given `cuda` for
+    a target whose tensors report `cuda:0`, shares the target's embeddings and head instead of copying them (the move
+    itself is stubbed: no CUDA tensor is made). Another GPU, or another dtype, still gets its own copies."""
+    from transformers import LlamaForCausalLM
+
+    from engine.drafts import distilled
+    from engine.models.devices import canonical_device, same_device
+    from engine.models.loading import pick_device
+
+    fake_gpus(monkeypatch, count=2, current=1)
+    assert pick_device("cuda") == torch.device("cuda", 1) == pick_device(None) == canonical_device("cuda")
+    assert pick_device("cuda:0") == torch.device("cuda", 0) and pick_device("cpu") == torch.device("cpu")
+    assert same_device("cuda", "cuda:1") and same_device(torch.device("cuda"), torch.device("cuda", 1))
+    assert not same_device("cuda", "cuda:0") and not same_device("cuda:0", "cpu") and same_device(None, "cpu")
+
+    fake_gpus(monkeypatch, count=1, current=0)
+    target, moved = tiny_llama(seed=3), []
+    monkeypatch.setattr(LlamaForCausalLM, "device", property(lambda self: torch.device("cuda", 0)))
+    monkeypatch.setattr(distilled, "cast_model", lambda m, device=None, dtype=None: moved.append((device, dtype)) or m)
+    draft = place(draft_from_target(target, 1), target, "cuda", torch.float32)
+    assert moved == [("cuda", torch.float32)]
+    assert draft.model.embed_tokens is target.model.embed_tokens and draft.lm_head is target.lm_head
+    fake_gpus(monkeypatch, count=2, current=0)
+    other = place(draft_from_target(target, 1), target, "cuda:1", torch.float32)
+    assert other.model.embed_tokens is not target.model.embed_tokens and other.lm_head is not target.lm_head
+    half = place(draft_from_target(target, 1), target, "cuda", torch.bfloat16)
+    assert half.model.embed_tokens is not target.model.embed_tokens

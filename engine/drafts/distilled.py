@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.config import SpecBranchError
 from engine.drafts.storage import load_weights, save_weights
-from engine.models.devices import cast_model
+from engine.models.devices import cast_model, same_device
 
 SHARED_PREFIXES = ("model.embed_tokens.", "lm_head.")
 
@@ -120,8 +120,10 @@ def load_draft_dir(path: Path, target, dtype: torch.dtype, device: torch.device)
 
 
 def place(draft, target, device: torch.device, dtype: torch.dtype):
-    """Move a draft that shares the target's embeddings/head; copy those first if it goes elsewhere."""
-    if torch.device(device) != target.device or dtype != target.dtype:
+    """Move a draft that shares the target's embeddings/head; copy those first if it goes elsewhere (another device
+    by its canonical name, devices.same_device: `cuda` is the target's `cuda:0` where GPU 0 is the current one) or
+    into another dtype."""
+    if not same_device(device, target.device) or dtype != target.dtype:
         draft.model.embed_tokens = copy.deepcopy(target.model.embed_tokens)
         draft.lm_head = copy.deepcopy(target.lm_head)
     return cast_model(draft, device, dtype).eval()  # its rotary table stays float32

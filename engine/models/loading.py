@@ -55,10 +55,11 @@ def embedded_gguf_path() -> Path:
 
 
 def pick_device(device: str | None = None) -> torch.device:
-    """The device a model goes on: `device` (cpu, cuda, cuda:N), or CUDA when present. A device that cannot
-    be used here is refused with the reason (callers check before loading anything)."""
+    """The device a model goes on: `device` (cpu, cuda, cuda:N), or CUDA when present, by its canonical name
+    (devices.canonical_device: `cuda` is `cuda:<current device>`, what its tensors report). A device that cannot be
+    used here is refused with the reason (callers check before loading anything)."""
     if not device:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return canonical_device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         dev = torch.device(device)
     except (RuntimeError, ValueError):
@@ -72,7 +73,7 @@ def pick_device(device: str | None = None) -> torch.device:
         n = torch.cuda.device_count()
         raise SpecBranchError(f"device {device!r}: there is no such GPU; this machine has {n} "
                               f"({', '.join(f'cuda:{i}' for i in range(n))})")
-    return dev
+    return canonical_device(dev)
 
 
 def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
@@ -401,7 +402,7 @@ def load_pair(target: str = "embedded", draft: str | None = "embedded", device: 
         return ModelPair(lm, None)
     ddev = pick_device(draft_device) if draft_device else dev
     return with_draft(lm, draft, ddev, pick_dtype(dtype, ddev), trust_remote_code, draft_matmul, draft_forward,
-                      same_device=ddev == dev, draft_worker=draft_worker, compile_later=compile_later)
+                      same_device=same_device(ddev, dev), draft_worker=draft_worker, compile_later=compile_later)
 
 
 def with_draft(target: "LM", draft: str, device: torch.device | None = None, dtype: torch.dtype | None = None,
