@@ -107,3 +107,72 @@ def test_devices_are_canonical_and_a_draft_on_the_targets_gpu_shares_its_embeddi
     assert other.model.embed_tokens is not target.model.embed_tokens and other.lm_head is not target.lm_head
     half = place(draft_from_target(target, 1), target, "cuda", torch.bfloat16)
     assert half.model.embed_tokens is not target.model.embed_tokens
+
+
+# ---------------------------------------------------------------- 2. a prefill's LM head on its last row only
+class RowCounter:
+    """A head that counts the rows it is fed and computes them with the real one."""
+
+    def __init__(self, head):
+        self.head, self.rows = head, []
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.rows.append(x.numel() // x.shape[-1])
+        return self.head(x)
+
+
+@pytest.mark.parametrize("path", ["transformers", "static", "lean", "subset", "unplain"])
+def test_last_only_runs_the_head_on_one_row(path):
+    """LM.forward(last_only=True) on each of its paths: logits [1, 1, V] equal to the last row of a full pass
+    (float rounding: one row may go through another kernel than T rows), the head fed 1 row, the features every
+    position's; the default still gives every row. `unplain`: a model whose logits are more than its head (a head with
+    a bias), through transformers' logits_to_keep, its lm_head counted by a forward hook."""
+    from engine.models.loading import LM
+
+    model = tiny_llama(seed=4)
+    ids = torch.randint(0, 101, (1, 20), generator=torch.Generator().manual_seed(4))
+    kwargs = {"static": dict(static=True), "lean": dict(lean=True), "subset": dict(head_ids=torch.arange(0, 101, 2))}
+    if path == "unplain":
+        model.lm_head.bias = torch.nn.Parameter(torch.randn(101) * 0.1)
+    lm = LM("tiny", model, None, 101, **kwargs.get(path, {}))
+    assert (lm._head is None) == (path == "unplain") and lm.static == (path == "static")
+    counted = []
+    if path == "unplain":
+        model.lm_head.register_forward_hook(lambda m, args, out: counted.append(args[0].shape[1]))
+    else:
+        lm._head = RowCounter(lm._head)
+        counted = lm._head.rows
+    full = lm.forward(ids, lm.new_cache(), features=True)
+    assert full.logits.shape == (1, 20, 101) and counted == [20]
+    last = lm.forward(ids, lm.new_cache(), features=True, last_only=True)
+    assert last.logits.shape == (1, 1, 101) and counted == [20, 1]
+    torch.testing.assert_close(last.logits, full.logits[:, -1:], rtol=1e-5, atol=1e-5)
+    if path != "unplain":
+        assert torch.equal(last.features, full.features) and last.features.shape == (1, 20, 96)
+    plain = lm.last_row.forward(ids, lm.new_cache())  # the view a prefill goes through
+    assert plain.shape == (1, 1, 101) and counted[-1] == 1 and lm.last_row.vocab_size == 101
+
+
+def test_a_prefill_feeds_the_target_head_one_row(tmp_path):
+    """Through the engine (decoding.prefill): the target's head runs on 1 row for a 12-token prompt, then on the rows
+    each step feeds; the output is AR's before and after."""
+    from engine.config import GenerationConfig
+    from engine.engine import Engine
+    from engine.models.loading import load_pair
+
+    from .conftest import make_tiny_model
+
+    target = make_tiny_model(tmp_path / "target", seed=1)
+    draft = make_tiny_model(tmp_path / "draft", seed=1, perturb=0.5, perturb_seed=2)
+    engine = Engine(load_pair(str(target), str(draft), device="cpu", draft_worker="thread"))
+    try:
+        prompt = [2, 3, 4, 5, 6, 7, 8, 9, 2, 3, 4, 5]
+        want = engine.run(prompt, GenerationConfig(method="ar", max_new_tokens=6)).token_ids
+        counter = engine.pair.target._head = RowCounter(engine.pair.target._head)
+        assert engine.run(prompt, GenerationConfig(method="ar", max_new_tokens=6)).token_ids == want
+        assert counter.rows == [1] * 6  # the prefill's row, then five 1-token steps
+        counter.rows.clear()
+        assert engine.run(prompt, GenerationConfig(method="sd", max_new_tokens=6, gamma=3)).token_ids == want
+        assert counter.rows[0] == 1 and all(r <= 4 for r in counter.rows[1:])  # verify passes: gamma + 1 rows
+    finally:
+        engine.close()

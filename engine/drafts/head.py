@@ -207,9 +207,10 @@ class HeadLM:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: HeadCache, hidden_states: bool = False,
-                features: bool = False) -> torch.Tensor:
+                features: bool = False, last_only: bool = False) -> torch.Tensor:
         """input_ids [B, T]; appends T rows to the cache. Rows whose input features are all known run in one
-        pass; a row that needs the previous row's prediction waits for it (drafting beyond the target)."""
+        pass; a row that needs the previous row's prediction waits for it (drafting beyond the target).
+        last_only: the logits of the last row only, [B, 1, V] (the LM head runs on it alone; models.LM.forward)."""
         input_ids = input_ids.to(self.device)
         b, t = input_ids.shape
         outs, done = [], 0
@@ -229,8 +230,10 @@ class HeadLM:
             outs.append(hidden)
             done += n
         hidden = torch.cat(outs, dim=1)
+        if last_only:
+            hidden = hidden[:, -1:]
         sub = self._head(hidden).float()  # [B, T, |subset|]
-        logits = sub.new_full((b, t, self.vocab_size), float("-inf"))
+        logits = sub.new_full((*sub.shape[:2], self.vocab_size), float("-inf"))
         logits[..., self.head_ids] = sub
         return logits
 

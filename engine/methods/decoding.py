@@ -126,7 +126,7 @@ async def prefill(state: RunState, events: list[Event]) -> None:
     """Run the prompt through the target and the draft (at once, on their workers) and commit the
     target's first token. A head draft waits for the target's features instead (its first step feeds them)."""
     prompt = state.tokens
-    jobs = [forward(state, state.pair.target, state.target_worker, state.target_cache, prompt, PREFILL, events,
+    jobs = [forward(state, state.pair.target.last_row, state.target_worker, state.target_cache, prompt, PREFILL, events,
                     features=True)]
     if state.pair.draft is not None and not state.head_draft:
         jobs.append(forward(state, state.pair.draft, state.draft_worker, state.draft_cache, prompt, PREFILL, events))

@@ -1,5 +1,5 @@
-"""Devices and casts, each in one place: a device's canonical name, and a model moved or cast with its rotary tables kept
-in float32.
+"""Devices and casts, each in one place: a device's canonical name, and a model moved or cast with its rotary tables
+kept in float32.
 
 canonical_device: torch names the current GPU both `cuda` and `cuda:0`, and torch.device("cuda") != torch.device("cuda",
 0). A tensor on a GPU always reports the indexed name, so a device given as `cuda` compared with a model's device says

@@ -254,38 +254,66 @@ class LM:
         return fast.new_cache() if fast is not None else kv.new_cache(self.model)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, cache, hidden_states: bool = False, features: bool = False):
+    def forward(self, input_ids: torch.Tensor, cache, hidden_states: bool = False, features: bool = False,
+                last_only: bool = False):
         """input_ids [B, T] (on any device) -> logits [B, T, V] float32, appending T positions to `cache`.
         With hidden_states and/or features: Out(logits, per-layer hidden states, post-norm last hidden state
-        [B, T, H]). The features come from the same pass (a draft head reads them; no second forward)."""
+        [B, T, H]). The features come from the same pass (a draft head reads them; no second forward).
+        last_only: the logits of the last position only, [B, 1, V]: the LM head runs on that row alone, as generate()
+        computes a prompt's (transformers' logits_to_keep=1), instead of T x V (2.4 GB for an 8k prompt of a 49k
+        vocabulary); the hidden states and features still cover every position. A prefill reads no other row
+        (decoding.prefill, through LM.last_row); H-RAD's sampler and a draft's child read every row (the default)."""
         input_ids = input_ids.to(self.device)
         if self._lean is not None:
             if hidden_states:
                 raise ValueError("a draft on the lean path keeps no per-layer hidden states")
-            return self._logits(self._lean(input_ids, cache), None, features)
+            return self._logits(self._lean(input_ids, cache), None, features, last_only)
         if self._static is not None and isinstance(cache, KVBuffer):  # a cache from new_cache
             last, hidden = self._static(input_ids, cache, hidden_states)
-            return self._logits(last, hidden, features)
+            return self._logits(last, hidden, features, last_only)
         if self._head is None:  # a model whose logits are more than a matmul of its last state (or unknown)
+            keep = {"logits_to_keep": 1} if last_only else {}  # transformers' CausalLMs take it (generate passes it)
             out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True,
-                             output_hidden_states=hidden_states)
-            logits = out.logits[..., : self.vocab_size].float()
+                             output_hidden_states=hidden_states, **keep)
+            logits = out.logits[:, -1:] if last_only else out.logits  # [:, -1:]: a model that ignored it
+            logits = logits[..., : self.vocab_size].float()
             return Out(logits, out.hidden_states if hidden_states else None) if hidden_states or features else logits
         out = self.model.base_model(input_ids=input_ids, past_key_values=cache, use_cache=True,
                                     output_hidden_states=hidden_states)
-        return self._logits(out.last_hidden_state, out.hidden_states if hidden_states else None, features)
+        return self._logits(out.last_hidden_state, out.hidden_states if hidden_states else None, features, last_only)
 
-    def _logits(self, last: torch.Tensor, hidden: tuple | None, features: bool):
-        """The head over the final-norm states [B, T, H] (what the CausalLM computes after its base model)."""
+    @property
+    def last_row(self) -> "LastRow":
+        """This LM as a caller that reads only the last row of a pass's logits sees it (a prefill)."""
+        return LastRow(self)
+
+    def _logits(self, last: torch.Tensor, hidden: tuple | None, features: bool, last_only: bool = False):
+        """The head over the final-norm states [B, T, H] (what the CausalLM computes after its base model); with
+        last_only over the last position's only (the features stay [B, T, H])."""
+        rows = last[:, -1:] if last_only else last
         if self.head_ids is None:
-            logits = self._head(last)[..., : self.vocab_size].float()
+            logits = self._head(rows)[..., : self.vocab_size].float()
         else:
-            sub = self._head(last).float()  # [B, T, |subset|]
+            sub = self._head(rows).float()  # [B, T, |subset|]
             logits = sub.new_full((*sub.shape[:2], self.vocab_size), float("-inf"))
             logits[..., self.head_ids] = sub
         if hidden is not None or features:
             return Out(logits, hidden, last if features else None)
         return logits
+
+
+class LastRow:
+    """An LM seen by a caller that reads only the last row of each pass's logits (decoding.prefill): its forward is
+    the LM's with last_only=True (the LM head on one row, logits [B, 1, V]); every other attribute is the LM's."""
+
+    def __init__(self, lm: LM):
+        self.lm = lm
+
+    def forward(self, input_ids: torch.Tensor, cache, hidden_states: bool = False, features: bool = False):
+        return self.lm.forward(input_ids, cache, hidden_states, features, last_only=True)
+
+    def __getattr__(self, name: str):
+        return getattr(self.lm, name)
 
 
 class Out(NamedTuple):
