@@ -176,3 +176,204 @@ def test_a_prefill_feeds_the_target_head_one_row(tmp_path):
         assert counter.rows[0] == 1 and all(r <= 4 for r in counter.rows[1:])  # verify passes: gamma + 1 rows
     finally:
         engine.close()
+
+
+# ---------------------------------------------------------------- 4. the static-cache paths, device-agnostic
+def assert_close_passes(static, plain, ids: torch.Tensor, capacity: int, check) -> None:
+    """Feed both LMs the engine's passes (a prefill, 1-token steps, a 4-token verify pass), roll both back by 3 and
+    verify again: logits, features and (every other pass) the hidden states pass check(mine, transformers')."""
+    a, b = static._static.new_cache(capacity), plain.new_cache()
+    n = ids.shape[1]
+    cuts = [0, n // 2, n // 2 + 1, n // 2 + 5, n // 2 + 6]
+    for i, (lo, hi) in enumerate(zip(cuts, cuts[1:])):
+        hidden = i % 2 == 0
+        x, y = (lm.forward(ids[:, lo:hi], c, hidden_states=hidden, features=True)
+                for lm, c in ((static, a), (plain, b)))
+        check(x.logits, y.logits)
+        check(x.features, y.features)
+        if hidden:
+            assert len(x.hidden_states) == len(y.hidden_states)
+            for p, q in zip(x.hidden_states, y.hidden_states):
+                check(p, q)
+    for cache in (a, b):
+        cache.crop(-3)
+    rest = ids[:, cuts[-1] - 3:]
+    check(static.forward(rest, a), plain.forward(rest, b))
+    assert a.get_seq_length() == b.get_seq_length() == n and a.capacity > capacity  # it grew
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_generic_static_target_follows_transformers(dtype):
+    """The target's static path through the generic kernels (what it runs on a GPU; forced here), through LM: the
+    logits, features and hidden states of a prefill, steps, a verify pass, a rollback and the pass after it, against
+    transformers' forward of the same model: float32 within 1e-4 (only attention's sums over the masked positions
+    differ), bfloat16 within 2 % of the largest value. Its probe (StaticLlama.agrees, by closeness) passes in both;
+    the CPU's kernels stay bit-identical (tests/test_static_forward.py)."""
+    from engine.models.loading import LM
+    from engine.models.lean import KVBuffer
+
+    model = cast_model(tiny_llama(seed=6), dtype=dtype)
+    static, plain = LM("tiny", model, None, 101, static=True, kernels="generic"), LM("tiny", model, None, 101)
+    assert static.static and static._static.kernels == "generic" and static._static.generic is not None
+    assert static._static is not LM("tiny", model, None, 101, static=True)._static  # one per kernels
+    cache = static.new_cache()
+    assert isinstance(cache, KVBuffer) and cache.static and cache.capacity == 513  # the context, and a spare
+    ids = torch.randint(0, 101, (1, 30), generator=torch.Generator().manual_seed(7))
+    def check(mine, theirs):
+        if dtype == torch.float32:
+            torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+        else:  # bfloat16: within 2 % of the largest value (one bfloat16 step at it is 0.4-0.8 %)
+            assert (mine.float() - theirs.float()).abs().max() <= 0.02 * theirs.float().abs().max()
+    assert_close_passes(static, plain, ids, 8, check)
+
+
+def test_generic_kernels_decode_exactly_through_the_engine(tiny_dirs):
+    """A target on the generic static path and a draft on the generic lean path (forced on the CPU): greedy SD, PEARL
+    and SpecBranch (forks: k-row branch steps) give AR's tokens."""
+    from engine.models.loading import LM, ModelPair, load_model
+
+    from .test_lm_head import assert_speculation_equals_ar
+
+    cpu = torch.device("cpu")
+    target, tok = load_model(str(tiny_dirs["target"]), cpu, torch.float32)
+    draft, _ = load_model(str(tiny_dirs["draft"]), cpu, torch.float32)
+    vocab = target.config.vocab_size
+    pair = ModelPair(LM("t", target, tok, vocab, static=True, kernels="generic"),
+                     LM("d", draft, tok, vocab, lean=True, kernels="generic"))
+    assert pair.target._static.kernels == pair.draft._lean.kernels == "generic"
+    assert_speculation_equals_ar(pair)
+
+
+def test_the_cpu_keeps_its_kernels_and_another_device_takes_the_generic_ones():
+    """By device: the CPU's kernels on the CPU (the fused, oneDNN-routed matmuls of today, no compile of the target),
+    the generic ones elsewhere (a model on the meta device stands for a GPU: nothing is computed), and the compile mode
+    CUDA graphs on CUDA. The generic kernels read the weights as loaded: a 4-bit or bfloat16 draft stays on the
+    CPU's."""
+    from engine.kernels.lm_head import HeadMatmul
+    from engine.models.lean import compile_mode, default_kernels, fits as lean_fits
+    from engine.models.loading import LM, lean_draft, static_target
+    from engine.models.static_forward import StaticLlama, fits
+
+    assert default_kernels("cpu") == "cpu" and default_kernels("cuda") == default_kernels("cuda:1") == "generic"
+    assert compile_mode("cuda:0") == "reduce-overhead" and compile_mode("cpu") == "default"
+    target = LM("t", tiny_llama(seed=6), None, 101, static=True)
+    draft = LM("d", tiny_llama(seed=7), None, 101, lean=True)
+    assert target._static.kernels == "cpu" and target._static.generic is None
+    assert all(isinstance(f, HeadMatmul) for f in target._static.qkv + target._static.gate_up)
+    assert draft._lean.kernels == "cpu" and draft._lean._generic is None
+    assert isinstance(draft._lean.layers[0]["qkv"], HeadMatmul) and draft._lean.new_cache().capacity == 256
+    with pytest.raises(ValueError, match="read the weights as loaded, not through int4"):
+        LeanLlama(tiny_llama(), "int4", kernels="generic")
+
+    meta = tiny_llama(seed=8).to("meta")
+    meta.config._attn_implementation = "eager"  # the CPU's kernels need sdpa; the generic ones compute attention
+    assert fits(meta) is None and lean_fits(meta) is None and static_target(meta, "static")
+    assert lean_draft(meta, tiny_llama(), "lean")  # no longer on the CPU only
+    assert fits(meta, "cpu") == "not on the CPU"
+    assert LeanLlama(meta).kernels == "generic" and StaticLlama(meta, compiled=False).kernels == "generic"
+    assert StaticLlama(meta, compiled=True).generic._graph is not None  # compiled lazily, at a step's first use
+
+
+def graph_counter(graphs: list):
+    """A torch.compile backend that keeps each graph dynamo hands it and runs it as traced."""
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    return backend
+
+
+def test_generic_steps_trace_whole_and_keep_their_shapes_as_the_cache_moves():
+    """What CUDA graphs need, checked on the CPU: the generic step of the draft (one token; a fork's 3 branches) and
+    of the target (one token; a 4-token verify pass) traces as one graph without a break (torch.compile fullgraph,
+    and torch._dynamo.explain: no .item(), .tolist() or data-dependent shape); once each shape has compiled, steps at
+    other positions, a rollback, a fork and its collapse compile nothing again (error_on_recompile): the position is a
+    tensor, the buffers keep their shape; and the compiled steps give the eager ones' states."""
+    from engine.models.static_forward import StaticLlama
+
+    model = tiny_llama(seed=5)
+    graphs = []
+    lean, eager = LeanLlama(model, kernels="generic"), LeanLlama(model, kernels="generic")
+    lean.compile_step(backend=graph_counter(graphs))
+    assert lean.compile_state == "compiled" and lean.compile_why == "" and len(graphs) == 1  # the one-token step
+    target, plain = StaticLlama(model, "generic", compiled=False), StaticLlama(model, "generic", compiled=False)
+    target.generic.compile(backend=graph_counter(graphs))
+
+    ids = torch.randint(0, 101, (1, 40), generator=torch.Generator().manual_seed(6))
+    caches = {m: m.new_cache(64) for m in (lean, eager, target, plain)}
+
+    def feed(models, x):
+        out = [m(x, caches[m]) for m in models]
+        out = [o[0] if isinstance(o, tuple) else o for o in out]
+        torch.testing.assert_close(out[0], out[1], rtol=1e-6, atol=1e-6)
+
+    def fork(k, tokens):
+        for m in (lean, eager):
+            caches[m].batch_repeat_interleave(k)
+        feed((lean, eager), torch.tensor(tokens))
+
+    with torch.inference_mode():
+        for pair in ((lean, eager), (target, plain)):
+            feed(pair, ids[:, :10])  # a prefill (of at most GRAPH_TOKENS: compiled too)
+            feed(pair, ids[:, 10:11])
+        fork(3, [[4], [5], [6]])  # the 3-branch step's shape
+        feed((target, plain), ids[:, 11:15])  # the verify pass's
+        for m in (lean, eager):
+            caches[m].batch_select_indices(torch.tensor([1]))
+        compiled = len(graphs)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for i in range(12, 30):
+                feed((lean, eager), ids[:, i:i + 1])
+                feed((target, plain), ids[:, i + 3:i + 4] if i % 3 else ids[:, i:i + 4])
+                if i % 3 == 0:
+                    for m, n in ((lean, 1), (eager, 1), (target, 4), (plain, 4)):
+                        caches[m].crop(-n)  # a rollback
+                if i % 5 == 0:
+                    fork(3, [[i % 7], [i % 5], [i % 3]])
+                    fork(1, [[1], [2], [3]])  # the branches one token further (a fork of k branches into k)
+                    for m in (lean, eager):
+                        caches[m].batch_select_indices(torch.tensor([2]))
+    assert len(graphs) == compiled and lean.compile_why == target.compile_why == ""
+    assert all(isinstance(t, torch.Tensor) for t in caches[lean].keys)
+
+    # the same, as torch._dynamo.explain sees it: one graph, no break, for each kind of step
+    generic = target.generic
+    for x, cache in ((ids[:, :1], generic.new_cache(32)), (ids[:, :4], generic.new_cache(32))):
+        recorded = []
+        generic._graph = lambda *args: recorded.append(args) or generic._step(*args)
+        with torch.inference_mode():
+            generic(x, cache)
+            explained = torch._dynamo.explain(generic._step)(*recorded[0])
+        assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
+
+
+def test_a_cuda_graph_step_marks_its_start_and_hands_back_a_copy(monkeypatch):
+    """The CUDA-only branch of a compiled generic step, with CUDA faked (nothing else can run it here): each compiled
+    step first tells CUDA graph trees that a new step begins (torch.compiler.cudagraph_mark_step_begin), and hands
+    back a copy of the graph's output, which the next replay overwrites; a step with per-layer states, or longer
+    than GRAPH_TOKENS, runs eager."""
+    from engine.models import lean as lean_module
+    from engine.models.lean import GRAPH_TOKENS, GenericDecoder
+
+    outputs, marks = [], []
+
+    def backend(gm, example_inputs):
+        def run(*args):
+            out = gm.forward(*args)
+            outputs.append(out[0] if isinstance(out, (tuple, list)) else out)
+            return out
+        return run
+
+    monkeypatch.setattr(GenericDecoder, "cuda_graphs", property(lambda self: self._graph is not None))
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    generic = GenericDecoder(tiny_llama(seed=2))
+    generic.compile(backend=backend)
+    cache = generic.new_cache(64)
+    ids = torch.randint(0, 101, (1, 40), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        x, _ = generic(ids[:, :4], cache)
+        assert len(marks) == 1 and outputs and x.data_ptr() != outputs[-1].data_ptr()
+        torch.testing.assert_close(x, outputs[-1])
+        generic(ids[:, 4:5], cache, hidden_states=True)  # eager: no mark
+        generic(ids[:, 5: 6 + GRAPH_TOKENS], cache)
+        assert len(marks) == 1
+    assert lean_module.compile_mode("cuda") == "reduce-overhead"

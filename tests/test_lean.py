@@ -34,9 +34,12 @@ def reference(model, ids: torch.Tensor) -> torch.Tensor:
         return model.model(input_ids=ids).last_hidden_state
 
 
-def test_lean_decoder_equals_transformers_through_steps_rollback_and_forks():
+@pytest.mark.parametrize("kernels", ["cpu", "generic"])
+def test_lean_decoder_equals_transformers_through_steps_rollback_and_forks(kernels):
+    """kernels: the CPU's, or the generic ones a GPU runs (lean.GenericDecoder, static shapes), forced here."""
     model = tiny_llama()
-    lean = LeanLlama(model, "float32")
+    lean = LeanLlama(model, "float32", kernels=kernels)
+    assert lean.kernels == kernels and (lean._generic is not None) == (kernels == "generic")
     ids = torch.randint(0, 101, (1, 40), generator=torch.Generator().manual_seed(1))
     want = reference(model, ids)
     cache = lean.new_cache(capacity=8)  # grows (doubling) as it is fed: 8 -> 16 -> 32 -> 64
@@ -75,11 +78,13 @@ def test_lean_decoder_equals_transformers_through_steps_rollback_and_forks():
         lean(ids[:, :2].reshape(2, 1), cache)
 
 
-def test_branches_share_the_positions_held_when_they_forked():
+@pytest.mark.parametrize("kernels", ["cpu", "generic"])
+def test_branches_share_the_positions_held_when_they_forked(kernels):
     """BranchKV: a fork copies nothing, and each branch still gets its own sequence's states through multi-token
-    feeds, a step rolled back within the branches, a fork of the branches, and a rollback to before the fork."""
+    feeds, a step rolled back within the branches, a fork of the branches, and a rollback to before the fork; through
+    the CPU's kernels and the generic ones (whose k-row step attends over the whole buffer, by the same tree mask)."""
     model = tiny_llama(seed=2)
-    lean = LeanLlama(model, "float32")
+    lean = LeanLlama(model, "float32", kernels=kernels)
     ids = torch.randint(0, 101, (1, 30), generator=torch.Generator().manual_seed(3))
     cache = lean.new_cache(capacity=16)
     lean(ids[:, :20], cache)

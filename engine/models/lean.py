@@ -20,10 +20,20 @@ With compiled=True (--draft-forward lean-compiled) a one-token step on one branc
 runs through torch.compile (inductor's C++ kernels fuse the norms, the rotary embedding and the MLP's gate into
 few loops): about a fifth of the step was per-op overhead around the matmuls (docs/models.md). Its floats
 differ from the eager step's by rounding; q is still what the pass that drafted the token computed.
+
+Kernels. What is above is the CPU's ("cpu" kernels: lm_head's oneDNN-packed, bfloat16 and int4 matmuls, a cache whose
+writes and masks are cut to the positions held). Elsewhere (a GPU), or asked for (kernels="generic"), the same decoder
+runs GenericDecoder: the model's own weights through F.linear in its own dtype, and a step with static shapes in
+gpt-fast's way, so that torch.compile(mode="reduce-overhead") can capture it as a CUDA graph: K and V buffers of a
+fixed capacity allocated once (GENERIC_CAPACITY, with static addresses, reused by the next cache once one is dropped),
+written in place at positions given as a tensor (index_copy_), attention over the whole buffer with a mask computed in
+the step from those positions, and no host read inside the step. The static target (static_forward.py) runs the same
+GenericDecoder there.
 """
 from __future__ import annotations
 
 import time
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +45,22 @@ CAPACITY = 256  # positions a new cache holds before it grows (doubling: amortis
 # the torch threads a compiled step runs on: the workers' count, a solo step's too (12 ms on 1 against 17 ms eager on
 # 2, docs/models.md)
 STEP_THREADS = 1
+GENERIC_CAPACITY = 4096  # positions a generic-kernel cache holds from the start (gpt-fast's max_seq_length): a step's
+# shapes stay the same until a sequence outgrows it (then it grows by doubling, and a compiled step records anew)
+GRAPH_TOKENS = 16  # a generic step of at most this many new tokens (all rows) runs compiled, where compiled: one-token
+# steps, a fork's k-row steps, verify passes; a longer one (a prefill) runs eager
+
+
+def default_kernels(device) -> str:
+    """The kernels a decode path reads its weights through on `device`: "cpu" (lm_head's CPU matmuls, the cache cut
+    to the positions held) on the CPU, "generic" (GenericDecoder: F.linear, static shapes) elsewhere."""
+    return "cpu" if torch.device(device).type == "cpu" else "generic"
+
+
+def compile_mode(device) -> str:
+    """The torch.compile mode a step compiles in on `device`: "reduce-overhead" on CUDA (the step captured as a CUDA
+    graph and replayed: no per-op launches), "default" elsewhere (inductor's kernels; on the CPU today's)."""
+    return "reduce-overhead" if torch.device(device).type == "cuda" else "default"
 
 
 def fits(model) -> str | None:
@@ -59,12 +85,39 @@ class KVBuffer:
     batch_repeat_interleave, batch_select_indices) works as on a transformers cache."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 capacity: int = CAPACITY):
+                 capacity: int = CAPACITY, static: bool = False, buffers: tuple[list, list] | None = None):
+        """static: for GenericDecoder's steps, which attend over whole buffers: every buffer is marked as a static
+        address (a CUDA graph reads and writes it in place), and room made by a fork is zeros, never left empty (a
+        masked position must hold a finite value). buffers: (keys, values) of a cache that is gone, reused."""
+        self.static = static
         shape = (1, kv_heads, capacity, head_dim)
-        with torch.inference_mode(False):  # plain tensors (see reserve)
-            self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-            self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        if buffers is not None:
+            self.keys, self.values = buffers
+        else:
+            with torch.inference_mode(False):  # plain tensors (see reserve)
+                self.keys = [self._mark(torch.zeros(shape, dtype=dtype, device=device)) for _ in range(layers)]
+                self.values = [self._mark(torch.zeros(shape, dtype=dtype, device=device)) for _ in range(layers)]
         self.length = 0
+
+    def _mark(self, t: torch.Tensor) -> torch.Tensor:
+        """A buffer of a static cache is marked as a static address for torch.compile (unguarded: a new address makes
+        a CUDA graph record anew, not compile anew), as transformers' StaticCache does."""
+        if self.static:
+            torch._dynamo.mark_static_address(t)
+        return t
+
+    def _new(self, t: torch.Tensor, rows: int) -> torch.Tensor:
+        """A buffer like t with `rows` rows: zeros in a static cache (read, masked, by whole-buffer attention), else
+        left empty (written before it is read)."""
+        return self._mark((t.new_zeros if self.static else t.new_empty)(rows, *t.shape[1:]))
+
+    def positions(self, t: int) -> torch.Tensor:
+        """The rotary positions of a step's t new tokens a row: [t]."""
+        return self.length + torch.arange(t, device=self.keys[0].device)
+
+    def shared_length(self) -> int:
+        """The positions [0, n) every new token of the next step sees, whichever row it is on."""
+        return self.length
 
     @property
     def capacity(self) -> int:
@@ -92,7 +145,7 @@ class KVBuffer:
                 for i, old in enumerate(buf):
                     new = old.new_zeros(*old.shape[:2], size, old.shape[3])
                     new[:, :, : self.length] = old[:, :, : self.length]
-                    buf[i] = new
+                    buf[i] = self._mark(new)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v [B, kv_heads, T, head_dim] at [length, length + T) of `layer`; returns that layer's K and V
@@ -113,7 +166,7 @@ class KVBuffer:
         written before it is read, so the new buffers start empty there."""
         for buf in (self.keys, self.values):
             for i, t in enumerate(buf):
-                new = t.new_empty(t.shape[0] * k, *t.shape[1:])
+                new = self._new(t, t.shape[0] * k)
                 new.view(t.shape[0], k, *t.shape[1:])[:, :, :, : self.length] = t[:, None, :, : self.length]
                 buf[i] = new
 
@@ -124,9 +177,9 @@ class KVBuffer:
             for i, t in enumerate(buf):
                 if len(rows) == 1:
                     row = rows[0] % t.shape[0]
-                    buf[i] = t[row: row + 1]
+                    buf[i] = self._mark(t[row: row + 1])
                 else:
-                    new = t.new_empty(len(rows), *t.shape[1:])
+                    new = self._new(t, len(rows))
                     new[:, :, : self.length] = t[idx.to(t.device), :, : self.length]
                     buf[i] = new
 
@@ -197,6 +250,9 @@ class BranchKV(KVBuffer):
     def batch_select_indices(self, idx: torch.Tensor) -> None:
         self._regroup([int(i) % self.branches for i in idx.tolist()])
 
+    def shared_length(self) -> int:
+        return self.shared
+
     def positions(self, t: int) -> torch.Tensor:
         """The rotary positions of a step's t new tokens a branch, in the order they are stored: [t · k]."""
         return (self.get_seq_length() + torch.arange(t, device=self.keys[0].device)).repeat_interleave(self.branches)
@@ -215,6 +271,183 @@ class BranchKV(KVBuffer):
         return sees.repeat(rep, 1)
 
 
+class GenericDecoder:
+    """A Llama decoder (its first `layers` layers, then the final norm) over a static KV cache (KVBuffer, BranchKV),
+    on any device: the model's own weights through F.linear in its own dtype, and its norms, activation and rotary
+    arithmetic as transformers runs them. __call__(input_ids [B, T], cache, hidden_states) -> (the final-norm states
+    [B, T, H], the per-layer states as transformers returns them, or None), appending T positions to the cache.
+
+    The step (_step) has static shapes, gpt-fast's way, so torch.compile(mode="reduce-overhead") captures it as a CUDA
+    graph: the cache's buffers keep their capacity and address (KVBuffer(static=True)); the new K and V are written
+    in place at `slots`, a tensor (index_copy_); attention reads the whole buffer through a mask computed inside the
+    step from the slots and the shared length (a tensor): a new token sees every shared position and its own row's or
+    branch's positions up to its own slot, never a stale one past them, so rolling back stays a pointer. Everything
+    the step needs from the host (the slots, the positions' rotary rows, the shared length) is made before it by
+    kernel launches (arange, full, index) that read nothing back, and inside it nothing is read back either (no
+    .item(), .tolist() or data-dependent shape): tests/test_gpu_models.py traces it whole (fullgraph) on the CPU.
+
+    Rows: a KVBuffer's B rows are B sequences of T new tokens each; a BranchKV's k branches run as one row of T·k
+    tokens (depth-major), its tree mask from the same formula with k branches. Against transformers' forward the
+    states differ only by how attention sums over the masked (zero-weight) positions: float rounding.
+
+    compile(mode): torch.compile of the step (fullgraph, shapes as dynamo sees them: a new number of tokens or
+    branches, or a grown cache, records another graph); used for steps of at most GRAPH_TOKENS tokens in all and no
+    per-layer states, the rest eager. Where compiling or a compiled step fails (not out of memory), the steps stay
+    eager and compile_why says why."""
+
+    def __init__(self, model, layers: int | None = None):
+        c = model.config
+        self.heads, self.kv_heads = c.num_attention_heads, c.num_key_value_heads
+        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        self.context = int(getattr(c, "max_position_embeddings", GENERIC_CAPACITY))
+        inner = model.model
+        self.embed = model.get_input_embeddings()
+        self.rotary = inner.rotary_emb
+        self.norm = inner.norm
+        self.layers = list(inner.layers[: layers if layers is not None else c.num_hidden_layers])
+        self.weights = [self._weights(block) for block in self.layers]  # the modules' own Parameters: no copies
+        self.scaling = self.layers[0].self_attn.scaling
+        self._cos = self._sin = None
+        self._graph, self.mode, self.compile_why = None, None, ""
+        self._spare = None  # (keys, values) of a cache that is gone, for the next new_cache
+
+    @staticmethod
+    def _weights(block) -> dict:
+        a, m = block.self_attn, block.mlp
+        return {"q": a.q_proj.weight, "k": a.k_proj.weight, "v": a.v_proj.weight, "o": a.o_proj.weight,
+                "gate": m.gate_proj.weight, "up": m.up_proj.weight, "down": m.down_proj.weight}
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm.weight.dtype
+
+    # -- caches
+    def new_cache(self, capacity: int | None = None, kind: type | None = None):
+        """A static cache (KVBuffer(static=True), or `kind`: BranchKV) of `capacity` positions (default: the model's
+        context and one spare, at most GENERIC_CAPACITY). It takes the buffers of the last cache made here once that
+        one is gone (same addresses: a CUDA graph recorded on them replays), else allocates."""
+        kind = kind or KVBuffer
+        capacity = capacity or min(self.context + 1, GENERIC_CAPACITY)
+        spare, self._spare = self._spare, None
+        if spare is not None and (spare[0][0].shape[0] != 1 or spare[0][0].shape[2] != capacity):
+            spare = None
+        cache = kind(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device, capacity,
+                     static=True, buffers=spare)
+        weakref.finalize(cache, self._release, cache.keys, cache.values)  # the lists: what the cache holds at its end
+        return cache
+
+    def _release(self, keys: list, values: list) -> None:
+        self._spare = (keys, values)
+
+    def rope_table(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [end, D] (at least), float32: the rotary module's own from its float32 inv_freq, regrown by
+        doubling (a step casts its rows to the states' dtype, as the module's forward does)."""
+        if self._cos is None or self._cos.shape[0] < end:
+            n = max(end, 2 * (0 if self._cos is None else self._cos.shape[0]), CAPACITY)
+            pos = torch.arange(n, device=self.device)[None]
+            cos, sin = self.rotary(torch.zeros(1, device=self.device), position_ids=pos)
+            self._cos, self._sin = cos[0], sin[0]
+        return self._cos, self._sin
+
+    # -- compiling
+    def compile(self, mode: str | None = None, backend: str = "inductor") -> None:
+        """Compile the step (lazily: each shape compiles at its first use). mode: compile_mode(device) unless given
+        ("reduce-overhead": CUDA graphs); backend: inductor, or another of torch.compile's (a test's "aot_eager")."""
+        self.mode = mode or compile_mode(self.device)
+        options = {"mode": self.mode} if backend == "inductor" else {}
+        self._graph = torch.compile(self._step, fullgraph=True, backend=backend, **options)
+        self.compile_why = ""
+
+    @property
+    def cuda_graphs(self) -> bool:
+        return self._graph is not None and self.mode == "reduce-overhead" and self.device.type == "cuda"
+
+    # -- a forward
+    def __call__(self, input_ids: torch.Tensor, cache: KVBuffer, hidden_states: bool = False):
+        b, t = input_ids.shape
+        if cache.rows != b:
+            raise ValueError(f"the cache holds {cache.rows} rows, fed {b}")
+        branches = getattr(cache, "branches", 1)
+        ids = input_ids.transpose(0, 1).reshape(1, t * b) if branches > 1 else input_ids  # [R, n], depth-major
+        rows, n = ids.shape
+        positions = cache.positions(t)  # [n]: rotary positions
+        cache.reserve(t)
+        slots = cache.length + torch.arange(n, device=self.device)  # where the n new tokens are stored
+        shared = torch.full((1,), cache.shared_length(), dtype=torch.long, device=self.device)
+        cos, sin = self.rope_table(cache.get_seq_length() + t)
+        args = (ids, cache.keys, cache.values, slots, shared, cos[positions].to(self.dtype),
+                sin[positions].to(self.dtype), branches)
+        if self._graph is not None and not hidden_states and rows * n <= GRAPH_TOKENS:
+            x, hidden = self._compiled(args)
+        else:
+            x, hidden = self._step(*args, hidden_states)
+        cache.advance(t)
+        if branches > 1:
+            x = x.view(t, b, -1).transpose(0, 1)  # [B, T, H]
+        return x, hidden
+
+    def _compiled(self, args: tuple):
+        try:
+            if self.cuda_graphs:  # a new step: the outputs of the last replay may be overwritten (they were cloned)
+                torch.compiler.cudagraph_mark_step_begin()
+            x, _ = self._graph(*args, False)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever dynamo or inductor raise, the eager step serves
+            self._graph, self.compile_why = None, f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"[:300]
+            return self._step(*args, False)
+        return (x.clone() if self.cuda_graphs else x), None  # a CUDA graph's output lives until its next replay
+
+    def _step(self, ids: torch.Tensor, keys: list, values: list, slots: torch.Tensor, shared: torch.Tensor,
+              cos: torch.Tensor, sin: torch.Tensor, branches: int, hidden_states: bool = False):
+        """ids [R, n]; keys, values: the cache's buffers [R, Hkv, C, D], written at `slots` [n] in place; shared [1]:
+        the positions every new token sees; cos, sin [n, D] at the new tokens' rotary positions; branches: k, the new
+        tokens' branches in turn (1: each row one sequence) -> (final-norm states [R, n, H], per-layer states)."""
+        r, n = ids.shape
+        hq, hkv, d = self.heads, self.kv_heads, self.head_dim
+        rep, capacity = hq // hkv, keys[0].shape[2]
+        # the mask: slot s is seen by new token j where s is shared, or on j's branch at or before j's own slot
+        s = torch.arange(capacity, device=ids.device)
+        j = torch.arange(n, device=ids.device)
+        own = s - shared  # [C]: < 0 for the shared positions
+        sees = (own < 0)[None, :] | (((own % branches)[None, :] == (j % branches)[:, None])
+                                     & (s[None, :] <= slots[:, None]))  # [n, C]
+        # grouped-query attention without repeating K and V: the rep query heads that share a KV head are stacked as
+        # rows of one head (the mask repeats per group)
+        mask = sees.repeat(rep, 1)  # [rep · n, C]
+        x = self.embed(ids)  # [R, n, H]
+        hidden = [x] if hidden_states else None
+        for i, (layer, w) in enumerate(zip(self.layers, self.weights)):  # transformers' decoder layer, op for op
+            h = layer.input_layernorm(x)
+            q = F.linear(h, w["q"]).view(r, n, hq, d).transpose(1, 2)  # [R, Hq, n, D]
+            k = F.linear(h, w["k"]).view(r, n, hkv, d).transpose(1, 2)
+            v = F.linear(h, w["v"]).view(r, n, hkv, d).transpose(1, 2)
+            q, k = (q * cos) + (_rotate_half(q) * sin), (k * cos) + (_rotate_half(k) * sin)
+            keys[i].index_copy_(2, slots, k)
+            values[i].index_copy_(2, slots, v)
+            o = F.scaled_dot_product_attention(q.reshape(r, hkv, rep * n, d), keys[i], values[i], attn_mask=mask,
+                                               scale=self.scaling)  # [R, Hkv, rep · n, D]
+            x = x + F.linear(o.view(r, hq, n, d).transpose(1, 2).reshape(r, n, hq * d), w["o"])
+            h = layer.post_attention_layernorm(x)
+            x = x + F.linear(layer.mlp.act_fn(F.linear(h, w["gate"])) * F.linear(h, w["up"]), w["down"])
+            if hidden is not None:
+                hidden.append(x)
+        x = self.norm(x)
+        if hidden is not None:
+            hidden[-1] = x  # transformers ties the last hidden state to the final-norm one
+        return x, (tuple(hidden) if hidden is not None else None)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """transformers' rotate_half: halves, not interleaved pairs."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
 class LeanLlama(torch.nn.Module):
     """A Llama model's decoder (not its head) for drafting: forward(input_ids [B, T], cache: BranchKV) -> the
     final-norm hidden states [B, T, H], appending T positions to the cache. `kind` is the draft's matmul kind
@@ -224,11 +457,19 @@ class LeanLlama(torch.nn.Module):
     disk holds its kernels); where compiling fails (or a bfloat16 draft, whose packed matmuls inductor cannot lower)
     they stay eager and compile_why says why."""
 
-    def __init__(self, model, kind: str = "float32", compiled: bool = False):
+    def __init__(self, model, kind: str = "float32", compiled: bool = False, kernels: str | None = None):
         super().__init__()
         why = fits(model)
         if why:
             raise ValueError(f"the lean decode path does not fit this model: {why}")
+        # kernels: "cpu" (lm_head's matmuls of `kind`, the cache cut to what it holds) or "generic" (GenericDecoder,
+        # any device; the weights as loaded); default_kernels(the model's device) unless given
+        self.kernels = kernels or default_kernels(next(model.parameters()).device)
+        if self.kernels not in ("cpu", "generic"):
+            raise ValueError(f"unknown kernels {self.kernels!r}; cpu or generic")
+        if self.kernels == "generic" and kind != "float32":
+            raise ValueError(f"the generic kernels read the weights as loaded, not through {kind} matmuls")
+        self._generic = GenericDecoder(model) if self.kernels == "generic" else None
         c = model.config
         self.heads, self.kv_heads = c.num_attention_heads, c.num_key_value_heads
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -236,17 +477,23 @@ class LeanLlama(torch.nn.Module):
         self.embed = model.get_input_embeddings()
         self.rotary = model.model.rotary_emb  # its table: rope scaling as the model computes it
         self.norm = model.model.norm.weight
-        self.layers = [self._layer(block, kind) for block in model.model.layers]
+        self.layers = [] if self._generic else [self._layer(block, kind) for block in model.model.layers]
         self._cos = self._sin = None
         self.kind, self._step, self.compile_why, self.compile_s = kind, None, "", None
         if compiled:
             self.compile_step()
 
-    def compile_step(self) -> None:
+    def compile_step(self, backend: str = "inductor") -> None:
         """Compile the one-token, one-branch step and run it once on a scratch cache (shapes dynamic: the cache's
         length changes every step and must not recompile it); only then do forwards take it. A failure (no C++
         compiler, an inductor error) leaves the step eager; a bfloat16 draft is refused at once: inductor cannot lower
-        oneDNN's packed weights (lm_head.Bf16Matmul). compile_s: how long it took."""
+        oneDNN's packed weights (lm_head.Bf16Matmul). compile_s: how long it took.
+        Generic kernels: the steps of at most GRAPH_TOKENS tokens, one-token and k-row alike, in compile_mode(device)
+        ("reduce-overhead" on CUDA: CUDA graphs), warmed up here on a one-token step (its graph then replays on the
+        next cache, which takes the scratch cache's buffers); `backend` another of torch.compile's (tests)."""
+        if self._generic is not None:
+            self._compile_generic(backend)
+            return
         if self.kind == "bfloat16":
             self.compile_why = ("a bfloat16 draft's oneDNN-packed matmuls do not compile; "
                                 "use --draft-matmul int4 or float32")
@@ -266,9 +513,28 @@ class LeanLlama(torch.nn.Module):
             torch.set_num_threads(threads)
         self.compile_s = time.perf_counter() - start
 
+    def _compile_generic(self, backend: str) -> None:
+        start, generic = time.perf_counter(), self._generic
+        try:
+            generic.compile(backend=backend)
+            with torch.inference_mode():
+                cache = self.new_cache()
+                ids = torch.zeros(1, 1, dtype=torch.long, device=self.norm.device)
+                for _ in range(3):  # CUDA graph trees run a new graph eagerly once, then record it, then replay it
+                    generic(ids, cache)
+            self.compile_why = generic.compile_why
+            self._step = generic._graph
+        except Exception as exc:  # noqa: BLE001 - whatever inductor raises, the eager step still serves
+            generic._graph = None
+            self.compile_why = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"[:300]
+        self.compile_s = time.perf_counter() - start
+
     @property
     def compile_state(self) -> str:
         """"compiled", "eager" (compiling failed: compile_why says why) or "off" (not tried)."""
+        if self._generic is not None:
+            self._step = self._generic._graph  # a compiled step that failed later leaves it eager
+            self.compile_why = self.compile_why or self._generic.compile_why
         return "compiled" if self._step is not None else "eager" if self.compile_why else "off"
 
     @staticmethod
@@ -281,8 +547,11 @@ class LeanLlama(torch.nn.Module):
         return {"attn_norm": block.input_layernorm.weight, "mlp_norm": block.post_attention_layernorm.weight,
                 "qkv": mm(qkv), "o": mm(a.o_proj.weight), "gate_up": mm(gate_up), "down": mm(m.down_proj.weight)}
 
-    def new_cache(self, capacity: int = CAPACITY) -> BranchKV:
-        return BranchKV(len(self.layers), self.kv_heads, self.head_dim, self.norm.dtype, self.norm.device, capacity)
+    def new_cache(self, capacity: int | None = None) -> BranchKV:
+        if self._generic is not None:  # static: the context's positions from the start (GenericDecoder.new_cache)
+            return self._generic.new_cache(capacity, BranchKV)
+        return BranchKV(len(self.layers), self.kv_heads, self.head_dim, self.norm.dtype, self.norm.device,
+                        capacity or CAPACITY)
 
     def _rope_table(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [end, D] (at least), float32 whatever the weights' dtype: computed once by the model's rotary
@@ -303,6 +572,8 @@ class LeanLlama(torch.nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: BranchKV) -> torch.Tensor:
+        if self._generic is not None:
+            return self._generic(input_ids, cache)[0]
         if self._step is None or input_ids.numel() != 1 or cache.rows != 1:
             return self._forward(input_ids, cache)
         # the compiled graph guards on the torch thread count and on the ids' dispatch keys and strides: it runs on

@@ -194,11 +194,13 @@ class LM:
     compile_later: bool = False  # compiled when start_compile() is called (the app), not at load
     static: bool = False  # the target's decoder runs engine/static_forward.py's path (static_target): same bits
     layouts: bool = True  # False: no fast layouts, only the weights (a draft's child process never runs its target)
+    kernels: str | None = None  # the lean and static paths' kernels: "cpu" or "generic" (lean.GenericDecoder: any
+    # device, static shapes for CUDA graphs); None: by the model's device (lean.default_kernels)
 
     def __post_init__(self):
         if self.layouts:
             fast_linears(self.model, self.matmul)  # a decode step's one row and a verify pass's few rows, each fast
-        self._lean = LeanLlama(self.model, self.matmul, self.compiled and not self.compile_later) \
+        self._lean = LeanLlama(self.model, self.matmul, self.compiled and not self.compile_later, self.kernels) \
             if self.lean else None
         head = self.model.get_output_embeddings()
         self._head = None
@@ -209,7 +211,7 @@ class LM:
                 HeadMatmul(head.weight, one_row=False, packed=False)  # F.linear: no copies
         # the static path returns the final-norm states: only a plain head turns them into the model's logits; and it
         # runs only where it gives transformers' bits on this machine (StaticLlama.agrees)
-        self._static = static_llama(self.model) if self.static and self._head is not None else None
+        self._static = static_llama(self.model, self.kernels) if self.static and self._head is not None else None
         self.static = self._static is not None
 
     @property
@@ -468,8 +470,9 @@ DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 
 def static_target(model, forward: str) -> bool:
     """Whether the target runs engine/static_forward.py's path: asked for (forward "static", the default) and a model
-    that fits it (static_forward.fits: a Llama on the CPU with sdpa attention); else transformers' forward, which
-    computes the same bits. docs/models.md has what it saves."""
+    that fits it (static_forward.fits: a Llama; on the CPU, with sdpa attention, through the CPU's kernels, which
+    compute transformers' bits; elsewhere through the generic kernels, static shapes for CUDA graphs); else
+    transformers' forward. docs/models.md has what it saves, docs/gpu.md what runs on a GPU."""
     if forward not in TARGET_FORWARDS:
         raise SpecBranchError(f"unknown target forward {forward!r}; choose one of {', '.join(TARGET_FORWARDS)}")
     return forward == "static" and static_misfit(model) is None
@@ -477,13 +480,14 @@ def static_target(model, forward: str) -> bool:
 
 def lean_draft(draft_model, target_model, forward: str) -> bool:
     """Whether a draft runs engine/lean.py's decode path: asked for (forward "lean", the default, or "lean-compiled":
-    its one-token steps through torch.compile), on the CPU, a model that fits it (lean.fits), and not the float32
-    target itself (its fused weights would be copies of the target's; a quantized self-draft is a twin,
-    drafts.twin_of). docs/models.md has what it saves."""
+    its steps through torch.compile), a model that fits it (lean.fits), and not the float32 target itself (its fused
+    weights would be copies of the target's; a quantized self-draft is a twin, drafts.twin_of). On the CPU through
+    the CPU's kernels, elsewhere through the generic ones (lean.GenericDecoder: the weights as loaded, static shapes,
+    CUDA graphs when compiled). docs/models.md has what it saves."""
     if forward not in DRAFT_FORWARDS:
         raise SpecBranchError(f"unknown draft forward {forward!r}; choose one of {', '.join(DRAFT_FORWARDS)}")
     return (forward in ("lean", "lean-compiled") and draft_model is not target_model
-            and next(draft_model.parameters()).device.type == "cpu" and lean_misfit(draft_model) is None)
+            and lean_misfit(draft_model) is None)
 
 
 def pair_of(target: LM, draft_name: str, draft_model, draft_tok, head_ids, matmul: str = "float32",
@@ -503,7 +507,7 @@ def pair_of(target: LM, draft_name: str, draft_model, draft_tok, head_ids, matmu
         draft_model = twin_of(target.model)
     common = min(target.vocab_size, draft_model.get_output_embeddings().weight.shape[0])  # e.g. Qwen2.5 padding rows
     if common != target.vocab_size:  # else the target's LM serves as it is (its head's copies are not made again)
-        target = LM(target.name, target.model, target.tokenizer, common, static=target.static)
+        target = LM(target.name, target.model, target.tokenizer, common, static=target.static, kernels=target.kernels)
     lean = lean_draft(draft_model, target.model, forward)
     return ModelPair(target, LM(draft_name, draft_model, draft_tok, common, head_ids, matmul, lean,
                                 compiled=lean and forward == "lean-compiled", compile_later=compile_later))

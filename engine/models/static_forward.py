@@ -17,24 +17,38 @@ else a bool mask over the cached positions). So the logits, the features and the
 rollbacks). A BLAS could in principle sum a stacked matmul's columns otherwise than the separate ones': the path checks
 the bits against transformers' forward when it is built (StaticLlama.agrees) and is not used where they differ, so
 the target's output, and the exactness of every method, never depends on which forward runs.
+
+All of the above is the CPU's ("cpu" kernels). Elsewhere (a GPU), or asked for (kernels="generic"), the path runs
+lean.GenericDecoder: the model's own weights through F.linear in its own dtype (no stacked copies), K and V in buffers
+of a fixed capacity written in place at positions given as a tensor, attention over the whole buffer through a mask
+made from those positions: static shapes, no host read, so that its one-token steps and verify passes (at most
+lean.GRAPH_TOKENS tokens) compile with torch.compile(mode="reduce-overhead") into CUDA graphs, on CUDA by default
+(lean.compile_mode). Its states equal transformers' up to float rounding (attention sums over the masked positions
+too), not bit for bit: StaticLlama.agrees then checks closeness, not equality.
 """
 from __future__ import annotations
 
 import torch
 
 from engine.models.cache import new_cache as transformers_cache
-from engine.models.lean import CAPACITY, KVBuffer, fits as lean_misfit
+from engine.models.lean import CAPACITY, GenericDecoder, KVBuffer, compile_mode, default_kernels, fits as lean_misfit
 from engine.kernels.lm_head import COPY_BUDGET, LAYER_MAX_ROWS, HeadMatmul
 
+AUTO = "auto"  # compiled: by device (CUDA graphs on CUDA, none on the CPU)
 
-def fits(model) -> str | None:
-    """Why `model` cannot run this path, or None: a Llama decoder that lean.fits, on the CPU (the only place the
-    equality with transformers' forward was checked), whose attention is transformers' sdpa function (StaticLlama.mask
-    builds the masks it is given)."""
+
+def fits(model, kernels: str | None = None) -> str | None:
+    """Why `model` cannot run this path, or None: a Llama decoder that lean.fits. With the CPU's kernels (the default
+    on the CPU, default_kernels) on the CPU (the only place their bit-equality with transformers' forward was checked),
+    and with attention through transformers' sdpa function (StaticLlama.mask builds the masks it is given); the
+    generic kernels compute attention themselves, on any device."""
     why = lean_misfit(model)
     if why:
         return why
-    if next(model.parameters()).device.type != "cpu":
+    device = next(model.parameters()).device
+    if (kernels or default_kernels(device)) == "generic":
+        return None
+    if device.type != "cpu":
         return "not on the CPU"
     attention = getattr(model.config, "_attn_implementation", None)
     if attention != "sdpa":
@@ -59,14 +73,16 @@ def fuse(linears: list, room: int):
     return HeadMatmul(torch.cat([m.weight for m in linears]).detach(), LAYER_MAX_ROWS, one_row, packed), size
 
 
-def static_llama(model) -> "StaticLlama | None":
-    """The model's static-cache forward, built and checked against transformers' bits (StaticLlama.agrees) once per
-    model, however many LMs wrap it (models.pair_of re-wraps a target for a draft's vocabulary); None where the bits
-    differ on this machine."""
-    if not hasattr(model, "_static_forward"):
-        path = StaticLlama(model)
-        model._static_forward = path if path.agrees(model) else None
-    return model._static_forward
+def static_llama(model, kernels: str | None = None) -> "StaticLlama | None":
+    """The model's static-cache forward with `kernels` (default_kernels(its device) unless given), built and checked
+    against transformers' forward (StaticLlama.agrees) once per model and kernels, however many LMs wrap it
+    (models.pair_of re-wraps a target for a draft's vocabulary); None where they differ on this machine."""
+    kernels = kernels or default_kernels(next(model.parameters()).device)
+    built = model.__dict__.setdefault("_static_forward", {})
+    if kernels not in built:
+        path = StaticLlama(model, kernels)
+        built[kernels] = path if path.agrees(model) else None
+    return built[kernels]
 
 
 class StaticLlama:
@@ -74,8 +90,15 @@ class StaticLlama:
     with hidden_states the per-layer states as transformers returns them: the embeddings, each layer's output but the
     last, then the final-norm states). Holds the model's modules, and stacked copies of q, k, v and gate, up."""
 
-    def __init__(self, model):
-        why = fits(model)
+    def __init__(self, model, kernels: str | None = None, compiled: bool | str = AUTO):
+        """kernels: "cpu" (the stacked matmuls through lm_head's layouts, bit-identical to transformers) or "generic"
+        (lean.GenericDecoder, any device); default_kernels(the model's device) unless given. compiled (generic only):
+        the steps through torch.compile in compile_mode(device); AUTO: on CUDA (CUDA graphs), not on the CPU."""
+        device = next(model.parameters()).device
+        self.kernels = kernels or default_kernels(device)
+        if self.kernels not in ("cpu", "generic"):
+            raise ValueError(f"unknown kernels {self.kernels!r}; cpu or generic")
+        why = fits(model, self.kernels)
         if why:
             raise ValueError(f"the static-cache forward does not fit this model: {why}")
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -87,7 +110,13 @@ class StaticLlama:
         self.layers = list(self.model.layers[: model.config.num_hidden_layers])
         self.heads, self.kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
         self.head_dim = self.layers[0].self_attn.head_dim
-        room, self.qkv, self.gate_up = COPY_BUDGET, [], []
+        self.qkv, self.gate_up, self.generic = [], [], None
+        if self.kernels == "generic":
+            self.generic = GenericDecoder(model, len(self.layers))
+            if compiled is True or (compiled == AUTO and compile_mode(device) == "reduce-overhead"):
+                self.generic.compile()  # lazily: each shape compiles at its first use
+            return
+        room = COPY_BUDGET
         for layer in self.layers:
             a, mlp = layer.self_attn, layer.mlp
             qkv, used = fuse([a.q_proj, a.k_proj, a.v_proj], room)
@@ -96,9 +125,20 @@ class StaticLlama:
             self.qkv.append(qkv)
             self.gate_up.append(gate_up)
 
-    def new_cache(self, capacity: int = CAPACITY) -> KVBuffer:
+    @property
+    def device(self) -> torch.device:
+        return self.model.norm.weight.device
+
+    @property
+    def compile_why(self) -> str:
+        """Why the generic steps run eager though compiled ("" else)."""
+        return self.generic.compile_why if self.generic is not None else ""
+
+    def new_cache(self, capacity: int | None = None) -> KVBuffer:
+        if self.generic is not None:  # static: the context's positions from the start (GenericDecoder.new_cache)
+            return self.generic.new_cache(capacity)
         norm = self.model.norm.weight
-        return KVBuffer(len(self.layers), self.kv_heads, self.head_dim, norm.dtype, norm.device, capacity)
+        return KVBuffer(len(self.layers), self.kv_heads, self.head_dim, norm.dtype, norm.device, capacity or CAPACITY)
 
     @staticmethod
     def mask(start: int, t: int, device) -> torch.Tensor | None:
@@ -112,6 +152,8 @@ class StaticLlama:
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, cache: KVBuffer, hidden_states: bool = False):
+        if self.generic is not None:
+            return self.generic(input_ids, cache, hidden_states)
         b, t = input_ids.shape
         if cache.rows != b:
             raise ValueError(f"the cache holds {cache.rows} rows, fed {b}")
@@ -148,11 +190,22 @@ class StaticLlama:
     def agrees(self, model, seed: int = 0) -> bool:
         """Whether this path gives transformers' bits on this machine: a prefill, a 1-token step and a 3-token pass
         of random tokens, each path with its own cache. Where a BLAS computed a stacked matmul's columns otherwise
-        than the separate ones, it would not, and the target keeps transformers' forward (models.LM)."""
+        than the separate ones, it would not, and the target keeps transformers' forward (models.LM). The generic
+        kernels are not bit-identical (attention sums over masked positions too): for them, within close()."""
         ids = torch.randint(0, self.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(seed))
+        ids = ids.to(self.device)
         mine, theirs = self.new_cache(), transformers_cache(model)
         for lo, hi in ((0, 8), (8, 9), (9, 12)):
             want = model.base_model(input_ids=ids[:, lo:hi], past_key_values=theirs, use_cache=True).last_hidden_state
-            if not torch.equal(self(ids[:, lo:hi], mine)[0], want):
+            got = self(ids[:, lo:hi], mine)[0]
+            if not (torch.equal(got, want) if self.kernels == "cpu" else close(got, want)):
                 return False
         return True
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal up to float rounding, for the generic kernels' probe: the largest difference within a small share of the
+    largest value (1e-4 in float32, 5e-2 in a 16-bit dtype, whose rounding the layers compound)."""
+    share = 1e-4 if want.dtype == torch.float32 else 5e-2
+    scale = want.float().abs().max().clamp_min(1e-6)
+    return bool((got.float() - want.float()).abs().max() <= share * scale)
