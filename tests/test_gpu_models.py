@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from engine.drafts.distilled import draft_from_target, load_draft_dir, place, save_draft
 from engine.drafts.head import FeatureHead, load_head_dir, save_head
-from engine.models.devices import cast_model, rotary_buffers
 from engine.models.lean import LeanLlama
 
 from .test_lean import tiny_llama
@@ -20,6 +20,16 @@ from .test_lean import tiny_llama
 def fp32_inv_freq(config) -> torch.Tensor:
     """The table transformers computes for `config`, in float32."""
     return LlamaRotaryEmbedding(config).inv_freq
+
+
+def rotary_buffers(module) -> list:
+    """(owner, name) of every rotary table buffer (transformers' inv_freq, original_inv_freq) in `module`."""
+    return [(m, name) for m in module.modules() for name, _ in m.named_buffers(recurse=False) if "inv_freq" in name]
+
+
+def cast_model(module, device=None, dtype=None):
+    from engine.models.devices import cast_model
+    return cast_model(module, device, dtype)
 
 
 def assert_rotary_fp32(module, config) -> None:
@@ -48,8 +58,9 @@ def test_a_draft_or_head_cast_to_bfloat16_keeps_float32_rotary_tables(tmp_path):
     assert next(loaded.parameters()).dtype == torch.bfloat16
     assert_rotary_fp32(loaded, config)
 
-    bf16_target = cast_model(tiny_llama(seed=1), dtype=torch.bfloat16)
-    assert_rotary_fp32(bf16_target, config)
+    target.save_pretrained(tmp_path / "target")
+    bf16_target = AutoModelForCausalLM.from_pretrained(tmp_path / "target", dtype=torch.bfloat16)
+    assert_rotary_fp32(bf16_target, config)  # transformers keeps them float32
     head = FeatureHead.from_target(bf16_target, 1)
     assert next(head.parameters()).dtype == torch.bfloat16
     assert_rotary_fp32(head, config)
@@ -60,15 +71,21 @@ def test_a_draft_or_head_cast_to_bfloat16_keeps_float32_rotary_tables(tmp_path):
     assert next(head.parameters()).dtype == torch.bfloat16
     assert_rotary_fp32(head, config)
 
-    rounded = tiny_llama(seed=1).to(torch.bfloat16)  # cast elsewhere, without the helper: recomputed from the config
-    assert_rotary_fp32(cast_model(rounded, dtype=torch.bfloat16), config)
-
     lean = LeanLlama(draft, "float32")
     cos, sin = lean._rope_table(40)
     rotary = LlamaRotaryEmbedding(config)
     want_cos, want_sin = rotary(torch.zeros(1), torch.arange(cos.shape[0])[None])
     assert cos.dtype == sin.dtype == torch.float32
     assert torch.equal(cos, want_cos[0]) and torch.equal(sin, want_sin[0])
+
+    # the helper itself: a cast keeps them; one made elsewhere, without it, is undone from the module's config
+    assert_rotary_fp32(cast_model(tiny_llama(seed=1), dtype=torch.bfloat16), config)
+    rounded = tiny_llama(seed=1).to(torch.bfloat16)
+    assert rounded.model.rotary_emb.inv_freq.dtype == torch.bfloat16
+    assert_rotary_fp32(cast_model(rounded, dtype=torch.bfloat16), config)
+    generic = LeanLlama(cast_model(tiny_llama(seed=1), dtype=torch.bfloat16), kernels="generic")._generic
+    cos, sin = generic.rope_table(40)  # the generic kernels' table: float32 too
+    assert cos.dtype == torch.float32 and torch.equal(cos, want_cos[0]) and torch.equal(sin, want_sin[0])
 
 
 # ---------------------------------------------------------------- 3. devices compared by their canonical names
@@ -85,23 +102,26 @@ def test_devices_are_canonical_and_a_draft_on_the_targets_gpu_shares_its_embeddi
     itself is stubbed: no CUDA tensor is made). Another GPU, or another dtype, still gets its own copies."""
     from transformers import LlamaForCausalLM
 
-    from engine.drafts import distilled
-    from engine.models.devices import canonical_device, same_device
     from engine.models.loading import pick_device
 
     fake_gpus(monkeypatch, count=2, current=1)
-    assert pick_device("cuda") == torch.device("cuda", 1) == pick_device(None) == canonical_device("cuda")
+    assert pick_device("cuda") == torch.device("cuda", 1) == pick_device(None)
     assert pick_device("cuda:0") == torch.device("cuda", 0) and pick_device("cpu") == torch.device("cpu")
-    assert same_device("cuda", "cuda:1") and same_device(torch.device("cuda"), torch.device("cuda", 1))
-    assert not same_device("cuda", "cuda:0") and not same_device("cuda:0", "cpu") and same_device(None, "cpu")
 
     fake_gpus(monkeypatch, count=1, current=0)
     target, moved = tiny_llama(seed=3), []
     monkeypatch.setattr(LlamaForCausalLM, "device", property(lambda self: torch.device("cuda", 0)))
-    monkeypatch.setattr(distilled, "cast_model", lambda m, device=None, dtype=None: moved.append((device, dtype)) or m)
+    monkeypatch.setattr(LlamaForCausalLM, "to", lambda self, *a, **k: moved.append(k or a) or self)  # no CUDA tensor
     draft = place(draft_from_target(target, 1), target, "cuda", torch.float32)
-    assert moved == [("cuda", torch.float32)]
     assert draft.model.embed_tokens is target.model.embed_tokens and draft.lm_head is target.lm_head
+    assert moved and all(m.get("device") == "cuda" for m in moved if isinstance(m, dict))
+
+    from engine.models.devices import canonical_device, same_device
+
+    fake_gpus(monkeypatch, count=2, current=1)
+    assert canonical_device("cuda") == torch.device("cuda", 1) and canonical_device(None) == torch.device("cpu")
+    assert same_device("cuda", "cuda:1") and same_device(torch.device("cuda"), torch.device("cuda", 1))
+    assert not same_device("cuda", "cuda:0") and not same_device("cuda:0", "cpu") and same_device(None, "cpu")
     fake_gpus(monkeypatch, count=2, current=0)
     other = place(draft_from_target(target, 1), target, "cuda:1", torch.float32)
     assert other.model.embed_tokens is not target.model.embed_tokens and other.lm_head is not target.lm_head
