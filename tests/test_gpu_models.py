@@ -397,3 +397,28 @@ def test_a_cuda_graph_step_marks_its_start_and_hands_back_a_copy(monkeypatch):
         generic(ids[:, 5: 6 + GRAPH_TOKENS], cache)
         assert len(marks) == 1
     assert lean_module.compile_mode("cuda") == "reduce-overhead"
+
+
+def test_a_new_static_cache_takes_the_buffers_of_one_that_is_gone():
+    """A generic cache's buffers are static addresses (so a CUDA graph reads and writes them in place), and a run's
+    new cache takes those of the last run's once that one is gone (so a graph recorded on them replays), never those
+    of a cache still alive; room a fork makes is zeros (whole-buffer attention reads it, masked)."""
+    import gc
+
+    from engine.models.lean import GenericDecoder
+
+    generic = GenericDecoder(tiny_llama(seed=2))
+    a = generic.new_cache()
+    ptrs = [t.data_ptr() for t in a.keys + a.values]
+    assert all(getattr(t, "_dynamo_static_input_type", None) for t in a.keys + a.values)
+    b = generic.new_cache()
+    assert not {t.data_ptr() for t in b.keys + b.values} & set(ptrs)
+    del a
+    gc.collect()
+    c = generic.new_cache()
+    assert [t.data_ptr() for t in c.keys + c.values] == ptrs and c.length == 0
+    with torch.inference_mode():
+        generic(torch.tensor([[1, 2, 3]]), c)
+    c.batch_repeat_interleave(2)  # a KVBuffer's fork: new rows, zeros past what is held, marked
+    assert c.keys[0].shape[0] == 2 and not c.keys[0][:, :, 3:].any()
+    assert getattr(c.keys[0], "_dynamo_static_input_type", None)

@@ -32,6 +32,7 @@ GenericDecoder there.
 """
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 
@@ -310,6 +311,8 @@ class GenericDecoder:
         self._cos = self._sin = None
         self._graph, self.mode, self.compile_why = None, None, ""
         self._spare = None  # (keys, values) of a cache that is gone, for the next new_cache
+        self._spare_lock = threading.RLock()  # a cache may be collected on any thread (or inside new_cache, by a
+        # collection there: reentrant): one pair of buffers is never handed out twice
 
     @staticmethod
     def _weights(block) -> dict:
@@ -332,7 +335,8 @@ class GenericDecoder:
         one is gone (same addresses: a CUDA graph recorded on them replays), else allocates."""
         kind = kind or KVBuffer
         capacity = capacity or min(self.context + 1, GENERIC_CAPACITY)
-        spare, self._spare = self._spare, None
+        with self._spare_lock:
+            spare, self._spare = self._spare, None
         if spare is not None and (spare[0][0].shape[0] != 1 or spare[0][0].shape[2] != capacity):
             spare = None
         cache = kind(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device, capacity,
@@ -341,7 +345,8 @@ class GenericDecoder:
         return cache
 
     def _release(self, keys: list, values: list) -> None:
-        self._spare = (keys, values)
+        with self._spare_lock:
+            self._spare = (keys, values)
 
     def rope_table(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [end, D] (at least), float32: the rotary module's own from its float32 inv_freq, regrown by
