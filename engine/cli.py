@@ -309,6 +309,23 @@ def cmd_distill(args) -> None:
     run_distill(args)
 
 
+def cmd_gpu_check(args) -> None:
+    from pathlib import Path
+
+    from engine.measure.gpu_check import SECTIONS, run_check
+
+    sections = tuple(s.strip() for s in args.sections.split(",") if s.strip())
+    unknown = [s for s in sections if s not in SECTIONS]
+    if unknown or not sections:
+        raise SpecBranchError(f"--sections: unknown {', '.join(unknown) or '(none given)'}; "
+                              f"choose from {', '.join(SECTIONS)}")
+    out = Path(args.out)
+    writable_file(str(out / "results.json"), "the device check's results")
+    results = run_check(out, args.dry_run, sections)
+    failed = [name for name, s in results["sections"].items() if s["status"] != "ok"]
+    print(f"wrote {out / 'results.json'}" + (f"; not ok: {', '.join(failed)}" if failed else "; every section ok"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m engine", description="SpecBranch Studio engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -365,6 +382,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_arguments(h)
     add_hrad_arguments(h)
     h.set_defaults(func=cmd_train_hrad)
+
+    gc = sub.add_parser("gpu-check", help="the whole device check in one call, each section under its own cap")
+    gc.add_argument("--out", required=True, help="folder for results.json, each section's JSON and the trace")
+    gc.add_argument("--dry-run", action="store_true", help="every section on the CPU with tiny shapes (CI runs it)")
+    gc.add_argument("--sections", default="env,greedy,overlap,sanitizer,bench,krow", help="comma-separated subset")
+    gc.set_defaults(func=cmd_gpu_check)
     return parser
 
 
