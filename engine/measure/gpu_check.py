@@ -292,7 +292,7 @@ def section_overlap(setup: Setup, out_dir: Path) -> dict:
     engine.run(ids, config("specbranch", 8))  # warm-up outside the trace
     with torch.profiler.profile(activities=activities) as prof:
         run = engine.run(ids, config("specbranch", 16 if not setup.dry else 6))
-    trace = out_dir / "specbranch-trace.json"
+    trace = out_dir / "specbranch-trace.json.gz"  # Perfetto opens it gzipped
     prof.export_chrome_trace(str(trace))
     result["trace"] = {"file": trace.name, "bytes": trace.stat().st_size,
                        "steps": sum(1 for e in run.events if e.type == "step_started")}
@@ -432,8 +432,10 @@ def run_check(out_dir: Path, dry: bool = False, sections: tuple[str, ...] = SECT
         started = time.perf_counter()
         try:
             proc = subprocess.run(argv, capture_output=True, text=True, timeout=caps[name])
-            done = json.loads((out_dir / f"{name}.json").read_text()) if (out_dir / f"{name}.json").exists() else \
+            part = out_dir / f"{name}.json"
+            done = json.loads(part.read_text()) if part.exists() else \
                 {"status": "error", "result": {"error": f"exit {proc.returncode}", "stderr": proc.stderr[-3000:]}}
+            part.unlink(missing_ok=True)  # results.json holds it: few files to bring back from a device
         except subprocess.TimeoutExpired:
             done = {"status": "timeout", "result": {"error": f"over its cap of {caps[name]} s"}}
         done["seconds"] = round(time.perf_counter() - started, 1)
