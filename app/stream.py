@@ -1,8 +1,13 @@
-"""Run one generation as a plain (sync) generator of events.
+"""Run one generation as a plain (sync) generator of events, on a ZeroGPU Space inside `spaces.GPU`.
 
-The engine is async; Gradio, and ZeroGPU's `spaces.GPU` in particular, want a sync generator that
-yields CPU data. The generation runs on its own event loop in a thread and hands events over a
-queue; closing this generator (the Stop button, a closed tab) stops the engine's stream cleanly."""
+The engine is async; Gradio, and ZeroGPU's `spaces.GPU` in particular, want a sync generator that yields CPU data.
+The generation runs on its own event loop in a thread and hands events over a queue; closing this generator (the
+Stop button, a closed tab) stops the engine's stream cleanly.
+
+On a ZeroGPU Space (the `spaces` package is importable) CUDA exists only inside a function decorated with
+`spaces.GPU`, which runs it in a forked process and sends each yielded event back pickled: events are plain frozen
+dataclasses of CPU values, so they cross unchanged. The GPU is held at most `duration` seconds a call, computed per
+request from the tokens asked for (gpu_seconds)."""
 from __future__ import annotations
 
 import queue
@@ -13,9 +18,12 @@ from engine.events import Event
 from engine.runtime import new_event_loop
 
 _DONE = object()
+BASE_GPU_S = 20  # moving the models onto the GPU the call was given, the prefill and the first steps
+GPU_S_PER_TOKEN = 0.06  # a decode step of the embedded pair on a GPU is a few ms; kept wide for a slow or busy GPU
+MAX_GPU_S = 300  # what one ZeroGPU call may ask for
 
 
-def stream_events(engine, prompt_ids: list[int], cfg, prompt_text: str = "") -> Iterator[Event]:
+def run_events(engine, prompt_ids: list[int], cfg, prompt_text: str = "") -> Iterator[Event]:
     items: queue.Queue = queue.Queue()
     stop = threading.Event()
 
@@ -51,9 +59,26 @@ def stream_events(engine, prompt_ids: list[int], cfg, prompt_text: str = "") -> 
         stop.set()
 
 
-try:  # on a ZeroGPU Space, GPU work must run inside spaces.GPU; elsewhere this is a no-op
-    import spaces  # type: ignore
+def gpu_seconds(engine, prompt_ids: list[int], cfg, prompt_text: str = "") -> int:
+    """The GPU time one request may hold on ZeroGPU (spaces.GPU's `duration`, called with run_events' arguments):
+    a fixed start plus a share per token asked for, at most MAX_GPU_S."""
+    return int(min(MAX_GPU_S, BASE_GPU_S + GPU_S_PER_TOKEN * cfg.max_new_tokens))
 
-    stream_events = spaces.GPU(stream_events)  # noqa: F811
-except ImportError:
-    pass
+
+def on_zerogpu(fn, spaces_module):
+    """fn inside spaces.GPU with a duration computed per request; fn itself where there is no `spaces` module."""
+    if spaces_module is None:
+        return fn
+    return spaces_module.GPU(duration=gpu_seconds)(fn)
+
+
+def spaces_module():
+    """The `spaces` package of a Hugging Face Space, or None elsewhere."""
+    try:
+        import spaces  # type: ignore
+    except ImportError:
+        return None
+    return spaces
+
+
+stream_events = on_zerogpu(run_events, spaces_module())

@@ -23,7 +23,7 @@ from engine.events import DECODE, DRAFT, VERIFY, Event, Finished, Notice, RunSta
 from engine.methods.hrad import find_hrad
 from engine.measure.metrics import compute_metrics
 from engine.models.loading import ModelPair
-from engine.runtime import Worker, default_solo_threads, new_event_loop
+from engine.runtime import PerProcess, Worker, default_solo_threads, new_event_loop
 from engine.methods.parallel import BranchCosts, Policy, parallel_decode
 from engine.methods.sd import speculative_decode
 
@@ -51,9 +51,11 @@ class Engine:
         self.target_worker = Worker("target", threads, pair.target.device)
         self.draft_worker = Worker("draft", threads, pair.draft.device if pair.draft is not None else None,
                                    solo_threads or max(threads, default_solo_threads()))
-        self._busy = threading.Lock()  # one generation at a time per engine; others queue (any event loop)
-        # waits for _busy happen here, one at a time (so in order), never on a loop's own executor: see _take_busy
-        self._busy_waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-lock")
+        # one generation at a time per engine; others queue (any event loop). Waits for the lock happen on their own
+        # thread, one at a time (so in order), never on a loop's own executor: see _take_busy. Both are this
+        # process's (PerProcess): a forked child, as on ZeroGPU, has neither the parent's threads nor its runs
+        self._lock = PerProcess(threading.Lock)
+        self._waiter = PerProcess(lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-lock"))
         self.hrad, self.hrad_notice = find_hrad(pair)  # H-RAD classifier, when trained weights fit this pair
         self._branch_costs: BranchCosts | None = None
         self._calibration: dict[tuple, AcceptanceCalibration] = {}
@@ -97,6 +99,14 @@ class Engine:
                     yield event
         finally:
             self._busy.release()
+
+    @property
+    def _busy(self) -> threading.Lock:
+        return self._lock.get()
+
+    @property
+    def _busy_waiter(self) -> ThreadPoolExecutor:
+        return self._waiter.get()
 
     async def _take_busy(self) -> None:
         """Wait for the engine's lock without blocking the event loop. Cancel-safe: a request cancelled while it
@@ -256,7 +266,8 @@ class Engine:
         return result_from_events(events, self.pair.tokenizer)
 
     def close(self) -> None:
-        self._busy_waiter.shutdown(wait=False, cancel_futures=True)
+        if self._waiter.made_here():
+            self._busy_waiter.shutdown(wait=False, cancel_futures=True)
         self.target_worker.shutdown()
         self.draft_worker.shutdown()
         if hasattr(self.pair.draft, "close"):  # a draft in its own process (engine/draft_process.py)

@@ -82,6 +82,24 @@ def _record_on(obj, stream) -> None:
             t.record_stream(stream)
 
 
+class PerProcess:
+    """A value made on first use, and made anew in a forked child. Threads do not survive a fork, nor do the locks
+    they held: an executor whose thread the parent started would take work in the child and never run it. ZeroGPU
+    runs each GPU call in a fork of the app's process (app/stream.py)."""
+
+    def __init__(self, make: Callable[[], Any]):
+        self._make, self._pid, self._value = make, None, None
+
+    def get(self):
+        if self._pid != os.getpid():
+            self._value, self._pid = self._make(), os.getpid()
+        return self._value
+
+    def made_here(self) -> bool:
+        """Whether this process made the value (and so may shut it down)."""
+        return self._pid == os.getpid()
+
+
 class Measured(NamedTuple):
     """A forward's result with when it really computed (time.perf_counter seconds), where that differs from the
     call around it: a draft in its own process may compute a step before it is asked for (a step taken ahead), and
@@ -109,8 +127,13 @@ class Worker:
         self._run_t0: float | None = None  # the run the reference event below belongs to
         self._ref = None  # CUDA: this run's reference event on the worker's stream
         self._anchor = 0.0  # ... and when it ran, in seconds since the run's t0
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"specbranch-{name}",
-                                           initializer=_init_thread, initargs=(threads,))
+        self._executor = PerProcess(lambda: ThreadPoolExecutor(1, thread_name_prefix=f"specbranch-{name}",
+                                                               initializer=_init_thread, initargs=(threads,)))
+
+    @property
+    def executor(self) -> ThreadPoolExecutor:
+        """The worker's one thread (this process's: PerProcess)."""
+        return self._executor.get()
 
     async def run(self, fn: Callable[..., Any], *args, kind: str, step: int, t0: float, tokens: int = 1,
                   solo: bool = False):
@@ -183,7 +206,8 @@ class Worker:
         return result, start, end, end_ev
 
     def shutdown(self) -> None:
-        self.executor.shutdown(wait=True)
+        if self._executor.made_here():
+            self.executor.shutdown(wait=True)
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
