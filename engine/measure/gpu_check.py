@@ -110,7 +110,8 @@ def synthetic_pair(shape: Shape, device: str, dtype: torch.dtype, tok):
 
     model = synthetic_llama(shape, device, dtype)
     target = LM(shape.name, model, tok, VOCAB)
-    draft = draft_from_target(model, shape.draft_layers).to(device)
+    with torch.device(device):  # built where it runs: no host copy of the draft's layers
+        draft = keep_rotary_float32(draft_from_target(model, shape.draft_layers).to(device, dtype))
     return pair_of(target, f"truncated:{shape.draft_layers}", draft, tok, None)
 
 
