@@ -39,7 +39,7 @@ def test_the_dry_run_writes_every_section(tmp_path):
 def test_a_section_over_its_cap_is_recorded_and_the_next_still_runs(tmp_path):
     results = run_check(tmp_path, dry=True, sections=("env", "sanitizer"), log=lambda line: None,
                         caps={"env": 0.05, "sanitizer": 60})  # no Python imports torch in 50 ms
-    assert results["sections"]["env"]["status"] == "timeout"
+    assert results["sections"]["env"]["status"] == "timeout" and results["sections"]["env"]["result"]["kept"] == {}
     assert results["sections"]["sanitizer"]["status"] == "ok"
     assert json.loads((tmp_path / "results.json").read_text())["sections"].keys() == {"env", "sanitizer"}
 
@@ -62,3 +62,11 @@ def test_first_divergence(ours, ref, at):
 def test_unknown_sections_are_refused(tmp_path, capsys):
     assert main(["gpu-check", "--out", str(tmp_path), "--sections", "env,bogus"]) == 2
     assert "unknown bogus" in capsys.readouterr().err
+
+
+def test_a_sections_result_is_on_disk_as_soon_as_each_part_is_done(tmp_path):
+    """What a section stopped at its cap leaves: each part it finished (the driver keeps it as `kept`)."""
+    out = gpu_check.Saved(tmp_path / "bench.json")
+    out["real_pair"] = {"tokens_per_s": 1.0}
+    assert json.loads((tmp_path / "bench.json").read_text()) == {"status": "partial",
+                                                                 "result": {"real_pair": {"tokens_per_s": 1.0}}}

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 SECTIONS = ("env", "greedy", "overlap", "sanitizer", "bench", "krow")
-CAPS_S = {"env": 60, "greedy": 150, "overlap": 90, "sanitizer": 120, "bench": 180, "krow": 90}  # ~8 min on a GPU
+CAPS_S = {"env": 30, "greedy": 120, "overlap": 75, "sanitizer": 60, "bench": 150, "krow": 75}  # 8.5 min: one call
 DRY_CAPS_S = {"env": 45, "greedy": 90, "overlap": 75, "sanitizer": 30, "bench": 90, "krow": 60}  # < 5 min
 VOCAB = 49152  # the embedded target's vocabulary: synthetic targets share its tokenizer
 
@@ -51,6 +51,19 @@ class Shape:
 
 SHAPES = {"1b": Shape("synthetic-1b", 2048, 16, 32, 8, 8192, 2), "7b": Shape("synthetic-7b", 4096, 32, 32, 32, 11008, 2)}
 TINY = Shape("synthetic-tiny", 64, 4, 4, 2, 128, 1)
+
+
+class Saved(dict):
+    """A section's result, written to its file at every item set: a section stopped at its cap keeps what it did."""
+
+    def __init__(self, path: Path | None):
+        super().__init__()
+        self.path = path
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        if self.path is not None:
+            write_json(self.path, {"status": "partial", "result": dict(self)})
 
 
 @dataclass
@@ -82,6 +95,7 @@ def synthetic_llama(shape: Shape, device: str, dtype: torch.dtype, seed: int = 0
     with the rotary tables kept float32."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from engine.models.devices import cast_model
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=shape.hidden, num_hidden_layers=shape.layers,
                          num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
                          intermediate_size=shape.intermediate, max_position_embeddings=4096,
@@ -91,27 +105,19 @@ def synthetic_llama(shape: Shape, device: str, dtype: torch.dtype, seed: int = 0
     with torch.device(device):
         model = LlamaForCausalLM(config)
     model.generation_config.eos_token_id = 2
-    return keep_rotary_float32(model.to(dtype)).eval()
-
-
-def keep_rotary_float32(model):
-    """Rotary tables stay float32 whatever the weights' dtype (a bf16 inv_freq rounds every angle)."""
-    for module in model.modules():
-        if hasattr(module, "inv_freq") and module.inv_freq.dtype != torch.float32:
-            exact = getattr(module, "original_inv_freq", module.inv_freq)  # transformers keeps the float32 original
-            module.inv_freq = exact.to(module.inv_freq.device, torch.float32)
-    return model
+    return cast_model(model, dtype=dtype).eval()
 
 
 def synthetic_pair(shape: Shape, device: str, dtype: torch.dtype, tok):
     """A synthetic target and its truncated draft (its first draft_layers layers) as the engine's ModelPair."""
     from engine.drafts.distilled import draft_from_target
+    from engine.models.devices import cast_model
     from engine.models.loading import LM, pair_of
 
     model = synthetic_llama(shape, device, dtype)
     target = LM(shape.name, model, tok, VOCAB)
     with torch.device(device):  # built where it runs: no host copy of the draft's layers
-        draft = keep_rotary_float32(draft_from_target(model, shape.draft_layers).to(device, dtype))
+        draft = cast_model(draft_from_target(model, shape.draft_layers), device, dtype)
     return pair_of(target, f"truncated:{shape.draft_layers}", draft, tok, None)
 
 
@@ -138,11 +144,11 @@ def config(method: str, new_tokens: int, **extra):
 
 
 # ------------------------------------------------------------------ sections
-def section_env(setup: Setup) -> dict:
+def section_env(setup: Setup, out: Saved) -> dict:
     import transformers
 
-    out = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-           "cuda_available": torch.cuda.is_available(), "device": setup.device, "dry_run": setup.dry}
+    out.update(python=platform.python_version(), torch=torch.__version__, transformers=transformers.__version__,
+               cuda_available=torch.cuda.is_available(), device=setup.device, dry_run=setup.dry)
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         out.update(gpu=props.name, capability=f"{props.major}.{props.minor}", multiprocessors=props.multi_processor_count,
@@ -183,8 +189,9 @@ def reference(model, ids: list[int], new_tokens: int, eos: set[int]) -> list[int
     return out[0, len(ids):].tolist()
 
 
-def greedy_in(setup: Setup, dtype: str, margin_model=None) -> dict:
-    """Each method's greedy output against generate() in `dtype`; margins read from margin_model (float32)."""
+def greedy_in(setup: Setup, dtype: str, out: Saved, margin_model=None):
+    """Each method's greedy output against generate() in `dtype` (into out[dtype], row by row); margins read from
+    margin_model (float32). Returns the target's model."""
     from engine.engine import Engine
 
     pair = real_pair(setup, dtype)
@@ -201,17 +208,14 @@ def greedy_in(setup: Setup, dtype: str, margin_model=None) -> dict:
                 row.update(first_index=at, margin_fp32=top2_margin(model, ids + ref[:at]))
             identical += at is None
             rows.append(row)
-    return {"dtype": dtype, "identical": identical, "runs": len(rows), "rows": rows, "_target": pair.target.model}
+            out[dtype] = {"dtype": dtype, "identical": identical, "runs": len(rows), "rows": rows}
+    return pair.target.model
 
 
-def section_greedy(setup: Setup) -> dict:
-    fp32 = greedy_in(setup, "float32")
-    model = fp32.pop("_target")
-    out = {"float32": fp32}
+def section_greedy(setup: Setup, out: Saved) -> dict:
+    model = greedy_in(setup, "float32", out)
     if not setup.dry:  # the dry run's tiny CPU pair has no bfloat16 kernels worth checking
-        bf16 = greedy_in(setup, "bfloat16", margin_model=model)
-        bf16.pop("_target")
-        out["bfloat16"] = bf16
+        greedy_in(setup, "bfloat16", out, margin_model=model)
     return out
 
 
@@ -276,11 +280,11 @@ def overlap_arrangements(pair, steps: int, cache_len: int = 128) -> dict:
     return out
 
 
-def section_overlap(setup: Setup, out_dir: Path) -> dict:
+def section_overlap(setup: Setup, result: Saved, out_dir: Path) -> dict:
     from engine.engine import Engine
 
     pair = real_pair(setup, "bfloat16" if not setup.dry else "float32")
-    result = {"real_pair": overlap_arrangements(pair, 8 if setup.dry else 32)}
+    result["real_pair"] = overlap_arrangements(pair, 8 if setup.dry else 32)
     if not setup.dry:
         for key in ("1b", "7b"):
             result[key] = overlap_arrangements(synthetic_pair(SHAPES[key], setup.device, torch.bfloat16, tokenizer()), 16)
@@ -300,18 +304,22 @@ def section_overlap(setup: Setup, out_dir: Path) -> dict:
     return result
 
 
-def section_sanitizer(setup: Setup) -> dict:
+def section_sanitizer(setup: Setup, out: Saved) -> dict:
     """pearl and specbranch under torch's CUDA sanitizer, each in a process of its own (it hooks CUDA at import)."""
-    out = {}
     for method in ("pearl", "specbranch"):
         argv = [sys.executable, "-m", "engine", "generate", "--method", method, "--prompt", "Explain a hash map.",
                 "--chat", "--max-new-tokens", "16", "--draft-worker", "thread"]
         if setup.dry:
             out[method] = {"skipped": "the CUDA sanitizer has nothing to check on the CPU"}
             continue
-        argv += ["--device", setup.device, "--draft", "embedded"]
+        # the workers' streams are what races; a compiled target's CUDA graphs are left out of this run
+        argv += ["--device", setup.device, "--draft", "embedded", "--target-forward", "transformers"]
         env = dict(os.environ, TORCH_CUDA_SANITIZER="1")
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=55, env=env)
+        try:
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=25, env=env)
+        except subprocess.TimeoutExpired:
+            out[method] = {"timeout_s": 25}
+            continue
         races = proc.stderr.count("CSAN detected a possible data race")
         out[method] = {"exit": proc.returncode, "races": races, "stderr_tail": proc.stderr[-1500:]}
     return out
@@ -333,11 +341,10 @@ def bench_engines(entries, setup: Setup, label: str) -> dict:
             "report": report}
 
 
-def section_bench(setup: Setup) -> dict:
+def section_bench(setup: Setup, out: Saved) -> dict:
     from engine.engine import Engine
     from engine.models.loading import with_draft
 
-    out = {}
     methods = ("ar", "sd", "pearl", "specbranch", "hf-assisted")
     if setup.dry:
         pair = real_pair(setup, "float32")
@@ -374,10 +381,11 @@ def krow_costs(pair, context: int, reps: int, rounds: int) -> dict:
     return out
 
 
-def section_krow(setup: Setup) -> dict:
+def section_krow(setup: Setup, out: Saved) -> dict:
     if setup.dry:
-        return {"real_pair": krow_costs(real_pair(setup, "float32"), 32, reps=2, rounds=1)}
-    out = {"real_pair": krow_costs(real_pair(setup, "bfloat16"), 256, reps=15, rounds=3)}
+        out["real_pair"] = krow_costs(real_pair(setup, "float32"), 32, reps=2, rounds=1)
+        return out
+    out["real_pair"] = krow_costs(real_pair(setup, "bfloat16"), 256, reps=15, rounds=3)
     tok = tokenizer()
     for key in ("1b", "7b"):
         out[key] = krow_costs(synthetic_pair(SHAPES[key], setup.device, torch.bfloat16, tok), 256, reps=15, rounds=3)
@@ -386,19 +394,14 @@ def section_krow(setup: Setup) -> dict:
 
 
 def run_section(name: str, setup: Setup, out_dir: Path) -> dict:
-    if name == "env":
-        return section_env(setup)
-    if name == "greedy":
-        return section_greedy(setup)
-    if name == "overlap":
-        return section_overlap(setup, out_dir)
-    if name == "sanitizer":
-        return section_sanitizer(setup)
-    if name == "bench":
-        return section_bench(setup)
-    if name == "krow":
-        return section_krow(setup)
-    raise ValueError(f"unknown section {name!r}")
+    """The section `name`, its result saved item by item to out_dir/NAME.json as it goes."""
+    out = Saved(out_dir / f"{name}.json")
+    sections = {"env": section_env, "greedy": section_greedy, "sanitizer": section_sanitizer,
+                "bench": section_bench, "krow": section_krow,
+                "overlap": lambda setup, out: section_overlap(setup, out, out_dir)}
+    if name not in sections:
+        raise ValueError(f"unknown section {name!r}")
+    return dict(sections[name](setup, out))
 
 
 # ------------------------------------------------------------------ driver
@@ -438,7 +441,10 @@ def run_check(out_dir: Path, dry: bool = False, sections: tuple[str, ...] = SECT
                 {"status": "error", "result": {"error": f"exit {proc.returncode}", "stderr": proc.stderr[-3000:]}}
             part.unlink(missing_ok=True)  # results.json holds it: few files to bring back from a device
         except subprocess.TimeoutExpired:
-            done = {"status": "timeout", "result": {"error": f"over its cap of {caps[name]} s"}}
+            part = out_dir / f"{name}.json"
+            kept = json.loads(part.read_text())["result"] if part.exists() else {}
+            part.unlink(missing_ok=True)
+            done = {"status": "timeout", "result": {"error": f"over its cap of {caps[name]} s", "kept": kept}}
         done["seconds"] = round(time.perf_counter() - started, 1)
         results["sections"][name] = done
         write_json(out_dir / "results.json", results)
