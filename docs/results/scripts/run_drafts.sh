@@ -4,7 +4,7 @@
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
 STAGE=${1:-all}
-CORPORA="--corpus data/teacher_smollm2_135m.jsonl --corpus data/self_smollm2_135m.jsonl"
+CORPORA="--corpus data/teacher_smollm2_135m.jsonl.gz --corpus data/self_smollm2_135m.jsonl.gz"
 COMMON="$CORPORA --vocab 8192 --batch-size 16 --label-batch-size 16 --seed 0 --threads 2 --work-dir runs/distill-v2"
 
 if [[ $STAGE == corpus ]]; then  # already in data/ (35 min on CPU): the target's own questions and answers
@@ -14,7 +14,7 @@ if [[ $STAGE == corpus ]]; then  # already in data/ (35 min on CPU): the target'
 import json
 prompts = [json.loads(l) for l in open("runs/distill-self/self_prompts.jsonl")]
 answers = [json.loads(l) for l in open("runs/distill-self/self_generated.jsonl")]
-with open("data/self_smollm2_135m.jsonl", "w") as f:
+with open("data/self_smollm2_135m.jsonl.gz", "w") as f:
     for i, (p, a) in enumerate(zip(prompts, answers)):
         f.write(json.dumps({"source": "self", "index": i, "prompt": p["prompt"], "prompt_ids": a["prompt_ids"],
                             "response_ids": a["response_ids"]}) + "\n")
@@ -30,7 +30,7 @@ if [[ $STAGE == v3 ]]; then  # the shipped draft, trained on with self2 added (v
   # On the 2-core machine the top-32 labels of 971k tokens took 60 min (cached in the work dir, reused) and the
   # 759 training steps 52 min.
   mkdir -p runs/v2-init && git archive 75303b3 engine/drafts/smollm2-135m-draft | tar -x -C runs/v2-init
-  $PY -m engine distill $CORPORA --corpus data/self2_smollm2_135m.jsonl \
+  $PY -m engine distill $CORPORA --corpus data/self2_smollm2_135m.jsonl.gz \
       --init runs/v2-init/engine/drafts/smollm2-135m-draft --vocab 8192 --epochs 1.5 --lr 5e-4 --batch-size 16 \
       --label-batch-size 16 --seed 0 --threads 2 --max-minutes 75 --work-dir runs/distill-v3 --out runs/draft-v3
 fi
