@@ -11,10 +11,10 @@ if [[ $STAGE == corpus ]]; then  # already in data/ (35 min on CPU): the target'
   $PY -m engine distill --self-prompts 3000 --gen-batch-size 64 --threads 2 --seed 0 --generate-only \
       --work-dir runs/distill-self --out unused
   $PY - <<'EOF'
-import json
+import gzip, json
 prompts = [json.loads(l) for l in open("runs/distill-self/self_prompts.jsonl")]
 answers = [json.loads(l) for l in open("runs/distill-self/self_generated.jsonl")]
-with open("data/self_smollm2_135m.jsonl.gz", "w") as f:
+with gzip.open("data/self_smollm2_135m.jsonl.gz", "wt") as f:
     for i, (p, a) in enumerate(zip(prompts, answers)):
         f.write(json.dumps({"source": "self", "index": i, "prompt": p["prompt"], "prompt_ids": a["prompt_ids"],
                             "response_ids": a["response_ids"]}) + "\n")
