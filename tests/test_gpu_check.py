@@ -29,7 +29,10 @@ def test_the_dry_run_writes_every_section(tmp_path):
         assert overlap[arrangement]["efficiency"] > 0
     assert (tmp_path / r["overlap"]["trace"]["file"]).stat().st_size > 0
     bench = r["bench"]["real_pair"]
-    assert bench["identical_to_ar"] == {m: "3/3" for m in ("sd", "pearl", "specbranch", "hf-assisted")}
+    # the engine's methods are exact; hf-assisted is transformers' own loop, an outside peer that only has to run
+    assert {m: bench["identical_to_ar"][m] for m in ("sd", "pearl", "specbranch")} == {m: "3/3" for m in ("sd", "pearl",
+                                                                                                      "specbranch")}
+    assert bench["summary"]["hf-assisted"]["tokens_per_s"] > 0
     assert bench["summary"]["ar"]["speedup_vs_ar"] == 1.0
     krow = r["krow"]["real_pair"]
     assert list(krow["draft_ms_by_rows"]) == ["1", "2", "3", "4"]
