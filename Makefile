@@ -17,12 +17,13 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt requirements.lock
 
 install: $(VENV)/.installed
 
-# The browser test drives Debian's chromium; install it when we can (root), else say how.
+# The browser test drives Debian's chromium; install it when we can (root), else say how (without it, the browser
+# tests fail: they never skip).
 browser:
 	@command -v chromium >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = "0" ]; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
-	  else echo "note: chromium is missing; as root, 'make test' installs it (apt-get install chromium)"; fi; }
+	  else echo "note: chromium is missing, so the browser tests will fail; as root, 'make test' installs it (apt-get install chromium)"; fi; }
 
 # after changing requirements*.txt: install, then pin what got installed
 lock: install

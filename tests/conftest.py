@@ -10,6 +10,32 @@ import torch
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(1)
 
+class VerdictAt:
+    """Stands in for the target's job where the draft asks whether the verdict has landed (parallel.draft_until_verdict):
+    it has landed at the draft's `looks`-th look. The target's real pass runs beside the draft all the same."""
+
+    def __init__(self, looks: int):
+        self.looks = looks
+
+    def done(self) -> bool:
+        self.looks -= 1
+        return self.looks < 0
+
+
+def schedule_draft(monkeypatch, looks) -> None:
+    """Make how many steps the draft of PEARL and SpecBranch takes beside each target pass a rule, not this machine's
+    timing: 1 + looks(state) steps (at most the depth cap; fewer where the policy stops), where looks(state) is called
+    once per round. A test whose figures depend on how far the draft drafts then gives the same figures on any
+    machine, however busy. Patched through the module, so a test holds it for its own runs only (monkeypatch)."""
+    from engine.methods import parallel
+    real = parallel.draft_until_verdict
+
+    async def draft_until_verdict(state, spec, ds, policy, target_job, events):
+        await real(state, spec, ds, policy, VerdictAt(looks(state)), events)
+
+    monkeypatch.setattr(parallel, "draft_until_verdict", draft_until_verdict)
+
+
 def free_port() -> int:
     import socket
 

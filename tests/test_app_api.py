@@ -2,6 +2,8 @@
 generation returns tokens and the figures' data; bad input gets a message; token text is escaped."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from app.views import token_view
@@ -67,10 +69,20 @@ def test_streamed_generation_returns_tokens_and_figures(client, tiny_engine):
     assert content(history[-1]) == want
 
 
-@pytest.mark.parametrize("overrides", [dict(temperature=-1), dict(top_p=0), dict(max_new=0), dict(gamma=99)])
-def test_out_of_range_controls_are_refused_and_the_app_keeps_serving(client, overrides):
-    with pytest.raises(Exception):
-        call(client, "a b", **overrides)
+@pytest.mark.parametrize("overrides, message", [
+    (dict(temperature=-1), "Value -1 is less than minimum value 0."),
+    (dict(top_p=0), "Value 0 is less than minimum value 0.01."),
+    (dict(max_new=0), "Value 0 is less than minimum value 1."),
+    (dict(gamma=99), "Value 99 is greater than maximum value 16."),
+])
+def test_out_of_range_controls_are_refused_and_the_app_keeps_serving(client, overrides, message):
+    """gradio refuses a slider's value out of its range, by name, before the handler runs."""
+    from gradio_client.exceptions import AppError
+
+    a = {**ARGS, **overrides}
+    job = client.submit("a b", a["history"], a["method"], *controls(a), api_name="/generate")
+    with pytest.raises(AppError, match=re.escape(message)):
+        job.result()
     _, final = call(client, "a b")
     assert content(final[0][-1])
 
@@ -260,6 +272,7 @@ def test_a_visitor_picks_a_draft_from_the_offered_ones_only(tiny_engine, app_sto
     tiny engines on one target); a draft outside the list never reaches the engine loader (a spec can name a path);
     picking a draft sets the sliders to its kind's defaults."""
     from gradio_client import Client
+    from gradio_client.exceptions import AppError
 
     from app.settings import SELF_DEFAULTS, SLIDER_KEYS, slider_defaults
     from engine.config import GenerationConfig
@@ -286,7 +299,7 @@ def test_a_visitor_picks_a_draft_from_the_offered_ones_only(tiny_engine, app_sto
         assert asked == ["self"] and content(history[-1]) == want.text
         assert own.pair.draft.model is tiny_engine.pair.target.model  # the target's own weights, loaded once
         job = client.submit("a b c", [], "sd", *controls(a), draft="/etc/passwd", api_name="/generate")
-        with pytest.raises(Exception, match="not in the list of choices"):  # gradio checks the dropdown first
+        with pytest.raises(AppError, match="not in the list of choices"):  # gradio checks the dropdown first
             job.result()
         # and the handler itself, called past gradio's check, refuses it with a notice
         generate = next(f.fn for f in demo.fns.values() if f.name == "generate")

@@ -2,13 +2,13 @@
 It asserts what a person sees: streamed tokens, the branch tree of a chosen step (its node count and the
 survivor's highlight), the step navigator moving tree and timeline together, the race streaming in both
 columns before the end with the identity check, and Replay re-rendering and racing stored runs.
-Saves screenshots to artifacts/. Fails (never skips) in CI when the browser is missing."""
+Saves screenshots to artifacts/. Fails (never skips) when the browser is missing, in CI or not: `make test` installs
+it (as root). Each test asks for the runs it reads (the live_run and raced fixtures: whichever test comes first makes
+them) and opens its own tab, so none depends on the order the tests run in."""
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -22,11 +22,18 @@ from .conftest import serve_app
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 PROMPT = "a b c d"
-# One sample of a race as the page shows it: per column its label, "n/N tokens" and how much text it shows.
-RACE_JS = """(root) => { const w = document.querySelector(root + ' .race-wrap'); if (!w) return null;
-  return {done: w.dataset.done === 'true', cols: [...w.querySelectorAll('.race-col')].map(c => ({
+# Every state of a race the page shows, recorded by a MutationObserver as the page repaints (not by polling, which
+# a busy machine slows down): per state, whether the race is done and per column its label, "n/N tokens", how much
+# text it shows and its speed. window.raceStates collects them, the observer runs until the page is left.
+RACE_JS = """(root) => { window.raceStates = []; const seen = () => {
+  const w = document.querySelector(root + ' .race-wrap'); if (!w) return;
+  const state = {done: w.dataset.done === 'true', cols: [...w.querySelectorAll('.race-col')].map(c => ({
     label: c.dataset.label, count: c.querySelector('.race-count').innerText,
-    text: c.querySelector('.race-text').innerText.length, speed: c.querySelector('.race-speed').innerText}))}; }"""
+    text: c.querySelector('.race-text').innerText.length, speed: c.querySelector('.race-speed').innerText}))};
+  const last = window.raceStates[window.raceStates.length - 1];
+  if (!last || JSON.stringify(last) !== JSON.stringify(state)) window.raceStates.push(state); };
+  new MutationObserver(seen).observe(document.body, {subtree: true, childList: true, characterData: true,
+                                                      attributes: true}); }"""
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +47,7 @@ def app_url(tiny_engine, app_store):
 def page(app_url):
     """One page for the module: its browser id owns the runs it makes, so Replay finds them."""
     if CHROMIUM is None:
-        if os.environ.get("CI"):
-            pytest.fail("chromium is not installed: `make test` installs it when run as root (apt-get install chromium)")
-        pytest.skip("chromium not installed (run `make test` as root to install it)")
+        pytest.fail("chromium is not installed: `make test` installs it when run as root (apt-get install chromium)")
     from playwright.sync_api import sync_playwright
 
     ARTIFACTS.mkdir(exist_ok=True)
@@ -58,6 +63,37 @@ def page(app_url):
         browser.close()
 
 
+@pytest.fixture(scope="module")
+def live_run(page, app_store) -> str:
+    """A Live run of PROMPT, finished and drawn (tokens, metrics, timeline, tree): the run the Live view and the step
+    navigator read. Returns its session id."""
+    page.get_by_role("tab", name="Live").click()
+    page.locator("#prompt textarea").fill(PROMPT)
+    page.locator("#generate").click()
+    page.wait_for_selector("#token-view .tok", timeout=60_000)  # streamed tokens arrived
+    page.wait_for_selector("#metric-panel table.metric-panel", timeout=60_000)
+    page.wait_for_selector("#timeline-plot .js-plotly-plot", timeout=60_000)
+    page.wait_for_selector("#tree-view svg.branch-tree", timeout=60_000)
+    page.wait_for_function("document.querySelector('#metric-panel').innerText.includes('tokens per s')")
+    sessions = app_store.list_sessions(search=PROMPT)
+    assert len(sessions) == 1, sessions
+    return sessions[0]["id"]
+
+
+@pytest.fixture(scope="module")
+def raced(page) -> list[dict]:
+    """A Compare race of ar and specbranch on the Compare tab's own prompt ("Explain how a hash map works."), sampled
+    while it streams, to its end: stored, so Replay finds it. Returns the samples."""
+    page.get_by_role("tab", name="Compare").click()
+    methods = page.locator("#compare-methods")
+    for name in ("sd", "pearl"):
+        methods.get_by_label(name).uncheck()
+    methods.get_by_label("specbranch").check()
+    samples = watch_race(page, "#compare-race", page.locator("#compare").click)
+    page.wait_for_selector("#compare-table .identical", timeout=60_000)
+    return samples
+
+
 def shown_step(page, root: str) -> int | None:
     step = page.locator(f"{root} .tree-view").get_attribute("data-step")
     return int(step) if step else None
@@ -68,23 +104,18 @@ def wait_for_step(page, root: str, step: int) -> None:
                            timeout=30_000)
 
 
-def watch_race(page, root: str) -> list[dict]:
-    """Sample the race columns until the race is over."""
-    samples, deadline = [], time.time() + 120
-    page.wait_for_selector(f"{root} .race-wrap", timeout=120_000)
-    while time.time() < deadline:
-        sample = page.evaluate(RACE_JS, root)
-        if sample:
-            samples.append(sample)
-            if sample["done"]:
-                break
-        time.sleep(0.15)
-    return samples
+def watch_race(page, root: str, start) -> list[dict]:
+    """Every state the race in `root` showed, from start() (which starts it) until it was over."""
+    page.evaluate(RACE_JS, root)
+    start()
+    page.wait_for_function("window.raceStates.length > 0 && window.raceStates[window.raceStates.length - 1].done",
+                           timeout=120_000)
+    return page.evaluate("window.raceStates")
 
 
 def assert_both_columns_streamed(samples: list[dict], labels: list[str]) -> None:
-    """Every column was caught part-way (some tokens shown, not all, before the race ended), and at least one was
-    caught twice, growing. Not every column twice: on tiny models AR finishes in the first fifth of the race, and
+    """Every column was shown part-way (some tokens shown, not all, before the race ended), and at least one was
+    shown twice, growing. Not every column twice: on tiny models AR finishes in the first fifth of the race, and
     on a loaded machine the page may repaint only once in that time (seen in a full suite run)."""
     assert samples and samples[-1]["done"], "the race never finished"
     assert [c["label"] for c in samples[-1]["cols"]] == labels
@@ -103,15 +134,8 @@ def assert_both_columns_streamed(samples: list[dict], labels: list[str]) -> None
     assert any(grew), "no column grew while the race was on"
 
 
-def test_live_view_in_chromium(page):
+def test_live_view_in_chromium(page, live_run):
     page.get_by_role("tab", name="Live").click()
-    page.locator("#prompt textarea").fill(PROMPT)
-    page.locator("#generate").click()
-    page.wait_for_selector("#token-view .tok", timeout=60_000)  # streamed tokens arrived
-    page.wait_for_selector("#metric-panel table.metric-panel", timeout=60_000)
-    page.wait_for_selector("#timeline-plot .js-plotly-plot", timeout=60_000)
-    page.wait_for_selector("#tree-view svg.branch-tree", timeout=60_000)
-    page.wait_for_function("document.querySelector('#metric-panel').innerText.includes('tokens per s')")
     assert page.locator("#token-view .tok").count() > 3
     assert page.locator("#notices .notice-error").count() == 0, page.locator("#notices").inner_text()
     assert "acceptance rate" in page.locator("#metric-panel").inner_text()
@@ -123,16 +147,17 @@ def test_live_view_in_chromium(page):
     assert not markers.first.locator(".tok-rollback").is_visible()
     markers.first.locator("summary").click()
     assert markers.first.locator(".tok-rollback").is_visible()
-    page.get_by_label("Show all rollbacks (else click a ↶ marker)").check()
+    show_all = page.locator("#show-rollbacks").get_by_label("Show all rollbacks (else click a ↶ marker)")
+    show_all.check()  # (the Live tab's: Replay has one of the same name)
     page.wait_for_function("document.querySelectorAll('#token-view details.rb:not([open])').length === 0")
-    page.get_by_label("Show all rollbacks (else click a ↶ marker)").uncheck()
+    show_all.uncheck()
     page.screenshot(path=str(ARTIFACTS / "app_live.png"), full_page=True)
     assert (ARTIFACTS / "app_live.png").stat().st_size > 10_000
 
 
-def test_tree_and_step_navigator_in_chromium(page, app_store):
-    session = app_store.list_sessions(search=PROMPT)[0]
-    events = app_store.load_run_events(app_store.get_session(session["id"])["runs"][0]["id"])
+def test_tree_and_step_navigator_in_chromium(page, app_store, live_run):
+    page.get_by_role("tab", name="Live").click()
+    events = app_store.load_run_events(app_store.get_session(live_run)["runs"][0]["id"])
     steps = sorted({e.step for e in events if isinstance(e, BranchResolved)}) or [2]
     step = next((s for s in steps if s > 1), steps[0])  # a step with a fork, where there is one
     page.wait_for_selector("#step-strip .step-mark", timeout=30_000)
@@ -163,26 +188,22 @@ def test_tree_and_step_navigator_in_chromium(page, app_store):
     assert "there is no step" in page.locator("#step-notice").inner_text() and shown_step(page, "#tree-view") == last
 
 
-def test_race_in_chromium(page):
+def test_race_in_chromium(page, raced):
     page.get_by_role("tab", name="Compare").click()
-    methods = page.locator("#compare-methods")
-    for name in ("sd", "pearl", "specbranch"):
-        methods.get_by_label(name).uncheck()
-    page.locator("#compare").click()  # one method: no race
-    page.wait_for_function("document.querySelector('#compare-notice').innerText.includes('needs two')",
-                           timeout=30_000)
-    methods.get_by_label("specbranch").check()
-    page.locator("#compare").click()
-    samples = watch_race(page, "#compare-race")
-    assert_both_columns_streamed(samples, ["ar", "specbranch"])
-    page.wait_for_selector("#compare-table .identical", timeout=60_000)
+    assert_both_columns_streamed(raced, ["ar", "specbranch"])
     assert "identical output at temperature 0" in page.locator("#compare-table .identical-yes").inner_text()
     assert page.locator("#compare-table table.compare-table tr").count() == 3  # the final speedup table
     page.wait_for_selector("#compare-timeline .js-plotly-plot", timeout=60_000)
     page.screenshot(path=str(ARTIFACTS / "app_compare.png"), full_page=True)
+    methods = page.locator("#compare-methods")
+    methods.get_by_label("specbranch").uncheck()
+    page.locator("#compare").click()  # one method: no race
+    page.wait_for_function("document.querySelector('#compare-notice').innerText.includes('needs two')",
+                           timeout=30_000)
+    methods.get_by_label("specbranch").check()
 
 
-def test_replay_in_chromium(page):
+def test_replay_in_chromium(page, raced):
     page.get_by_role("tab", name="Replay").click()
     page.locator("#replay-search textarea, #replay-search input").first.fill("Explain how a hash map")
     page.locator("#replay-find").click()
@@ -195,8 +216,7 @@ def test_replay_in_chromium(page):
     wait_for_step(page, "#replay-tree-view", 2)
     assert page.locator("#replay-tree-view svg g.node").count() >= 2
     page.get_by_text("Compare and race stored runs").click()
-    page.locator("#replay-race-btn").click()
-    samples = watch_race(page, "#replay-race")
+    samples = watch_race(page, "#replay-race", page.locator("#replay-race-btn").click)
     assert_both_columns_streamed(samples, ["ar", "specbranch"])
     page.wait_for_selector("#replay-compare-table .identical-yes", timeout=60_000)
     # the race also draws the runs aligned by step (it used to leave that plot empty, or as an earlier Compare left it)

@@ -137,9 +137,9 @@ def test_wall_split_of_a_serial_run():
 def test_bad_event_dicts_are_refused():
     import pytest
 
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unknown event type 'nope'"):
         from_dict({"type": "nope"})
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"event 'step_started' has unknown fields \['extra'\]"):
         from_dict({"type": "step_started", "step": 1, "position": 2, "t": 0.0, "extra": 1})
 
 

@@ -182,7 +182,7 @@ def test_usable_devices_pass(monkeypatch):
     assert pick_device("cuda:1") == torch.device("cuda", 1) and pick_device("cuda") == torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert pick_device(None) == torch.device("cpu")
-    with pytest.raises(SpecBranchError):
+    with pytest.raises(SpecBranchError, match="device 'cuda': CUDA is not available here"):
         pick_device("cuda")
 
 

@@ -17,7 +17,7 @@ from engine.training.head_distill import losses, unrolled_outputs
 from engine.models.loading import LM, load_model, load_pair
 
 from .conftest import make_tiny_model
-from .test_sampling_montecarlo import PROMPT, chi_square, exact_joint
+from .reference import PROMPT, chi_square, exact_joint
 
 
 def random_head(target, seed=0, scale=0.3):
@@ -100,7 +100,7 @@ def test_head_cache_pointer_and_stale_rows(tiny_target):
     assert cache.stale_from() == 6  # the target has not computed positions 3, 4 yet
     cache.set_target_features(3, feats[3:5])
     assert cache.stale_from() == 4  # row 4 was built on a prediction of f_3, now known
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="target features must arrive in order: have 5, got a start of 7"):
         cache.set_target_features(7, feats[:1])  # a gap
     cache.crop(-2)  # what engine.models.cache.rollback does
     assert cache.get_seq_length() == 4 and cache.kv.get_seq_length() == 4 and len(cache.built_on_pred) == 4
@@ -134,7 +134,7 @@ def test_head_sampled_follows_target(head_engine, method, extra):
         r = head_engine.run(PROMPT, GenerationConfig(method=method, temperature=1.0, max_new_tokens=3, seed=seed, **extra))
         counts[tuple(r.token_ids[:3])] = counts.get(tuple(r.token_ids[:3]), 0) + 1
     cfg = GenerationConfig(method=method, temperature=1.0)
-    assert chi_square(counts, exact_joint(head_engine.pair.target.model, PROMPT, 3, cfg, 10), n) > 1e-3
+    assert chi_square(counts, exact_joint(head_engine.pair.target.model, PROMPT, 3, cfg, 10), n) > 1e-4
 
 
 def test_head_for_another_target_is_refused(head_engine, tmp_path, tiny_target):

@@ -128,6 +128,25 @@ def test_draft_matmul_choice_is_checked_and_auto_follows_the_cpu():
 needs_int4 = pytest.mark.skipif(not int4_supported(), reason="this torch has no CPU int4 kernel")
 
 
+def test_int4_probe_checks_the_kernels_are_there_and_never_calls_them(monkeypatch):
+    """int4_supported() reads whether both aten ops are registered with a CPU kernel, and nothing else: a kernel that
+    raises makes the int4 tests fail, it does not skip them; only a torch without the ops (or their CPU kernels) skips.
+    """
+    def broken(*args, **kwargs):
+        raise RuntimeError("the int4 kernel is broken")
+
+    have = int4_supported()
+    monkeypatch.setattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", broken)
+    assert int4_supported() is have  # not probed by a call
+    if have:
+        with pytest.raises(RuntimeError, match="the int4 kernel is broken"):
+            Int4Matmul(torch.ones(16, INT4_GROUP))(torch.ones(1, INT4_GROUP))
+    registered = torch._C._dispatch_has_kernel_for_dispatch_key
+    monkeypatch.setattr(torch._C, "_dispatch_has_kernel_for_dispatch_key",
+                        lambda op, key: op != "aten::_weight_int4pack_mm_for_cpu" and registered(op, key))
+    assert not int4_supported()  # registered, but with no CPU kernel: a machine that truly lacks it
+
+
 @needs_int4
 def test_int4_matmul_keeps_4bit_groups_and_rounds_others():
     """Weights that are 4-bit groups already (a scale and a minimum per INT4_GROUP, as in a GGUF's Q4_1 blocks) keep

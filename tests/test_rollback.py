@@ -32,5 +32,5 @@ def test_rollback_refuses_to_grow(tiny_engine):
 
     c = kv.new_cache(tiny_engine.pair.target.model)
     tiny_engine.pair.target.forward(torch.tensor([[2, 3]]), c)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="cannot roll a cache of 2 positions back to 5"):
         kv.rollback(c, 5)

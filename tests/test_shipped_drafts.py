@@ -11,9 +11,9 @@ from engine.events import Notice
 
 from .conftest import engine_with_draft
 
-# floors set just under the figures measured with these prompts (see weights/*/README.md)
+# floors set just under the figures measured with these prompts (see weights/*/README.md): a regression shows,
+# an improvement passes
 MAIN_FLOOR = 0.33  # measured 0.356 (v3; v2 gave 0.353)
-WEAK_RANGE = (0.28, 0.33)  # measured 0.304
 HEAD_FLOOR = 0.29  # measured 0.313
 
 
@@ -30,16 +30,30 @@ def acceptance(engine, prompts) -> float:
     return accepted / verified
 
 
-def test_main_draft_acceptance(embedded_target):
+@pytest.fixture(scope="module")
+def measured(embedded_target):
+    """The acceptance of a draft (by its spec) on the held-out prompts, measured once per module."""
+    cache = {}
+
+    def of(spec: str) -> float:
+        if spec not in cache:
+            engine = engine_with_draft(embedded_target, spec)
+            cache[spec] = acceptance(engine, held_out(engine))
+        return cache[spec]
+    return of
+
+
+def test_main_draft_acceptance(embedded_target, measured):
     engine = engine_with_draft(embedded_target, "embedded")
     assert engine.pair.draft.head_ids is not None  # reduced (FR-Spec) head
-    assert acceptance(engine, held_out(engine)) >= MAIN_FLOOR
+    assert measured("embedded") >= MAIN_FLOOR
 
 
-def test_weak_draft_acceptance(embedded_target):
-    engine = engine_with_draft(embedded_target, "embedded-weak")
-    a = acceptance(engine, held_out(engine))
-    assert WEAK_RANGE[0] <= a <= WEAK_RANGE[1]
+def test_weak_draft_sits_between_a_layer_skip_and_the_main_draft(measured):
+    """The weak draft (the target's first 2 layers, distilled for one epoch) is accepted more often than those 2 layers
+    untrained (truncated:2) and less often than the main draft, all three measured here on the same prompts: a
+    relation, not a figure copied from one run, so an improved draft does not fail it."""
+    assert measured("truncated:2") < measured("embedded-weak") < measured("embedded")
 
 
 def test_head_draft_acceptance_and_greedy_equality(embedded_target):

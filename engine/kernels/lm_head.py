@@ -88,13 +88,14 @@ def int4_fits(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and n % 16 == 0 and k % INT4_GROUP == 0
 
 
+INT4_OPS = ("_convert_weight_to_int4pack_for_cpu", "_weight_int4pack_mm_for_cpu")  # what Int4Matmul calls
+
+
 def int4_supported() -> bool:
-    """This torch has the CPU kernels for 4-bit weights (aten._weight_int4pack_mm_for_cpu)."""
-    try:
-        Int4Matmul(torch.ones(16, INT4_GROUP))(torch.ones(1, INT4_GROUP))
-        return True
-    except (AttributeError, RuntimeError):
-        return False
+    """This torch has the CPU kernels for 4-bit weights: both aten ops Int4Matmul calls are registered, each with a CPU
+    kernel. Checked, never called: a kernel that is there but raises fails whatever uses it, not reads as absent."""
+    has_kernel = getattr(torch._C, "_dispatch_has_kernel_for_dispatch_key", lambda op, key: True)
+    return all(hasattr(torch.ops.aten, op) and has_kernel(f"aten::{op}", "CPU") for op in INT4_OPS)
 
 
 class Int4Matmul:
