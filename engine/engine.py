@@ -60,6 +60,11 @@ class Engine:
         self._branch_costs: BranchCosts | None = None
         self._calibration: dict[tuple, AcceptanceCalibration] = {}
 
+    @property
+    def busy(self) -> bool:
+        """Whether a generation holds this engine now (the app's engine cache never closes such an engine)."""
+        return self._busy.locked()
+
     def encode(self, prompt: str, chat: bool, history: list[dict] | None = None) -> list[int]:
         """Token ids of a prompt: raw text, or one user turn (after `history`) in the chat template."""
         if not prompt or not prompt.strip():
