@@ -10,7 +10,7 @@ import sys
 import threading
 
 from app.engines import DEFAULT_MAX_DRAFTS, MAX_DRAFTS_ENV, EngineCache
-from app.main import build_app, css_paths
+from app.main import DEFAULT_MAX_QUEUE, MAX_QUEUE_ENV, bounded_queue, build_app, css_paths
 from app.settings import defaults_for
 from engine.config import DRAFT_FORWARDS, DRAFT_MATMULS, DRAFT_WORKERS, TARGET_FORWARDS
 
@@ -97,6 +97,9 @@ def main() -> None:
                              "same bits, checked at load, and a faster step); transformers: the model's own forward")
     parser.add_argument("--db", default=None, help="session store (default: $SPECBRANCH_DB or the data dir)")
     parser.add_argument("--no-record", action="store_true", help="do not record sessions")
+    parser.add_argument("--max-queue", type=positive, default=os.environ.get(MAX_QUEUE_ENV, DEFAULT_MAX_QUEUE),
+                        help="most runs (Generate, Compare) waiting for the engine; one past it is refused at once "
+                             f"with a 'busy, try again' message (default: ${MAX_QUEUE_ENV} or {DEFAULT_MAX_QUEUE})")
     parser.add_argument("--max-drafts", type=positive, default=os.environ.get(MAX_DRAFTS_ENV, DEFAULT_MAX_DRAFTS),
                         help="most drafts loaded at once, each with its process (1.1-1.7 GB on the embedded pair); "
                              "picking one more closes the least recently used idle one (default: "
@@ -146,8 +149,7 @@ def main() -> None:
                            f"draft worker {args.draft_worker} where it fits · "
                            f"target forward {args.target_forward} where it fits",
                      drafts=drafts)
-    demo.queue(default_concurrency_limit=1).launch(server_name=args.host, server_port=args.port,
-                                                   css_paths=css_paths())
+    bounded_queue(demo, args.max_queue).launch(server_name=args.host, server_port=args.port, css_paths=css_paths())
 
 
 if __name__ == "__main__":

@@ -44,14 +44,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_app(engine, store, drafts: list[tuple[str, str]] | None = None, **launch):
+def serve_app(engine, store, drafts: list[tuple[str, str]] | None = None, max_queue: int | None = None, **launch):
     """The app on `engine` (an Engine, or with `drafts` to pick from, a function from a draft spec to its Engine)
-    recording to `store`, launched on a free local port: (demo, url)."""
-    from app.main import build_app
+    recording to `store`, with the app's bounded queue (max_queue: its bound, default the app's), launched on a free
+    local port: (demo, url)."""
+    from app.main import bounded_queue, build_app
 
     demo = build_app(engine if drafts else lambda draft=None: engine, lambda: (store, ""), drafts=drafts)
     port = free_port()
-    demo.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, **launch)
+    bounded_queue(demo, max_queue).launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True,
+                                          quiet=True, **launch)
     return demo, f"http://127.0.0.1:{port}/"
 
 
