@@ -133,4 +133,4 @@ def wire_navigator(nav: Navigator, render, inputs: list, outputs: list) -> None:
     nav.prev.click(on_prev, [nav.slider, *inputs], outputs, api_name=f"{api}_prev")
     nav.next.click(on_next, [nav.slider, *inputs], outputs, api_name=f"{api}_next")
     nav.slider.release(on_slide, [nav.slider, *inputs], outputs, api_name=f"{api}_slide")
-    nav.strip.click(on_mark, inputs, outputs, api_name=f"{api}_mark")
+    nav.strip.click(on_mark, inputs, outputs, api_name=f"{api}_mark", api_visibility="private")  # the browser's

@@ -219,7 +219,7 @@ def test_a_bad_import_is_refused_and_the_app_keeps_serving(client, app_store, tm
     finished["metrics"]["tokens_per_s"] = "<img src=x onerror=alert(1)>"
     crafted = tmp_path / "crafted.json"
     crafted.write_text(json.dumps(doc))
-    status = client.predict(handle_file(str(crafted)), api_name="/do_import")
+    status = client.predict(handle_file(str(crafted)), api_name="/import_session")
     assert "<img" not in status  # the refusal quotes the bad value, as text
     assert "import refused" in status and "field 'tokens_per_s' should be float" in html.unescape(status)
     _, final = call(client, "a b")

@@ -74,8 +74,8 @@ class CompareTab:
         ctx = self.ctx
         self.run.click(self.compare, [self.prompt, self.methods, *ctx.controls, ctx.browser, ctx.draft],
                        [self.notice, self.race_view, self.table, self.runs],
-                       concurrency_limit=1, concurrency_id="engine").then(
-            self.race, [self.runs], [self.race_view, self.table, self.timeline])
+                       concurrency_limit=1, concurrency_id="engine", api_name="compare").then(
+            self.race, [self.runs], [self.race_view, self.table, self.timeline], api_name="compare_race")
 
     def compare(self, prompt, methods, max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, feed_stop,
                 head_start, hold, hold_branches, hrad, seed, chat,

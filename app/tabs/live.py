@@ -113,15 +113,18 @@ class LiveTab:
                  self.acceptance, self.cumulative]
         outputs = [self.chatbot, *views, self.nav.slider, self.nav.notice, self.events]
         inputs = [self.prompt, self.chatbot, self.method, *ctx.controls, ctx.browser, self.show_rollbacks, ctx.draft]
-        run = self.send.click(self.generate, inputs, outputs, concurrency_limit=1, concurrency_id="engine")
-        submit = self.prompt.submit(self.generate, inputs, outputs, concurrency_limit=1, concurrency_id="engine")
-        self.stop.click(None, cancels=[run, submit])
+        run = self.send.click(self.generate, inputs, outputs, concurrency_limit=1, concurrency_id="engine",
+                              api_name="generate")
+        submit = self.prompt.submit(self.generate, inputs, outputs, concurrency_limit=1, concurrency_id="engine",
+                                    api_name="generate_on_enter", api_visibility="private")
+        self.stop.click(None, cancels=[run, submit], api_name="stop", api_visibility="private")
         wire_navigator(self.nav, self.show_step, [self.events],
                        [self.nav.slider, self.nav.notice, self.tree, self.timeline, self.nav.strip])
-        self.show_rollbacks.change(self.rerender_tokens, [self.show_rollbacks, self.events], self.tokens)
+        self.show_rollbacks.change(self.rerender_tokens, [self.show_rollbacks, self.events], self.tokens,
+                                   api_name="live_tokens", api_visibility="private")
         if ctx.drafts:  # a draft brings the settings the bench chose for its kind
             ctx.draft.change(slider_defaults, ctx.draft, [self.settings[key] for key in SLIDER_KEYS],
-                             api_visibility="private")
+                             api_name="slider_defaults", api_visibility="private")
 
     def prepare(self, prompt, history, method, controls, chat, draft):
         """(config, engine, prompt ids) for a request; raises SpecBranchError with what is wrong."""

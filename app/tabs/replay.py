@@ -180,27 +180,34 @@ class ReplayTab:
     def create_event_handlers(self) -> None:
         browser, shown = self.ctx.browser, self.shown
         viewing = [self.run, self.runs, self.show_all, self.ar_speed]
-        self.find.click(self.search, [self.text, self.method, browser], [self.table, self.session, self.status])
-        self.text.submit(self.search, [self.text, self.method, browser], [self.table, self.session, self.status])
+        private = dict(api_visibility="private")  # what only the page calls: the same work as a public endpoint
+        self.find.click(self.search, [self.text, self.method, browser], [self.table, self.session, self.status],
+                        api_name="search")
+        self.text.submit(self.search, [self.text, self.method, browser], [self.table, self.session, self.status],
+                         api_name="search_on_enter", **private)
         self.open.click(self.open_session, [self.session, browser],
-                        [self.run, self.pick, self.runs, self.status, self.ar_speed]).then(
-            self.show_run, viewing, shown)
-        self.run.change(self.show_run, viewing, shown)
+                        [self.run, self.pick, self.runs, self.status, self.ar_speed], api_name="open_session").then(
+            self.show_run, viewing, shown, api_name="show_opened_run", **private)
+        self.run.change(self.show_run, viewing, shown, api_name="show_run")
         wire_navigator(self.nav, self.show_step, viewing, shown)
-        self.show_all.change(self.rerender_tokens, [self.nav.slider, self.run, self.runs, self.show_all], self.tokens)
-        self.play.click(lambda s: gr.Timer(value=float(s), active=True), [self.speed], self.timer)
-        self.pause.click(lambda: gr.Timer(active=False), None, self.timer)
-        self.timer.tick(self.tick, [self.nav.slider, self.run, self.runs], [self.nav.slider, self.timer]).then(
-            self.show_step, [self.nav.slider, *viewing], shown)
+        self.show_all.change(self.rerender_tokens, [self.nav.slider, self.run, self.runs, self.show_all], self.tokens,
+                             api_name="replay_tokens", **private)
+        self.play.click(self.play_timer, [self.speed], self.timer, api_name="replay_play", **private)
+        self.pause.click(self.pause_timer, None, self.timer, api_name="replay_pause", **private)
+        self.timer.tick(self.tick, [self.nav.slider, self.run, self.runs], [self.nav.slider, self.timer],
+                        api_name="replay_tick", **private).then(
+            self.show_step, [self.nav.slider, *viewing], shown, api_name="replay_tick_show", **private)
         self.compare_btn.click(self.compare, [self.pick, self.runs],
-                               [self.compare_table, self.compare_timeline, self.compare_steps])
+                               [self.compare_table, self.compare_timeline, self.compare_steps], api_name="compare_runs")
         self.race_btn.click(self.race, [self.pick, self.runs],
-                            [self.race_view, self.compare_table, self.compare_timeline, self.compare_steps])
+                            [self.race_view, self.compare_table, self.compare_timeline, self.compare_steps],
+                            api_name="race_runs")
         self.export_btn.click(self.export, [self.session, browser],
-                              [self.session_file, self.trace_file, self.manage_status])
-        self.import_btn.click(self.do_import, [self.upload, browser], [self.manage_status])
-        self.share_btn.click(self.share, [self.session, self.shared, browser], [self.manage_status])
-        self.delete_btn.click(self.delete, [self.session, browser], [self.manage_status])
+                              [self.session_file, self.trace_file, self.manage_status], api_name="export_session")
+        self.import_btn.click(self.do_import, [self.upload, browser], [self.manage_status], api_name="import_session")
+        self.share_btn.click(self.share, [self.session, self.shared, browser], [self.manage_status],
+                             api_name="share_session")
+        self.delete_btn.click(self.delete, [self.session, browser], [self.manage_status], api_name="delete_session")
 
     def search(self, text, method, browser_id=None, request: gr.Request = None):
         try:
@@ -253,6 +260,19 @@ class ReplayTab:
             return gr.skip()
         step, _ = clamp_step(index, replay_steps(events))
         return token_view(events if step is None else events_up_to_step(events, step), bool(show_all))
+
+    @staticmethod
+    def play_timer(seconds_per_step):
+        """Play: the timer ticks every `seconds_per_step` (the slider's 0.1-5; anything else is clamped to it)."""
+        try:
+            seconds = float(seconds_per_step)
+        except (TypeError, ValueError):
+            seconds = 0.5
+        return gr.Timer(value=min(5.0, max(0.1, seconds)) if seconds == seconds else 0.5, active=True)
+
+    @staticmethod
+    def pause_timer():
+        return gr.Timer(active=False)
 
     @staticmethod
     def tick(index, run_id, runs):
