@@ -87,6 +87,8 @@ def store_errors(path: Path | str) -> Iterator[None]:
         raise
     except (sqlite3.Error, OSError) as exc:
         raise SessionStoreError(explain(exc, path)) from None
+    except (OverflowError, UnicodeEncodeError) as exc:  # a value SQLite cannot hold: an int past 64 bits, a surrogate
+        raise SessionStoreError(f"session database {path}: a value it cannot hold ({exc})") from None
 
 
 def connect(path: Path, readonly: bool = False) -> sqlite3.Connection:

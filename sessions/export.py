@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 from functools import lru_cache
 from pathlib import Path
@@ -22,6 +23,9 @@ from .store import Store
 
 FORMAT = "specbranch-session"
 FORMAT_VERSION = 1
+MAX_IMPORT_BYTES = 64 * 2 ** 20  # a session of 2,048-token runs of every method exports to a few MB
+MAX_DEPTH = 32  # a session file nests about 9 deep (runs, a run, its events, an event, its metrics, a list of lists)
+INT_RANGE = (-2 ** 63, 2 ** 63 - 1)  # what SQLite's INTEGER holds
 SESSION_FIELDS = {"id": str, "created": float, "title": str, "prompt": str, "target": str, "draft": str | None,
                   "config": dict, "versions": dict}
 RUN_FIELDS = {"id": str, "method": str, "started": float, "finished": float | None, "status": str,
@@ -83,17 +87,82 @@ def _write_text(path: Path, text: str) -> Path:
 
 # -- import ----------------------------------------------------------------------------------------
 
+def too_large(size: int) -> SessionStoreError:
+    return SessionStoreError(f"the file is too large to import: {size / 2 ** 20:.1f} MB; a session file is at most "
+                             f"{MAX_IMPORT_BYTES / 2 ** 20:.0f} MB")
+
+
 def import_json(store: Store, text: str | bytes, owner: str, shared: bool = False) -> str:
     """Import a session file's text into the store; returns the session id (kept from the file)."""
+    if len(text) > MAX_IMPORT_BYTES:  # checked before parsing (a str's length in characters: at least as strict)
+        raise too_large(len(text))
+    return import_session(store, parse_json(text), owner, shared)
+
+
+class NotANumber(ValueError):
+    """A number JSON allows but a session file may not hold."""
+
+
+def _constant(name: str):
+    raise NotANumber(f"{name} is not a number a session file may hold")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise NotANumber(f"{text} is not a number a session file may hold (it is out of range)")
+    return value
+
+
+def parse_json(text: str | bytes):
+    """The JSON document of a session file, or SessionStoreError saying why not: not JSON, NaN or a number out of
+    range (1e999, an integer past 64 bits), nested deeper than MAX_DEPTH, or text that is not Unicode (a lone
+    surrogate)."""
     try:
-        doc = json.loads(text)
+        doc = json.loads(text, parse_constant=_constant, parse_float=_finite)
+    except NotANumber as exc:
+        raise SessionStoreError(f"not a session file: {exc}") from None
+    except RecursionError:
+        raise SessionStoreError(f"not a session file: nested too deeply (a session file nests at most {MAX_DEPTH} "
+                                f"levels)") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise SessionStoreError(f"not a session file: not valid JSON ({exc})") from None
-    return import_session(store, doc, owner, shared)
+    return doc
+
+
+def check_values(doc) -> None:
+    """Walk the document once, without recursion: its depth, numbers (finite; integers SQLite can hold) and strings
+    (text, no lone surrogates), keys included."""
+    stack = [(doc, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise SessionStoreError(f"not a session file: nested too deeply (a session file nests at most "
+                                    f"{MAX_DEPTH} levels)")
+        if isinstance(value, dict):
+            stack.extend((k, depth + 1) for k in value)
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value)
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise SessionStoreError(f"not a session file: {value!r} is not a number a session file may hold")
+        elif isinstance(value, int) and not isinstance(value, bool) and not INT_RANGE[0] <= value <= INT_RANGE[1]:
+            raise SessionStoreError(f"not a session file: {value!r:.40} is not a number a session file may hold "
+                                    f"(it is out of range)")
+        elif isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise SessionStoreError(f"not a session file: {value!r:.40} is not valid text (a lone surrogate)") \
+                    from None
 
 
 def read_import(store: Store, path: Path | str, owner: str, shared: bool = False) -> str:
+    """Import a session file; one larger than MAX_IMPORT_BYTES is refused by its size, before it is read."""
     try:
+        size = Path(path).stat().st_size
+        if size > MAX_IMPORT_BYTES:
+            raise too_large(size)
         text = Path(path).read_bytes()
     except OSError as exc:
         raise SessionStoreError(f"cannot read {path}: {exc.strerror or exc}") from None
@@ -109,6 +178,7 @@ def import_session(store: Store, doc: Any, owner: str, shared: bool = False) -> 
 
 def parse_export(doc: Any) -> tuple[dict, list[dict]]:
     """(session fields, runs with their events rebuilt as Event objects), or SessionStoreError saying why."""
+    check_values(doc)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise SessionStoreError(f"not a session file: expected a JSON object with \"format\": \"{FORMAT}\"")
     if doc.get("version") != FORMAT_VERSION:
