@@ -81,7 +81,7 @@ class AppContext:
             sid = store.start_session(owner, prompt, target, draft, cfg)
         except SessionStoreError as exc:
             return Recorder.disabled(str(exc)), None
-        return store.recorder(sid), sid
+        return store.recorder(sid, owns_session=True), sid  # a run that records nothing leaves no session
 
     def ar_speed_of(self, owner, prompt, engine):
         """tokens/s of this browser's latest stored AR run of the same prompt on the same pair, if any."""

@@ -29,9 +29,11 @@ class Recorder:
     written, so a cancelled or killed run is kept, marked partial. Any store problem sets `error`
     (a plain message), after which events are dropped: generation goes on, unrecorded."""
 
-    def __init__(self, path: Path | str, session_id: str, batch_size: int = 50, interval: float = 0.2):
+    def __init__(self, path: Path | str, session_id: str, batch_size: int = 50, interval: float = 0.2,
+                 owns_session: bool = False):
         self.path = Path(path)
         self.session_id = session_id
+        self.owns_session = owns_session  # the session was started for this run: no run, no session
         self.run_id = new_id()
         self.batch_size = max(1, batch_size)
         self.interval = interval
@@ -107,6 +109,7 @@ class Recorder:
                     pending = []
             self._flush(pending)
             self._finish_partial()
+            self._drop_empty_session()
         finally:
             self._db.conn.close()
 
@@ -154,6 +157,18 @@ class Recorder:
                            "started": first.wall_clock, "finished": None, "status": "partial", "reason": None,
                            "metrics": None, "token_count": 0})
         refresh_session_status(db, self.session_id)
+
+    def _drop_empty_session(self) -> None:
+        """A session started for a run that never began (refused or failed before its first event) is removed, so a
+        request that ran nothing leaves no row behind. Only a session of no runs, and only the one this run owns."""
+        if not self.owns_session or self.written or self.error is not None:
+            return
+        try:
+            with store_errors(self.path), transaction(self._db) as db:
+                db.execute("DELETE FROM sessions WHERE id = ? AND NOT EXISTS "
+                           "(SELECT 1 FROM runs WHERE session_id = ?)", [self.session_id, self.session_id])
+        except SessionStoreError as exc:
+            self.error = str(exc)
 
     def _finish_partial(self) -> None:
         """A stream that ended without Finished (stopped, crashed): keep it, partial, with the metrics so far."""

@@ -67,11 +67,13 @@ class Store:
             db["sessions"].insert(row)
         return session_id
 
-    def recorder(self, session_id: str, batch_size: int = 50, interval: float = 0.2) -> "Recorder":
-        """A Recorder for one new run of this session (never raises: a problem shows in `recorder.error`)."""
+    def recorder(self, session_id: str, batch_size: int = 50, interval: float = 0.2,
+                 owns_session: bool = False) -> "Recorder":
+        """A Recorder for one new run of this session (never raises: a problem shows in `recorder.error`).
+        owns_session: the session was started for this run, and goes if the run records nothing."""
         if self.readonly:
             return Recorder.disabled(f"{self.path} is opened read-only")
-        return Recorder(self.path, session_id, batch_size, interval)
+        return Recorder(self.path, session_id, batch_size, interval, owns_session)
 
     def insert_session(self, session: dict, runs: list[dict], owner: str, shared: bool = False) -> None:
         """Write a whole session at once (used by import; `runs` carry their events as Event objects).
