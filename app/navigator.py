@@ -21,8 +21,8 @@ def clamp_step(requested, steps: list[int]) -> tuple[int | None, str]:
         return None, ""
     try:
         want = int(requested)
-    except (TypeError, ValueError):
-        return steps[-1], f"step {str(requested)!r} is not a number: showing step {steps[-1]}"
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an infinite step
+        return steps[-1], f"step {str(requested)!r:.40} is not a number: showing step {steps[-1]}"
     if want < steps[0]:
         return steps[0], (f"there is no step {want}: this run's steps are {steps[0]}–{steps[-1]}; "
                           f"showing step {steps[0]}")
@@ -30,6 +30,15 @@ def clamp_step(requested, steps: list[int]) -> tuple[int | None, str]:
         return steps[-1], (f"there is no step {want}: this run's steps are {steps[0]}–{steps[-1]}; "
                            f"showing step {steps[-1]}")
     return want, ""
+
+
+def step_beside(index, by: int):
+    """The step `by` away from the slider's `index`; a value that is no step number passes through unchanged, so
+    that clamp_step says so (a slider sends a number; a hand-made request may send anything)."""
+    try:
+        return int(float(index)) + by
+    except (TypeError, ValueError, OverflowError):
+        return index
 
 
 def step_times(events: list[Event]) -> dict[int, tuple[float, float]]:
@@ -118,10 +127,10 @@ def wire_navigator(nav: Navigator, render, inputs: list, outputs: list) -> None:
     """render(requested_step, *inputs) -> outputs; every control of the navigator asks for one step."""
 
     def on_prev(index, *args):
-        return render(int(index) - 1, *args)
+        return render(step_beside(index, -1), *args)
 
     def on_next(index, *args):
-        return render(int(index) + 1, *args)
+        return render(step_beside(index, +1), *args)
 
     def on_slide(index, *args):
         return render(index, *args)

@@ -95,6 +95,12 @@ class CompareTab:
         except SpecBranchError as exc:
             yield notice_html([], str(exc)), "", "", []
             return
+        except OverflowError as exc:  # a setting no integer holds (an infinite token count): refused like the others
+            yield notice_html([], f"a setting is out of range: {exc}"), "", "", []
+            return
+        except Exception as exc:  # a model that fails to load: say so, keep serving
+            yield notice_html([], f"could not load the models: {exc}"), "", "", []
+            return
         recorder, sid = self.ctx.start_recording(owner_of(browser_id, request), prompt, engine, cfgs[0])
         runs = []
         for i, cfg in enumerate(cfgs):  # one stored session, one run per method
@@ -106,6 +112,11 @@ class CompareTab:
                 for event in stream_events(engine, ids, cfg, prompt):
                     runs[-1].append(event)
                     recorder.add(event)
+            except Exception as exc:  # out of memory, a draft's process gone: the runs so far stay, partial
+                message = "out of memory: try fewer tokens or a smaller pair" if "out of memory" in str(exc) \
+                    else str(exc)
+                yield notice_html([], f"{cfg.method}: {message}"), "", "", []
+                return
             finally:
                 recorder.close()
         note = f'<div class="notice notice-warning">not recording: {html.escape(recorder.error)}</div>' \

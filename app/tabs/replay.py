@@ -18,7 +18,7 @@ from engine.config import METHODS
 from engine.events import RunStarted, TokensEmitted
 from sessions import SessionStoreError
 from sessions.db import check_id
-from sessions.export import import_json, write_export, write_trace
+from sessions.export import read_import, write_export, write_trace
 from sessions.replay import compare_runs, events_up_to_step, replay_steps, stored_run_label
 
 from ..context import AppContext, stored_ar_speed
@@ -55,6 +55,15 @@ def export_paths(session_id: str) -> tuple[Path, Path]:
     check_id(session_id, "session id")
     folder = export_dir()
     return folder / f"session-{session_id}.json", folder / f"session-{session_id}.trace.json"
+
+
+def when(created) -> str:
+    """A session's creation time as the table shows it; "?" for a value no clock reads (a store written before
+    imports were checked may hold one)."""
+    try:
+        return time.strftime("%Y-%m-%d %H:%M", time.localtime(created))
+    except (OverflowError, OSError, ValueError, TypeError):
+        return "?"
 
 
 def chat_of(events) -> list[dict]:
@@ -215,7 +224,7 @@ class ReplayTab:
                                                            method=method or None)
         except SessionStoreError as exc:
             return gr.update(), gr.update(), error_html(str(exc))
-        table = [[r["id"], time.strftime("%Y-%m-%d %H:%M", time.localtime(r["created"])), r["prompt"][:80],
+        table = [[r["id"], when(r["created"]), r["prompt"][:80],
                   ", ".join(r["methods"]), f"{r['target']} / {r['draft']}", r["status"],
                   "shared" if r["shared"] else ("mine" if r.get("mine") else "")] for r in rows]
         choices = [(f"{r['id']} · {r['prompt'][:40]}", r["id"]) for r in rows]
@@ -277,9 +286,10 @@ class ReplayTab:
     @staticmethod
     def tick(index, run_id, runs):
         steps = replay_steps((runs or {}).get(run_id) or [])
-        if not steps or int(index) >= steps[-1]:
+        step, _ = clamp_step(index, steps)
+        if step is None or step >= steps[-1]:
             return gr.update(), gr.Timer(active=False)
-        return int(index) + 1, gr.Timer(active=True)
+        return step + 1, gr.Timer(active=True)
 
     @staticmethod
     def chosen_runs(run_ids, runs):
@@ -318,8 +328,8 @@ class ReplayTab:
     def do_import(self, file, browser_id=None, request: gr.Request = None):
         if file is None:
             return "choose a session .json exported from SpecBranch Studio"
-        try:
-            sid = import_json(self.ctx.store_or_raise(), Path(file).read_bytes(), owner_of(browser_id, request))
+        try:  # read_import: a file too large is refused by its size, before it is read
+            sid = read_import(self.ctx.store_or_raise(), file, owner_of(browser_id, request))
         except SessionStoreError as exc:
             return error_html(f"import refused: {exc}")
         return f"imported as session {html.escape(sid)}"
