@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +46,9 @@ DRAFT_WORKERS = ("process", "thread")
 TARGET_FORWARDS = ("static", "transformers")
 
 
+SEED_LIMIT = 2 ** 62  # torch seeds are 64-bit, and the draft's generator is seeded with the seed plus a little
+
+
 @dataclass(frozen=True)
 class GenerationConfig:
     method: str = "sd"
@@ -80,8 +84,10 @@ class GenerationConfig:
             raise SpecBranchError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
             raise SpecBranchError(f"max-new-tokens must be a positive integer, got {self.max_new_tokens!r}")
-        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
+        if not (self.temperature >= 0.0) or not math.isfinite(self.temperature):
             raise SpecBranchError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not -SEED_LIMIT <= self.seed <= SEED_LIMIT:
+            raise SpecBranchError(f"seed must be an integer from -2**62 to 2**62, got {self.seed!r:.40}")
         if not (0.0 < self.top_p <= 1.0):
             raise SpecBranchError(f"top-p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:

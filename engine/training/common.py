@@ -16,13 +16,16 @@ from engine.config import SpecBranchError
 def read_jsonl(path: Path) -> list[dict]:
     """Rows of a JSON-lines file, plain or gzipped (name ending .gz: the shipped training corpora are)."""
     rows = []
-    with (gzip.open(path, "rt") if str(path).endswith(".gz") else open(path)) as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    raise SpecBranchError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
+    try:
+        with (gzip.open(path, "rt") if str(path).endswith(".gz") else open(path)) as f:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError as exc:
+                        raise SpecBranchError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
+    except (OSError, UnicodeDecodeError, EOFError) as exc:  # missing, a folder, unreadable, not text or not gzip
+        raise SpecBranchError(f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
     return rows
 
 
