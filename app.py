@@ -10,7 +10,7 @@ import sys
 import threading
 
 from app.engines import DEFAULT_MAX_DRAFTS, MAX_DRAFTS_ENV, EngineCache
-from app.main import DEFAULT_MAX_QUEUE, MAX_QUEUE_ENV, bounded_queue, build_app, css_paths
+from app.main import DEFAULT_MAX_QUEUE, MAX_QUEUE_ENV, SHOW_ERROR, bounded_queue, build_app, css_paths
 from app.settings import defaults_for
 from engine.config import DRAFT_FORWARDS, DRAFT_MATMULS, DRAFT_WORKERS, TARGET_FORWARDS
 
@@ -149,7 +149,8 @@ def main() -> None:
                            f"draft worker {args.draft_worker} where it fits · "
                            f"target forward {args.target_forward} where it fits",
                      drafts=drafts)
-    bounded_queue(demo, args.max_queue).launch(server_name=args.host, server_port=args.port, css_paths=css_paths())
+    bounded_queue(demo, args.max_queue).launch(server_name=args.host, server_port=args.port, css_paths=css_paths(),
+                                               show_error=SHOW_ERROR)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,10 @@ from .tabs.live import LiveTab
 from .tabs.replay import ReplayTab
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
+# launch(show_error=...): a request gradio itself refuses (a number where a slider's value goes, a malformed chat
+# history) gets gradio's message, which names the input, instead of "the upstream app has raised an exception"; the
+# handlers catch their own errors and say what is wrong in a notice, so nothing else reaches this
+SHOW_ERROR = True
 ENGINE = "engine"  # the concurrency id of every endpoint that runs the engine (Live's Generate, Compare's Compare)
 DEFAULT_MAX_QUEUE = 32
 MAX_QUEUE_ENV = "SPECBRANCH_MAX_QUEUE"

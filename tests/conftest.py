@@ -48,12 +48,12 @@ def serve_app(engine, store, drafts: list[tuple[str, str]] | None = None, max_qu
     """The app on `engine` (an Engine, or with `drafts` to pick from, a function from a draft spec to its Engine)
     recording to `store`, with the app's bounded queue (max_queue: its bound, default the app's), launched on a free
     local port: (demo, url)."""
-    from app.main import bounded_queue, build_app
+    from app.main import SHOW_ERROR, bounded_queue, build_app
 
     demo = build_app(engine if drafts else lambda draft=None: engine, lambda: (store, ""), drafts=drafts)
     port = free_port()
     bounded_queue(demo, max_queue).launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True,
-                                          quiet=True, **launch)
+                                          quiet=True, **{"show_error": SHOW_ERROR, **launch})
     return demo, f"http://127.0.0.1:{port}/"
 
 
