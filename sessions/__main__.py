@@ -56,9 +56,23 @@ def cmd_list(args) -> None:
         print(f"{r['id']:16}  {created:16}  {r['status']:8}  {','.join(r['methods']):24}  {r['title']}")
 
 
+def not_the_database(out: Path | None, db: Path) -> None:
+    """Refuse an output that is the database being read (or its -wal, -shm or -journal file): writing there would
+    destroy the store."""
+    if out is None:
+        return
+    target = out.expanduser().resolve()
+    for name in (db, *(db.with_name(db.name + suffix) for suffix in ("-wal", "-shm", "-journal"))):
+        if target == name.expanduser().resolve():
+            raise SessionStoreError(f"will not write {out} over the session database {db}: name another file")
+
+
 def cmd_export(args) -> None:
     if args.out is None and args.trace is None:
         raise SessionStoreError("say where to write: OUT.json and/or --trace OUT.trace.json")
+    db = args.db or default_db_path()
+    not_the_database(args.out, db)
+    not_the_database(args.trace, db)
     with Store(args.db, create=False) as store:
         if args.out is not None:
             print(f"wrote {write_export(store, args.session_id, args.out)}")
