@@ -62,7 +62,7 @@ def not_the_database(out: Path | None, db: Path) -> None:
     if out is None:
         return
     target = out.expanduser().resolve()
-    for name in (db, *(db.with_name(db.name + suffix) for suffix in ("-wal", "-shm", "-journal"))):
+    for name in (Path(f"{db}{suffix}") for suffix in ("", "-wal", "-shm", "-journal")):  # db may be "" (--db '')
         if target == name.expanduser().resolve():
             raise SessionStoreError(f"will not write {out} over the session database {db}: name another file")
 

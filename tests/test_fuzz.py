@@ -411,6 +411,8 @@ def test_an_export_is_never_written_over_the_database(cli_store, tmp_path):
                  ["export", session_id, str(db) + "-wal", "--db", str(db)]):
         code, err = run_main(sessions_cli.main, argv)
         assert code == 2 and "error: will not write" in err and "session database" in err
+    code, err = run_main(sessions_cli.main, ["export", session_id, str(tmp_path / "x.json"), "--db", ""])
+    assert code == 2 and "error:" in err  # the check itself once raised on an empty --db (ValueError)
     assert counts(db) == before and db.read_bytes() == kept
 
 
