@@ -56,15 +56,25 @@ def cmd_list(args) -> None:
         print(f"{r['id']:16}  {created:16}  {r['status']:8}  {','.join(r['methods']):24}  {r['title']}")
 
 
+SQLITE_HEADER = b"SQLite format 3\x00"
+
+
 def not_the_database(out: Path | None, db: Path) -> None:
-    """Refuse an output that is the database being read (or its -wal, -shm or -journal file): writing there would
-    destroy the store."""
+    """Refuse an output that is the database being read (or its -wal, -shm or -journal file), or any SQLite file (a
+    store of another --db, say): writing there would destroy a store."""
     if out is None:
         return
     target = out.expanduser().resolve()
     for name in (Path(f"{db}{suffix}") for suffix in ("", "-wal", "-shm", "-journal")):  # db may be "" (--db '')
         if target == name.expanduser().resolve():
             raise SessionStoreError(f"will not write {out} over the session database {db}: name another file")
+    try:
+        with open(target, "rb") as f:
+            is_sqlite = f.read(len(SQLITE_HEADER)) == SQLITE_HEADER
+    except OSError:  # missing (to be made), or a folder: writing says so
+        return
+    if is_sqlite:
+        raise SessionStoreError(f"will not write {out} over an SQLite file (a session database?): name another file")
 
 
 def cmd_export(args) -> None:
