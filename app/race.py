@@ -22,6 +22,7 @@ from .figures import timeline_figure
 
 FPS = 10  # updates a second
 MIN_SECONDS = 4.0  # a race shorter than this is slowed down to last this long
+MAX_SECONDS = 60.0  # and one longer (a long run, or an imported one whose clock says hours) sped up to end in this
 ORDINAL = {1: "1st", 2: "2nd", 3: "3rd"}
 
 
@@ -80,7 +81,8 @@ def race_html(lanes: list[Lane], t: float, stretch: float) -> str:
     places = {i: rank + 1 for rank, i in enumerate(order)}
     longest = max((lane.duration for lane in lanes), default=0.0)
     done = t >= longest
-    slowed = f" · shown {stretch:.0f}× slower so it can be watched; tokens/s are as measured" if stretch > 1.5 else ""
+    slowed = f" · shown {stretch:.0f}× slower so it can be watched; tokens/s are as measured" if stretch > 1.5 else \
+        f" · shown {1 / stretch:.0f}× faster; tokens/s are as measured" if stretch < 1 / 1.5 else ""
     columns = "".join(lane_html(lane, t, places[i]) for i, lane in enumerate(lanes))
     return (f'<div class="race-wrap" data-done="{str(done).lower()}"><div class="race-clock">race clock '
             f'{1000 * min(t, longest):.0f} / {1000 * longest:.0f} ms since each decode started{slowed}</div>'
@@ -93,7 +95,7 @@ def race_frames(runs: list[list[Event]], clock: Callable[[], float] = time.perf_
     """The race as HTML frames, about FPS a second, ending with every column complete."""
     lanes = lanes_of(runs)
     longest = max((lane.duration for lane in lanes), default=0.0)
-    stretch = max(1.0, MIN_SECONDS / longest) if longest > 0 else 1.0
+    stretch = min(max(1.0, MIN_SECONDS / longest), MAX_SECONDS / longest) if longest > 0 else 1.0
     begin = clock()
     while (t := (clock() - begin) / stretch) < longest:
         yield race_html(lanes, t, stretch)
