@@ -10,6 +10,7 @@ that reaches a page is escaped.
 Regression examples of the bugs fuzzing found sit next to each target (@example, and tests named for the bug)."""
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
 import inspect
@@ -17,6 +18,7 @@ import io
 import json
 import math
 import os
+import shutil
 import sqlite3
 import tempfile
 import tracemalloc
@@ -263,6 +265,7 @@ def test_a_200_mb_file_is_refused_by_its_size_before_it_is_read(import_store, tm
 # ================================================================ (b) the command lines
 
 SCRATCH = Path(tempfile.mkdtemp(prefix="specbranch-fuzz-cli-"))
+atexit.register(shutil.rmtree, SCRATCH, True)
 MISSING_MODEL = str(SCRATCH / "no-such-model")
 GARBAGE = SCRATCH / "garbage.json"
 GARBAGE.write_text('{"not": "what is asked for"}\n{oops\n')
@@ -353,11 +356,17 @@ def test_fuzz_the_engine_command_line(argv):
 def cli_store(recorded, tmp_path_factory):  # noqa: F811
     """A real store with one session, and a valid export of it, for `python -m sessions`."""
     folder = tmp_path_factory.mktemp("fuzz-cli")
+    saved = os.environ.get("SPECBRANCH_DB")
+    os.environ["SPECBRANCH_DB"] = str(folder / "default.db")  # never the user's own store, whatever a command omits
     export = folder / "export.json"
     export.write_text(export_json(recorded["store"], recorded["session_id"]))
     with Store(folder / "sessions.db") as store:
         import_json(store, export.read_text(), owner="someone")
-    return folder / "sessions.db", export, recorded["session_id"]
+    yield folder / "sessions.db", export, recorded["session_id"]
+    if saved is None:
+        os.environ.pop("SPECBRANCH_DB", None)
+    else:
+        os.environ["SPECBRANCH_DB"] = saved
 
 
 @FUZZ
@@ -393,15 +402,18 @@ def test_fuzz_the_sessions_command_line(cli_store, data):
     before = counts(db)
     code, err = run_main(sessions_cli.main, argv)
     assert code in (0, 2), (code, err[-500:])
+    try:
+        with Store(db, create=False) as store:
+            assert store.integrity_check() == "ok"
+    except SessionStoreError as exc:
+        raise AssertionError(f"{argv} left the store unreadable: {exc}") from None
     if code == 2:
         assert "error:" in err and "Traceback" not in err
         assert counts(db) == before
-    with Store(db, create=False) as store:
-        assert store.integrity_check() == "ok"
     assert export.read_text().startswith("{")  # never written over by an export
 
 
-def test_an_export_is_never_written_over_the_database(cli_store, tmp_path):
+def test_an_export_is_never_written_over_the_database(cli_store, export_doc, tmp_path):
     """Found by fuzzing (2,000 examples): `python -m sessions export ID sessions.db --db sessions.db` wrote the JSON
     over the database it read, and the store was gone."""
     db, export, session_id = cli_store
@@ -413,6 +425,13 @@ def test_an_export_is_never_written_over_the_database(cli_store, tmp_path):
         assert code == 2 and "error: will not write" in err and "session database" in err
     code, err = run_main(sessions_cli.main, ["export", session_id, str(tmp_path / "x.json"), "--db", ""])
     assert code == 2 and "error:" in err  # the check itself once raised on an empty --db (ValueError)
+    # over another store than the one read (found next: a store the fuzz had imported into, then --trace onto this one)
+    other = tmp_path / "other.db"
+    with Store(other) as store:
+        import_json(store, json.dumps(export_doc), owner="x")
+    code, err = run_main(sessions_cli.main, ["export", session_id, "--trace", str(db), "--db", str(other)])
+    assert code == 2 and "will not write" in err and "over an SQLite file" in err
+    assert counts(db) == before and db.read_bytes() == kept
     assert counts(db) == before and db.read_bytes() == kept
 
 
@@ -575,6 +594,25 @@ def test_a_run_that_never_began_leaves_no_session(tiny_engine, tmp_path):
         assert [s["status"] for s in store.list_sessions(owner=OWNER)] == ["partial"]
         second = store.recorder(sid)  # a later run of the session (Compare's): never takes the session with it
         assert second.close() is None and len(store.list_sessions(owner=OWNER)) == 1
+
+
+def test_a_race_of_a_run_whose_clock_says_hours_ends_in_a_minute(export_doc):
+    """Found while fuzzing imports: a run whose spans end at 1e9 s (a crafted file, or a real run hours long) raced
+    for that long, a frame every 0.1 s, holding the request. The race is now sped up to end within MAX_SECONDS."""
+    from app.race import FPS, MAX_SECONDS, race_frames
+    from sessions.export import parse_export
+
+    doc = copy.deepcopy(export_doc)
+    for run in doc["runs"]:
+        for e in run["events"]:
+            if e["type"] == "timing_span":
+                e["start"], e["end"] = e["start"] * 1e8, e["end"] * 1e8
+    _, runs = parse_export(doc)
+    now = [0.0]
+    frames = list(race_frames([r["events"] for r in runs], clock=lambda: now[0],
+                              sleep=lambda s: now.__setitem__(0, now[0] + s)))
+    assert len(frames) <= MAX_SECONDS * FPS + 2 and now[0] <= MAX_SECONDS + 1  # on the fake clock: no waiting here
+    assert "faster; tokens/s are as measured" in frames[-1]
 
 
 # ---------------------------------------------------------------- through gradio_client: gradio's own checks
