@@ -15,7 +15,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
-from engine.events import EVENT_TYPES, Event, Finished, RunStarted, TimingSpan, TokensEmitted, from_dict
+from engine.events import (EVENT_TYPES, BranchResolved, Event, Finished, RunStarted, TimingSpan, TokensEmitted,
+                           from_dict)
 
 from .db import SessionStoreError, check_id, run_finish_fields
 from .replay import run_label
@@ -30,6 +31,11 @@ SESSION_FIELDS = {"id": str, "created": float, "title": str, "prompt": str, "tar
                   "config": dict, "versions": dict}
 RUN_FIELDS = {"id": str, "method": str, "started": float, "finished": float | None, "status": str,
               "reason": str | None, "metrics": dict | None, "token_count": int, "events": list}
+# an event's fields that run in step, one entry per token (the page reads one by another's index); what the engine
+# writes always agrees (a Verified's tokens may be longer than its p: those past a rejection; u of a fork may be short)
+SAME_LENGTH = {"draft_proposed": [("tokens", "pieces", "q")], "verified": [("p", "q", "u"), ("tokens", "pieces")],
+               "branch_resolved": [("candidates", "pieces", "q", "branches", "branch_pieces")],
+               "rollback": [("tokens", "pieces")], "tokens_emitted": [("tokens", "pieces", "kinds")]}
 # engine.measure.metrics.compute_metrics' keys and types: imported metrics reach the page, so each is checked
 METRIC_FIELDS = {"new_tokens": int, "tokens_per_s": float, "prefill_s": float, "decode_s": float,
                  "acceptance_rate": float | None, "mean_accepted_length": float | None,
@@ -258,6 +264,16 @@ def parse_event(raw: Any, where: str) -> Event:
                                     f"got {value!r:.60}")
     if isinstance(event, Finished):
         check_fields(event.metrics, METRIC_FIELDS, f"{where}: finished metrics", optional=True)
+    for names in SAME_LENGTH.get(event.type, ()):
+        lengths = [len(getattr(event, name)) for name in names]
+        if len(set(lengths)) > 1:
+            raise SessionStoreError(f"{where}: {event.type} fields {', '.join(names)} hold one entry per token and "
+                                    f"should be as long as each other, got {', '.join(map(str, lengths))}")
+    if isinstance(event, BranchResolved):
+        if len(event.p) > len(event.candidates) or any(len(a) != len(b) for a, b in zip(event.branches,
+                                                                                        event.branch_pieces)):
+            raise SessionStoreError(f"{where}: branch_resolved has more p than candidates, or a branch whose tokens "
+                                    f"and pieces differ in length")
     return event
 
 
