@@ -543,6 +543,21 @@ STATS: dict = {}
 WRITES = {"generate", "compare", "import_session", "share_session", "delete_session"}
 
 
+def markup_outputs(fn, outputs) -> list:
+    """What of a handler's outputs the page renders as markup: the values for its HTML components, and its figures
+    (Plotly renders some HTML in names and hover text). A Dropdown's labels, a Dataframe's cells and a Chatbot's
+    messages are shown as text (the Chatbots also sanitize), so the fuzz does not flag markup there."""
+    out = []
+    for item in outputs:
+        values = item if len(fn.outputs) > 1 else (item,)
+        for component, value in zip(fn.outputs, values if isinstance(values, (tuple, list)) else (values,)):
+            if type(component).__name__ == "HTML":
+                out.append(value)
+            elif type(component).__name__ == "Plot":
+                out.append(value.to_dict() if hasattr(value, "to_dict") else value)
+    return out
+
+
 def call_handler(fn, args):
     result = fn(*args)
     if inspect.isgenerator(result):
@@ -568,7 +583,7 @@ def test_fuzz_the_app_endpoints(app_under_fuzz, data, monkeypatch):
         args = [None, *args]  # its gr.EventData, absent from a plain request
     before = counts(ctx["store"].path)
     outputs = call_handler(fn.fn, args)
-    shown = [o[1:] for o in outputs] if name in ("search", "search_on_enter") else outputs  # the table: text cells
+    shown = markup_outputs(fn, outputs)
     if os.environ.get("SPECBRANCH_FUZZ_STATS"):  # what the fuzz reached: outcomes by endpoint, printed at the end
         text = json.dumps(outputs, default=str)
         outcome = "error notice" if "notice-error" in text else "refused" if "refused" in text else "served"
