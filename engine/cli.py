@@ -10,6 +10,21 @@ from engine.config import (DRAFT_FORWARDS, DRAFT_MATMULS, DRAFT_WORKERS, METHODS
                            SpecBranchError, config_from, writable_file)
 
 
+MAX_THREADS = 1024
+
+
+def thread_count(text: str) -> int:
+    """A torch thread count for argparse: an integer from 0 to MAX_THREADS (torch.set_num_threads overflowed past
+    2**31 with a traceback)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if not 0 <= value <= MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"must be from 0 to {MAX_THREADS}, got {value}")
+    return value
+
+
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="embedded", help="embedded | PATH.gguf | DIR | hub id")
     p.add_argument("--draft", default="embedded",
@@ -35,8 +50,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="process: a draft on the CPU runs its forwards in a child process of its own (the models no "
                         "longer take turns at one Python interpreter; the child loads the same draft and its logits "
                         "are checked bit for bit at start); thread: on a thread of this process")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per model worker")
-    p.add_argument("--solo-threads", type=int, default=None,
+    p.add_argument("--threads", type=thread_count, default=1, help="torch threads per model worker")
+    p.add_argument("--solo-threads", type=thread_count, default=None,
                    help="torch threads for a draft step the target waits on (SD's draft block, a parallel method's "
                         "head start), when the draft has the cores to itself (default: the cores available, at most 2; "
                         "1 turns it off)")
@@ -121,7 +136,7 @@ def add_distill_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--val-fraction", type=float, default=0.03)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-minutes", type=float, default=None, help="stop training after this long")
-    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--threads", type=thread_count, default=0)
     p.add_argument("--device", default=None)
     p.add_argument("--work-dir", default="runs/distill")
     p.add_argument("--out", required=True, help="directory to write the draft to")

@@ -361,6 +361,9 @@ def run_main(main, argv) -> tuple[int, str]:
 @example(argv=["generate", "--prompt-file", str(SCRATCH / "missing.jsonl"), "--target", MISSING_MODEL])
 @example(argv=["generate", "--prompt", "x", "--temperature", "inf", "--target", MISSING_MODEL])
 @example(argv=["generate", "--prompt", "x", "--seed", str(2 ** 64), "--target", MISSING_MODEL])
+@example(argv=["bench", "--threads", "2147483648", "--target", MISSING_MODEL])  # 2,000-example fuzz: torch's
+@example(argv=["distill", "--threads", "2147483648", "--out", str(SCRATCH / "d"),  # ValueError overflow traceback
+               "--corpus", str(GARBAGE), "--target", MISSING_MODEL])
 def test_fuzz_the_engine_command_line(argv):
     """Every generated command line is refused (the model named does not exist, if nothing before it is wrong):
     exit 2 and one `error: ...` message, never a traceback."""
