@@ -127,12 +127,15 @@ class Worker:
         self._run_t0: float | None = None  # the run the reference event below belongs to
         self._ref = None  # CUDA: this run's reference event on the worker's stream
         self._anchor = 0.0  # ... and when it ran, in seconds since the run's t0
+        self.closed = False  # shutdown() was called: no forward runs here again
         self._executor = PerProcess(lambda: ThreadPoolExecutor(1, thread_name_prefix=f"specbranch-{name}",
                                                                initializer=_init_thread, initargs=(threads,)))
 
     @property
     def executor(self) -> ThreadPoolExecutor:
         """The worker's one thread (this process's: PerProcess)."""
+        if self.closed:
+            raise RuntimeError(f"the {self.name} worker is shut down")
         return self._executor.get()
 
     async def run(self, fn: Callable[..., Any], *args, kind: str, step: int, t0: float, tokens: int = 1,
@@ -208,6 +211,7 @@ class Worker:
     def shutdown(self) -> None:
         if self._executor.made_here():
             self.executor.shutdown(wait=True)
+        self.closed = True
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:

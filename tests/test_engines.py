@@ -57,7 +57,7 @@ def child_of(engine):
 
 def closed(engine) -> bool:
     """An engine whose draft runs on a thread: closed when its workers' threads are shut down."""
-    return engine.draft_worker.executor._shutdown and engine.target_worker.executor._shutdown
+    return engine.draft_worker.closed and engine.target_worker.closed
 
 
 def ended(process) -> bool:
