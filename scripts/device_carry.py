@@ -50,11 +50,8 @@ def tree_bytes(slim: bool) -> int:
 
 
 def sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def part_sizes(total: int, small: list[int], tree: int) -> list[int]:

@@ -118,6 +118,18 @@ def test_the_target_running_out_of_memory_mid_run_ends_it_with_a_message(served)
     works_again(client, engine, store)
 
 
+def kept_partial(engine, faulty, store, client, browser, cause: str) -> None:
+    """After a run cut off by `cause`: the engine is free, the run is stored partial (and its recorder closed), and
+    the app serves the next run."""
+    wait_for(lambda: not engine.busy, f"the engine is free after {cause}")
+    wait_for(lambda: stored_runs(store, browser) and stored_runs(store, browser)[0]["metrics"] is not None,
+             "the run is stored and its recorder closed")
+    (run,) = stored_runs(store, browser)
+    assert run["status"] == "partial" and 0 < run["token_count"] < 60
+    faulty.disarm()
+    works_again(client, engine, store)
+
+
 def test_a_client_that_cancels_mid_stream_frees_the_engine_and_its_run_is_kept_partial(served):
     """gradio_client's job.cancel() posts /cancel, which waits for the handler's current step: so here nothing is
     held, the forwards are only slow, and the cancel comes once tokens have streamed, with most of the run to go."""
@@ -128,13 +140,7 @@ def test_a_client_that_cancels_mid_stream_frees_the_engine_and_its_run_is_kept_p
     job = generate(client, "b c d", browser, max_new=60)
     wait_for(lambda: any(answer_text(o[0]) for o in job.outputs()), "tokens reach the client")
     job.cancel()
-    wait_for(lambda: not engine.busy, "the engine is free after the cancel")
-    wait_for(lambda: stored_runs(store, browser) and stored_runs(store, browser)[0]["metrics"] is not None,
-             "the run is stored and its recorder closed")
-    (run,) = stored_runs(store, browser)
-    assert run["status"] == "partial" and 0 < run["token_count"] < 60
-    faulty.disarm()
-    works_again(client, engine, store)
+    kept_partial(engine, faulty, store, client, browser, "the cancel")
 
 
 def test_a_dropped_connection_mid_stream_frees_the_engine_and_its_run_is_kept_partial(served):
@@ -157,13 +163,7 @@ def test_a_dropped_connection_mid_stream_frees_the_engine_and_its_run_is_kept_pa
         assert faulty.waiting.wait(WAIT_S)
     # the connection is closed here, with the engine inside a forward
     faulty.release()
-    wait_for(lambda: not engine.busy, "the engine is free after the drop")
-    wait_for(lambda: stored_runs(store, browser) and stored_runs(store, browser)[0]["metrics"] is not None,
-             "the run is stored and its recorder closed")
-    (run,) = stored_runs(store, browser)
-    assert run["status"] == "partial" and 0 < run["token_count"] < 60
-    faulty.disarm()
-    works_again(client, engine, store)
+    kept_partial(engine, faulty, store, client, browser, "the drop")
 
 
 def test_a_full_disk_stops_recording_not_generating_and_damages_nothing(tiny_engine, tmp_path, monkeypatch):
