@@ -35,6 +35,8 @@ run: install
 test: install browser
 	$(PY) -m pytest -q
 
+# the README's headline: every method with the default draft and its preset, on the benchmark split, at T=0 and T=1
 bench: install
-	$(PY) -m engine bench --methods ar,sd,hf-assisted,pearl,specbranch --dataset all --limit 4 \
-	    --max-new-tokens 128 --json docs/bench-cpu-t0.json
+	$(PY) -m engine bench --methods ar,sd,pearl,specbranch --dataset all --json docs/results/json/headline-t0.json
+	$(PY) -m engine bench --methods ar,sd,pearl,specbranch --dataset all --temperature 1 \
+	    --json docs/results/json/headline-t1.json

@@ -13,6 +13,7 @@ from app.engines import DEFAULT_MAX_DRAFTS, MAX_DRAFTS_ENV, EngineCache
 from app.main import DEFAULT_MAX_QUEUE, MAX_QUEUE_ENV, SHOW_ERROR, bounded_queue, build_app, css_paths
 from app.settings import defaults_for
 from engine.config import DRAFT_FORWARDS, DRAFT_MATMULS, DRAFT_WORKERS, TARGET_FORWARDS
+from engine.presets import draft_forward
 
 # the drafts a visitor may pick on the embedded target (the app's own comes first), as the menu names them: the fast
 # one, the one whose forks rescue, and those wrong often enough to show rejections (docs/models.md)
@@ -69,7 +70,7 @@ def main() -> None:
     parser.add_argument("--target", default=os.environ.get("SPECBRANCH_TARGET", "embedded"))
     parser.add_argument("--draft", default=os.environ.get("SPECBRANCH_DRAFT"),
                         help="a draft spec (python -m engine --help); default: self, the target read in 4 bits, on "
-                             "a CPU (engine.models.loading.default_draft), else embedded. For more rejections and branches "
+                             "a CPU (engine/presets.py default_draft), else embedded. For more rejections and branches "
                              "to watch: embedded or embedded-weak; for forks that rescue: self-skip:3,4,5,25")
     parser.add_argument("--device", default=os.environ.get("SPECBRANCH_DEVICE"))
     parser.add_argument("--draft-matmul", default=os.environ.get("SPECBRANCH_DRAFT_MATMUL", "auto"),
@@ -77,7 +78,7 @@ def main() -> None:
                         help="how the draft's matmuls read its weights: bfloat16, int4 or float32 (auto: int4 for "
                              "--draft self or self-skip:... on a CPU, bfloat16 for other drafts where the CPU runs it "
                              "natively); output stays exact")
-    parser.add_argument("--draft-forward", default=os.environ.get("SPECBRANCH_DRAFT_FORWARD", "lean-compiled"),
+    parser.add_argument("--draft-forward", default=draft_forward(),
                         choices=DRAFT_FORWARDS,
                         help="lean: a Llama draft on the CPU runs engine/lean.py (fused matmuls, a KV cache that "
                              "rolls back by a pointer); lean-compiled (the default): that, with its one-token steps "
@@ -107,7 +108,7 @@ def main() -> None:
     args = parser.parse_args()
     ensure_embedded_package()
     if not args.draft:
-        from engine.models.loading import default_draft
+        from engine.presets import default_draft
 
         args.draft = default_draft(args.device)
 

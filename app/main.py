@@ -11,7 +11,7 @@ import gradio as gr
 
 from .context import AppContext, no_store
 from .identity import browser_id_state, browser_identity
-from .settings import DEFAULTS, DRAFT_LABEL
+from .settings import DRAFT_LABEL, defaults_for
 from .tabs.compare import CompareTab
 from .tabs.how_to_read import HowToReadTab
 from .tabs.live import LiveTab
@@ -34,7 +34,7 @@ TABS = (LiveTab, CompareTab, ReplayTab, HowToReadTab)  # in page order; Compare 
 def build_app(get_engine, get_store=None, defaults: dict | None = None, about: str = "",
               drafts: list[tuple[str, str]] | None = None) -> gr.Blocks:
     """The whole page (AppContext says what each argument is); about: a line under the title, shown as text."""
-    ctx = AppContext(get_engine, get_store or no_store("recording is off"), {**DEFAULTS, **(defaults or {})}, drafts)
+    ctx = AppContext(get_engine, get_store or no_store("recording is off"), {**defaults_for(None), **(defaults or {})}, drafts)
     with gr.Blocks(title="SpecBranch Studio") as demo:
         gr.Markdown("# SpecBranch Studio\nSpeculative decoding, made visible: every token is coloured by where it "
                     "came from, every forward pass is on the timeline.")

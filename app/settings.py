@@ -2,29 +2,15 @@
 controls build. Each tab that runs the engine reads them from here."""
 from __future__ import annotations
 
+import math
+
 import gradio as gr
 
 from engine.config import GenerationConfig, SpecBranchError
-from engine.models.loading import is_skip_draft
+from engine.presets import preset_for
 
 LIVE_METHODS = ["specbranch", "pearl", "sd", "ar", "specbranch-no-branch", "specbranch-no-hrad"]
 COMPARE_METHODS = ["ar", "sd", "pearl", "specbranch"]
-
-# The Live and Compare defaults, chosen by the bench on data/tuning_prompts.jsonl for each kind of draft: a
-# distilled draft (docs/models.md), and the target itself read in 4 bits, which agrees with the target on
-# over 99 % of tokens, so it drafts long blocks without stopping and forks only where it is very unsure (docs/models.md; γ 8
-# since SpecBranch's head start reads its measured acceptance, docs/methods.md: on the tuning prompts SpecBranch ran 2.49 / 2.63 /
-# 2.72× ar at T=0 and 2.30 / 2.60 / 2.38× at T=1 with γ 6 / 8 / 10).
-# SpecBranch's hold (docs/methods.md): 0.5 for a distilled draft (tuning prompts: 1.01× PEARL at T=1 against 0.86× without, a
-# tie at T=0, path rollback halved); 0 for the 4-bit self-draft, which it only slowed (0.71-0.75× PEARL)
-# The hold on a fork's branches (docs/methods.md) cut path rollback at the same speed with the weak draft (benchmark split,
-# foreign prompts: 0.42× PEARL's against 0.51× without, 1.16× PEARL's speed either way) and with the layer-skipping
-# self-draft (tuning prompts), but cost the distilled draft 7 % at T=0 on the tuning prompts: on for the first two
-DEFAULTS = {"gamma": 3, "epsilon": 0.5, "draft_stop": 0.3, "feed_stop": 0.0, "head_start": 0.3, "hold": 0.5,
-            "hold_branches": False, "hrad": False}
-HOLD_BRANCHES_DEFAULTS = {**DEFAULTS, "hold_branches": True}
-SELF_DEFAULTS = {"gamma": 8, "epsilon": 0.1, "draft_stop": 0.0, "feed_stop": 0.0, "head_start": 0.02, "hold": 0.0,
-                 "hold_branches": False, "hrad": False}
 
 # H-RAD ships off: on held-out prompts it placed branch points no better than the draft's confidence alone
 # (classification and speed, docs/methods.md); the checkbox says so where the user decides
@@ -41,12 +27,9 @@ DRAFT_LABEL = "Draft (loaded on first use; picking one sets the sliders to the s
 
 
 def defaults_for(draft: str | None) -> dict:
-    """The sliders' starting values for the draft spec the app serves."""
-    if draft == "self":
-        return SELF_DEFAULTS
-    if draft == "embedded-weak" or is_skip_draft(draft):
-        return HOLD_BRANCHES_DEFAULTS
-    return DEFAULTS
+    """The sliders' starting values for a draft spec: its preset, as the CLI and the bench read it
+    (engine/presets.py)."""
+    return preset_for(draft).settings()
 
 
 SLIDER_KEYS = ("gamma", "epsilon", "draft_stop", "feed_stop", "head_start", "hold", "hold_branches", "hrad")
@@ -71,10 +54,18 @@ def make_config(method, max_new, temperature, top_p, gamma, branches, epsilon, d
                 hold, hold_branches, hrad, seed) -> GenerationConfig:
     """Build and validate settings from the controls; raises SpecBranchError with the reason."""
     def number(value, name, cast):
+        """value as a float or an int; an integer setting refuses a fraction or an infinity instead of rounding it."""
+        if cast is int and isinstance(value, int) and not isinstance(value, bool):
+            return value  # exact, however large (a seed): float() would round it
         try:
-            return cast(value)
-        except (TypeError, ValueError):
-            raise SpecBranchError(f"{name} must be a number, got {value!r}") from None
+            x = float(value)
+        except (TypeError, ValueError, OverflowError):
+            raise SpecBranchError(f"{name} must be a number, got {value!r:.40}") from None
+        if cast is float:
+            return x
+        if not math.isfinite(x) or x != int(x):
+            raise SpecBranchError(f"{name} must be a whole number, got {value!r:.40}")
+        return int(x)
     return GenerationConfig(method=method, max_new_tokens=number(max_new, "max new tokens", int),
                             temperature=number(temperature, "temperature", float),
                             top_p=number(top_p, "top-p", float), gamma=number(gamma, "γ", int),

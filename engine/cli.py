@@ -27,8 +27,11 @@ def thread_count(text: str) -> int:
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="embedded", help="embedded | PATH.gguf | DIR | hub id")
-    p.add_argument("--draft", default="embedded",
-                   help="embedded | embedded-weak | self | self-skip:I,J,... | truncated:N | PATH.gguf | DIR | hub id")
+    p.add_argument("--draft", default=None,
+                   help="embedded | embedded-weak | self | self-skip:I,J,... | truncated:N | PATH.gguf | DIR | hub id "
+                        "(default: the fastest this machine supports, engine/presets.py default_draft: self on a CPU "
+                        "with the int4 kernel, else embedded). The draft's preset sets every generation setting not "
+                        "given as a flag")
     p.add_argument("--device", default=None, help="cuda, cuda:0, cpu (default: cuda when present)")
     p.add_argument("--draft-device", default=None)
     p.add_argument("--dtype", default=None, help="float32 (CPU default) | bfloat16 (CUDA default) | float16")
@@ -37,11 +40,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "(an eighth; with --draft self, the target's own weights as a cheap draft) or float32; "
                         "auto: int4 for --draft self on a CPU, else bfloat16 where the CPU runs it natively. Output "
                         "stays exact: only the target decides it")
-    p.add_argument("--draft-forward", default="lean", choices=DRAFT_FORWARDS,
+    p.add_argument("--draft-forward", default=None, choices=DRAFT_FORWARDS,
                    help="lean: a Llama draft on the CPU runs engine/lean.py (fused matmuls, a KV cache that rolls "
                         "back by a pointer); lean-compiled: that, with its one-token steps through torch.compile "
                         "(compiled at load: ~40 s the first time, a C++ compiler needed, else eager with a note); "
-                        "transformers: the model's own forward")
+                        "transformers: the model's own forward (default: lean-compiled, or $SPECBRANCH_DRAFT_FORWARD)")
     p.add_argument("--target-forward", default="static", choices=TARGET_FORWARDS,
                    help="static: a Llama target on the CPU runs engine/static_forward.py (transformers' ops, with "
                         "q/k/v and gate/up each one stacked matmul, over a KV cache written in place: the same bits, "
@@ -64,20 +67,20 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--gamma", type=int, default=4,
+    p.add_argument("--gamma", type=int, default=None,
                    help="draft block length (sd); depth cap of the speculation (pearl, specbranch: the draft drafts "
                         "until the target's verdict lands or the cap is reached)")
-    p.add_argument("--draft-stop", type=float, default=0.0,
+    p.add_argument("--draft-stop", type=float, default=None,
                    help="pearl, specbranch: end a round's drafting after a token drawn with confidence below this")
-    p.add_argument("--feed-stop", type=float, default=0.0,
+    p.add_argument("--feed-stop", type=float, default=None,
                    help="pearl, specbranch: feed the target drafted tokens only while the odds that all are "
                         "accepted stay at least this (0 = up to γ; the next token is judged anyway)")
-    p.add_argument("--head-start", type=float, default=0.0,
+    p.add_argument("--head-start", type=float, default=None,
                    help="pearl, specbranch: before a target pass on a block shorter than γ (after a rejection), let "
                         "the draft step first while its odds that the whole block is accepted stay >= this (0 = off)")
     p.add_argument("--branches", type=int, default=3, help="specbranch: most candidates at a branch point")
-    p.add_argument("--epsilon", type=float, default=0.5, help="specbranch: confidence threshold for branching, [0, 1]")
-    p.add_argument("--hrad", dest="hrad", action="store_true",
+    p.add_argument("--epsilon", type=float, default=None, help="specbranch: confidence threshold for branching, [0, 1]")
+    p.add_argument("--hrad", dest="hrad", action="store_true", default=None,
                    help="specbranch: let H-RAD place branch points (off by default: on held-out prompts it did not "
                         "beat confidence only, docs/methods.md)")
     p.add_argument("--no-hrad", dest="hrad", action="store_false", help="specbranch: confidence only (the default)")
@@ -90,14 +93,46 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
                         "confidence (engine/calibration.py; the default)")
     p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
                    help="specbranch: the draft's confidence as is (the paper's rule)")
-    p.add_argument("--hold", type=float, default=0.0,
+    p.add_argument("--hold", type=float, default=None,
                    help="specbranch: draft nothing where the odds that it is accepted (read as for ε) fall below "
                         "this, and leave that position to the target: no token is drafted only to be rolled back "
                         "(0 = off)")
-    p.add_argument("--hold-branches", action="store_true",
+    p.add_argument("--hold-branches", action="store_true", default=None,
                    help="specbranch, with --hold: also keep nothing of a branch step where the first branch's odds "
                         "with the token it would add fall below the hold (fewer branch tokens rolled back; costs τ "
                         "where branch tokens are often accepted, docs/methods.md)")
+
+
+# the settings a draft's preset gives where no flag does (engine/presets.py Preset's fields)
+PRESET_FIELDS = ("gamma", "epsilon", "draft_stop", "feed_stop", "head_start", "hold", "hold_branches", "hrad")
+
+
+def apply_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill what no flag gave, in place: the draft (the fastest this machine supports), the draft's forward, and the
+    generation settings from the draft's preset. `args.flags` keeps the settings given as flags, so that another
+    draft's preset can fill the rest (with_preset)."""
+    from engine.presets import default_draft, draft_forward
+
+    if getattr(args, "draft", "none") is None:
+        args.draft = default_draft(args.device)
+    if getattr(args, "draft_forward", "set") is None:
+        args.draft_forward = draft_forward()
+    if hasattr(args, "gamma"):
+        args.flags = {k: getattr(args, k) for k in PRESET_FIELDS if getattr(args, k) is not None}
+        vars(args).update(with_preset(args, args.draft).__dict__)
+    return args
+
+
+def with_preset(args: argparse.Namespace, draft: str | None) -> argparse.Namespace:
+    """A copy of the arguments whose generation settings are `draft`'s preset, where no flag gave them."""
+    from engine.presets import preset_for
+
+    return argparse.Namespace(**{**vars(args), **preset_for(draft).settings(), **args.flags})
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The parsed command line, with every default filled (apply_defaults)."""
+    return apply_defaults(build_parser().parse_args(argv))
 
 
 def add_record_arguments(p: argparse.ArgumentParser) -> None:
@@ -278,8 +313,8 @@ def cmd_bench(args) -> None:
     from engine.models.loading import with_draft
 
     entries = parse_bench_methods(args.methods)
-    for _, method, _ in entries:
-        config_from(args, method)  # validate the shared settings before loading models
+    # each entry's settings: its draft's preset where no flag gave them; validated before any model loads
+    configs = {label: config_from(with_preset(args, draft or args.draft), method) for label, method, draft in entries}
     writable_file(args.json_out, "bench results")
     engine = build_engine(args, need_draft=any(m != "ar" and d is None for _, m, d in entries))
     engines = {None: engine}
@@ -289,7 +324,7 @@ def cmd_bench(args) -> None:
                                            draft_matmul=args.draft_matmul, draft_forward=args.draft_forward,
                                            draft_worker=args.draft_worker),
                                 threads=max(1, args.threads), solo_threads=args.solo_threads)
-    run_bench([(label, engines[d], m) for label, m, d in entries], args, SessionLog(args, engine))
+    run_bench([(label, engines[d], configs[label]) for label, _, d in entries], args, SessionLog(args, engine))
 
 
 def cmd_summarize(args) -> None:
@@ -348,7 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text with one method")
     add_model_arguments(g)
     add_sampling_arguments(g)
-    g.add_argument("--method", default="sd", choices=METHODS)
+    g.add_argument("--method", default="specbranch", choices=METHODS, help="default: specbranch, as in the app")
     g.add_argument("--prompt")
     g.add_argument("--prompt-file", help="JSONL, one prompt per line in field 'prompt'")
     g.add_argument("--chat", action="store_true", help="wrap the prompt with the tokenizer's chat template")
@@ -359,7 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="compare methods on a dataset")
     add_model_arguments(b)
     add_sampling_arguments(b)
-    b.add_argument("--methods", default="ar,sd",
+    b.add_argument("--methods", default="ar,sd,pearl,specbranch",
                    help="comma-separated; METHOD@DRAFT runs that method with another draft on the same target "
                         "(e.g. ar,specbranch,specbranch@embedded,hf-assisted@embedded)")
     b.add_argument("--dataset", default="mt_bench",
@@ -409,6 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        apply_defaults(args)
         args.func(args)
     except SpecBranchError as exc:
         print(f"error: {exc}", file=sys.stderr)

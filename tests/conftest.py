@@ -8,6 +8,9 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# the drafts' default forward is lean-compiled (engine/presets.py); the suite's many tiny drafts run the lean path
+# eager, as they did before that default, and test_lean.py compiles it where compiling is the point
+os.environ["SPECBRANCH_DRAFT_FORWARD"] = "lean"
 torch.set_num_threads(1)
 
 class VerdictAt:

@@ -247,16 +247,16 @@ def test_app_defaults_follow_the_draft_and_the_pair_line_is_text(tiny_engine):
     """The sliders start at the settings the bench chose for the draft the app serves (docs/models.md for the
     target read in 4 bits), and the line naming the pair is text, never markup."""
     from app.main import build_app
-    from app.settings import DEFAULTS, HOLD_BRANCHES_DEFAULTS, SELF_DEFAULTS, defaults_for
+    from app.settings import defaults_for
     from engine.kernels.lm_head import int4_supported
-    from engine.models.loading import default_draft
+    from engine.presets import DISTILLED, OFTEN_WRONG, SELF, default_draft
 
-    assert defaults_for("self") is SELF_DEFAULTS and defaults_for("embedded") is DEFAULTS
+    assert defaults_for("self") == SELF.settings() and defaults_for("embedded") == DISTILLED.settings()
     # the branches held too for the drafts where that cut path rollback at the same speed (docs/methods.md), not the distilled one
-    assert defaults_for("embedded-weak") is defaults_for("self-skip:3,4,5,25") is HOLD_BRANCHES_DEFAULTS
-    assert defaults_for(None) is defaults_for("/some/draft") is DEFAULTS
+    assert defaults_for("embedded-weak") == defaults_for("self-skip:3,4,5,25") == OFTEN_WRONG.settings()
+    assert defaults_for(None) == defaults_for("/some/draft") == DISTILLED.settings()
     assert default_draft("cpu") == ("self" if int4_supported() else "embedded")
-    for defaults, held in ((SELF_DEFAULTS, False), (DEFAULTS, False), (HOLD_BRANCHES_DEFAULTS, True)):
+    for defaults, held in ((SELF.settings(), False), (DISTILLED.settings(), False), (OFTEN_WRONG.settings(), True)):
         demo = build_app(lambda draft=None: tiny_engine, defaults=defaults, about="target <b>x</b> · draft self")
         props = [c["props"] for c in demo.config["components"]]
         value = lambda label: next(p["value"] for p in props if str(p.get("label", "")).startswith(label))
@@ -274,7 +274,8 @@ def test_a_visitor_picks_a_draft_from_the_offered_ones_only(tiny_engine, app_sto
     from gradio_client import Client
     from gradio_client.exceptions import AppError
 
-    from app.settings import SELF_DEFAULTS, SLIDER_KEYS, slider_defaults
+    from app.settings import SLIDER_KEYS, slider_defaults
+    from engine.presets import SELF
     from engine.config import GenerationConfig
     from engine.engine import Engine
     from engine.models.loading import with_draft
@@ -306,7 +307,7 @@ def test_a_visitor_picks_a_draft_from_the_offered_ones_only(tiny_engine, app_sto
         *_, last = generate("a b c", [], "sd", *controls(a), draft="/etc/passwd")
         assert "unknown draft" in last[3] and "choose one of tiny-draft, self" in last[3]
         assert asked == ["self"]
-        assert [u["value"] for u in slider_defaults("self")] == [SELF_DEFAULTS[k] for k in SLIDER_KEYS]
+        assert [u["value"] for u in slider_defaults("self")] == [SELF.settings()[k] for k in SLIDER_KEYS]
         # ... into the sliders of those names, in that order
         ids = {c["id"]: c["props"].get("elem_id") for c in demo.config["components"]}
         picked = next(d for d in demo.config["dependencies"]

@@ -25,7 +25,7 @@ def tiny_args(tiny_dirs):
     (["--max-new-tokens", "-3"], "max-new-tokens must be a positive integer"),
     (["--gamma", "0"], "gamma (draft length) must be an integer >= 1"),
     (["--hold", "1.5"], "hold must be in [0, 1] (0 = off)"),
-    (["--hold-branches"], "hold-branches needs a hold above 0"),
+    (["--hold", "0", "--hold-branches"], "hold-branches needs a hold above 0"),
 ])
 def test_invalid_settings(capsys, tiny_args, extra, message):
     code, err = run_cli(capsys, "generate", *tiny_args, "--prompt", "a b", *extra)

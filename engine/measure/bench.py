@@ -12,7 +12,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from engine.config import SpecBranchError, config_from, writable_file
+from engine.config import GenerationConfig, SpecBranchError, writable_file
 from engine.measure.datasets import benchmark_prompts
 
 SUMMED = ("new_tokens", "drafted_tokens", "verified_tokens", "accepted_tokens", "wasted_draft_tokens",
@@ -88,14 +88,13 @@ def pooled_positions(runs: list[dict]) -> list[float | None]:
     return [round(p / n, 4) if n else None for p, n in zip(passed, reached)]
 
 
-def calibration_report(entries: list[tuple[str, object, str]], args) -> dict:
+def calibration_report(entries: list[tuple[str, object, GenerationConfig]]) -> dict:
     """What each SpecBranch variant's runs measured (Engine.calibration keeps one table per method): the target's
     acceptance of drafted tokens by the draft's confidence, and a fork's rescues by its alternatives' share.
     The top-level pair is `specbranch`'s, where it ran (the key earlier reports have)."""
     tables = {}
-    for label, eng, m in entries:
-        if m.startswith("specbranch"):
-            cfg = config_from(args, m)
+    for label, eng, cfg in entries:
+        if cfg.method.startswith("specbranch"):
             tables[label] = {"acceptance_by_confidence": eng.calibration(cfg).table(),
                              "rescue_by_share": eng.calibration(cfg, "rescue").table()}
     return {**tables.get("specbranch", {"acceptance_by_confidence": [], "rescue_by_share": []}),
@@ -113,25 +112,26 @@ def draft_forward_kind(draft, method: str) -> str | None:
     return "lean-compiled" if draft.compile_status()[0] == "compiled" else "lean"
 
 
-def run_bench(entries: list[tuple[str, object, str]], args, log=None) -> dict:
-    """entries: (label, engine, method). Every entry runs each prompt in turn; `ar` is the reference."""
+def run_bench(entries: list[tuple[str, object, GenerationConfig]], args, log=None) -> dict:
+    """entries: (label, engine, its settings). Every entry runs each prompt in turn; `ar` is the reference. args:
+    the prompts (dataset, limit), the warm-up runs."""
     engine = entries[0][1]
     methods = [label for label, _, _ in entries]
     datasets = ["mt_bench", "gsm8k", "humaneval"] if args.dataset == "all" else [args.dataset]
     prompts = [p for d in datasets for p in benchmark_prompts(d, args.limit)]
     encoded = [(p, engine.encode(p.text, p.chat)) for p in prompts]
     for _ in range(args.warmup):
-        for _, eng, m in entries:
-            eng.run(encoded[0][1], config_from(args, m))
+        for _, eng, cfg in entries:
+            eng.run(encoded[0][1], cfg)
     per_run: dict[str, dict[str, list[dict]]] = {label: {} for label in methods}
     outputs_match = {label: 0 for label in methods if label != "ar"}
     for p, ids in tqdm(encoded, desc="bench", unit="prompt", file=sys.stderr):
         reference = None
-        sid = log.start(p.text, config_from(args, entries[0][2])) if log is not None else None
-        for label, eng, m in entries:
+        sid = log.start(p.text, entries[0][2]) if log is not None else None
+        for label, eng, cfg in entries:
             recorder = log.recorder(sid) if log is not None else None
             try:
-                r = eng.run(ids, config_from(args, m), p.text, on_event=recorder.add if recorder else None)
+                r = eng.run(ids, cfg, p.text, on_event=recorder.add if recorder else None)
             finally:
                 if log is not None:
                     log.finish(recorder)
@@ -155,24 +155,26 @@ def run_bench(entries: list[tuple[str, object, str]], args, log=None) -> dict:
                     "device": str(engine.pair.target.device)},
         "pair": {"target": engine.pair.target.name, "draft": engine.pair.draft.name if engine.pair.draft else None},
         "drafts": {label: eng.pair.draft.name if eng.pair.draft else None for label, eng, _ in entries},
-        "draft_matmul": {label: eng.pair.draft.matmul if eng.pair.draft and method != "ar" else None
-                         for label, eng, method in entries},
+        "draft_matmul": {label: eng.pair.draft.matmul if eng.pair.draft and cfg.method != "ar" else None
+                         for label, eng, cfg in entries},
         "target_forward": "static" if engine.pair.target.static else "transformers",
-        "draft_forward": {label: draft_forward_kind(eng.pair.draft, method) for label, eng, method in entries},
+        "draft_forward": {label: draft_forward_kind(eng.pair.draft, cfg.method) for label, eng, cfg in entries},
         # hf-assisted runs the local draft's model on transformers' own loop, in this process
-        "draft_worker": {label: (eng.pair.draft_worker if method != "hf-assisted" else "thread")
-                         if eng.pair.draft and method != "ar" else None for label, eng, method in entries},
+        "draft_worker": {label: (eng.pair.draft_worker if cfg.method != "hf-assisted" else "thread")
+                         if eng.pair.draft and cfg.method != "ar" else None for label, eng, cfg in entries},
         "settings": {k: getattr(args, k) for k in ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "gamma",
                                                      "draft_stop", "feed_stop", "head_start", "branches", "epsilon",
                                                      "hrad", "branch_costs", "calibrate", "hold", "hold_branches", "limit",
                                                      "dataset")},
+        # each entry's own settings: a METHOD@DRAFT entry starts from its draft's preset (engine/presets.py)
+        "settings_by_method": {label: cfg.to_dict() for label, _, cfg in entries},
         # --branch-costs: the forward costs measured once per draft and forked by (ms; keys: draft rows)
         "branch_costs": {eng.pair.draft.name: dataclasses.asdict(eng.measured_branch_costs) for _, eng, _ in entries
                          if eng.measured_branch_costs is not None},
         "identical_to_ar": ({m: f"{n}/{len(encoded)}" for m, n in outputs_match.items()}
                             if args.temperature == 0 and "ar" in methods else None),
         "results": results,
-        **calibration_report(entries, args),
+        **calibration_report(entries),
     }
     print(format_table(report))
     if args.json_out:

@@ -327,13 +327,16 @@ def section_sanitizer(setup: Setup, out: Saved) -> dict:
 
 def bench_engines(entries, setup: Setup, label: str) -> dict:
     """ar and the speculative methods on the same prompts, interleaved per prompt (the bench's own loop); each
-    ratio is against the `ar` of this run."""
-    from engine.cli import build_parser
+    ratio is against the `ar` of this run. entries: (label, engine, method, draft spec), each method with its draft's
+    preset (engine/presets.py), as `python -m engine bench` runs it."""
+    from engine.cli import parse, with_preset
+    from engine.config import config_from
     from engine.measure.bench import run_bench
 
-    args = build_parser().parse_args(["bench", "--dataset", "all", "--limit", "1", "--warmup", "1",
-                                      "--max-new-tokens", str(setup.new_tokens)])
-    report = run_bench(entries, args)
+    args = parse(["bench", "--dataset", "all", "--limit", "1", "--warmup", "1", "--draft", "embedded",
+                  "--max-new-tokens", str(setup.new_tokens)])
+    report = run_bench([(name, eng, config_from(with_preset(args, draft), m)) for name, eng, m, draft in entries],
+                       args)
     keys = ("tokens_per_s", "speedup_vs_ar", "acceptance_rate", "mean_accepted_length", "overlap",
             "target_forward_ms", "draft_forward_ms")
     return {"label": label, "identical_to_ar": report["identical_to_ar"],
@@ -349,20 +352,22 @@ def section_bench(setup: Setup, out: Saved) -> dict:
     if setup.dry:
         pair = real_pair(setup, "float32")
         engine = Engine(pair)
-        out["real_pair"] = bench_engines([(m, engine, m) for m in methods], setup, "tiny stand-in for the real pair")
+        out["real_pair"] = bench_engines([(m, engine, m, "embedded") for m in methods], setup,
+                                         "tiny stand-in for the real pair")
         return out
     pair = real_pair(setup, "bfloat16", draft="embedded")
     engines = {"embedded": Engine(pair)}
     for draft in ("embedded-head", "self-skip:4,5,6,7"):
         engines[draft] = Engine(with_draft(pair.target, draft))
-    entries = [(m, engines["embedded"], m) for m in methods]
-    entries += [(f"{m}@{d}", engines[d], m) for d in ("embedded-head", "self-skip:4,5,6,7")
+    entries = [(m, engines["embedded"], m, "embedded") for m in methods]
+    entries += [(f"{m}@{d}", engines[d], m, d) for d in ("embedded-head", "self-skip:4,5,6,7")
                 for m in ("sd", "pearl", "specbranch")]
     out["real_pair"] = bench_engines(entries, setup, "embedded target, bf16")
     tok = tokenizer()
     for key in ("1b", "7b"):
         engine = Engine(synthetic_pair(SHAPES[key], setup.device, torch.bfloat16, tok))
-        out[key] = bench_engines([(m, engine, m) for m in methods], setup, SHAPES[key].name + " (random weights)")
+        out[key] = bench_engines([(m, engine, m, "embedded") for m in methods], setup,
+                                 SHAPES[key].name + " (random weights)")
         del engine
         torch.cuda.empty_cache()
     return out

@@ -109,15 +109,6 @@ def draft_matmul_kind(choice: str, device: torch.device, dtype: torch.dtype, sel
     return "bfloat16" if fits and choice != "float32" else "float32"
 
 
-def default_draft(device: str | None = None) -> str:
-    """The draft the app serves unless told: the target itself where its matmuls would read its weights in 4 bits
-    (a float32 target on the CPU; docs/models.md: 1.8-2.2x plain decoding on this CPU), else the distilled
-    6-layer draft (on a GPU a draft in the target's own precision would cost what the target does)."""
-    dev = pick_device(device)
-    self_kind = draft_matmul_kind("auto", dev, pick_dtype(None, dev), self_draft=True)
-    return "self" if self_kind == "int4" else "embedded"
-
-
 _gguf_lock = threading.Lock()
 
 

@@ -1,0 +1,94 @@
+"""The one set of defaults: each draft's settings, the default draft, the draft's forward, and the app's scenarios.
+
+The CLI (`generate`, `bench`, `costs`, `train-hrad`), the bench and the app read them from here; every CLI flag and
+every app control still overrides its preset. The figures behind each choice are in docs/results/README.md
+("Which draft to pick") and docs/methods.md; the tuning runs used the tuning prompts, never the benchmark split.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+from engine.models.loading import draft_matmul_kind, is_skip_draft, pick_device, pick_dtype
+
+# how a draft's forward runs unless told (engine.config.DRAFT_FORWARDS): the lean path with its one-token step
+# compiled. The CLI compiles when the draft loads (about a minute the first time); the app compiles in the background
+# and drafts with the eager step meanwhile (docs/app.md). $SPECBRANCH_DRAFT_FORWARD changes it for the app and the CLI
+# alike (the test suite sets "lean": each of its many tiny drafts would compile anew).
+DRAFT_FORWARD_ENV = "SPECBRANCH_DRAFT_FORWARD"
+
+
+def draft_forward() -> str:
+    return os.environ.get(DRAFT_FORWARD_ENV) or "lean-compiled"
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A draft's settings, named as GenerationConfig's fields (engine/config.py says what each does)."""
+    gamma: int
+    epsilon: float
+    draft_stop: float
+    feed_stop: float
+    head_start: float
+    hold: float
+    hold_branches: bool
+    hrad: bool
+
+    def settings(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# A distilled draft (embedded, embedded-head, a draft directory; right 35-45 % of the time): short blocks, stop
+# drafting at a doubtful token, and hold where the odds are poor (docs/methods.md "Hold").
+DISTILLED = Preset(gamma=3, epsilon=0.5, draft_stop=0.3, feed_stop=0.0, head_start=0.3, hold=0.5,
+                   hold_branches=False, hrad=False)
+# A draft wrong often (embedded-weak, self-skip:...): the same, with the hold applied to a fork's branches too, which
+# cut path rollback at the same speed (docs/methods.md "Hold").
+OFTEN_WRONG = dataclasses.replace(DISTILLED, hold_branches=True)
+# The target read in 4 bits (self; right about 99 % of the time): long blocks without stopping, fork only where it is
+# very unsure, a small head start (γ 6 / 8 / 10 gave 2.49 / 2.63 / 2.72x ar at T=0 and 2.30 / 2.60 / 2.38x at T=1 on
+# the tuning prompts: docs/results/README.md); the hold only slowed it.
+SELF = Preset(gamma=8, epsilon=0.1, draft_stop=0.0, feed_stop=0.0, head_start=0.02, hold=0.0, hold_branches=False,
+              hrad=False)
+
+
+def preset_for(draft: str | None) -> Preset:
+    """The settings a draft spec starts from (None: a distilled draft's)."""
+    if draft == "self":
+        return SELF
+    if draft == "embedded-weak" or is_skip_draft(draft):
+        return OFTEN_WRONG
+    return DISTILLED
+
+
+def default_draft(device: str | None = None) -> str:
+    """The fastest draft this machine supports: the target itself read in 4 bits where the CPU has the int4 kernel
+    and the target is float32 (docs/models.md), else the distilled 6-layer draft `embedded` (on a GPU a draft in the
+    target's own precision would cost what the target does; a CPU without the kernel would read the self-draft in
+    float32 or bfloat16, no cheaper than the target)."""
+    dev = pick_device(device)
+    self_kind = draft_matmul_kind("auto", dev, pick_dtype(None, dev), self_draft=True)
+    return "self" if self_kind == "int4" else "embedded"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """What the app's scenario picker sets together: a draft, a method and its settings."""
+    key: str
+    label: str
+    draft: str
+    method: str
+    preset: Preset
+    summary: str  # one line: what to watch, and the measured speed against ar
+
+
+SCENARIOS: dict[str, Scenario] = {s.key: s for s in (
+    Scenario("fastest", "Fastest", "self", "specbranch", SELF,
+             "the 4-bit self-draft: long accepted blocks, few forks"),
+    Scenario("rescue", "Watch branches rescue", "self-skip:3,4,5,25", "specbranch",
+             dataclasses.replace(OFTEN_WRONG, epsilon=0.65, hold=0.0, hold_branches=False),
+             "the target without 4 of its layers: forks in most steps, and a branch often survives"),
+    Scenario("weak", "A poorly aligned draft", "embedded-weak", "specbranch", OFTEN_WRONG,
+             "a draft right about 10 % of the time: rejections and rollbacks to watch"),
+)}
