@@ -83,6 +83,7 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 
 # ---------------------------------------------------------------- the sources of each table
 SELF_T0, SELF_T1 = "ablation-0z-t0", "ablation-0z-t1"
+HEADLINE_T0, HEADLINE_T1 = "headline-t0", "headline-t1"  # `make bench`: the default command, at T=0 and T=1
 SEEDS = {t: [f"ablation-0z-t{t}-s{s}" for s in range(3)] for t in (0, 1)}
 WEAK_ON = [f"holdbranches-recheck-on-s{s}" for s in range(3)]
 WEAK_OFF = [f"holdbranches-recheck-off-s{s}" for s in range(3)]
@@ -252,17 +253,22 @@ def model() -> str:
 
 
 def headline() -> str:
-    f0, f1 = Figures([SELF_T0]), Figures([SELF_T1])
+    """The README's headline: one bench run per temperature with no flag but the methods and the dataset, so the
+    default draft and its preset (engine/presets.py)."""
+    f0, f1 = Figures([HEADLINE_T0]), Figures([HEADLINE_T1])
+    run = load(HEADLINE_T0)
     rows = []
-    for method in ("sd", "pearl", "specbranch", "specbranch-no-branch", "specbranch-no-hrad", "specbranch-fixed",
-                   "hf-assisted"):
+    for method in ("sd", "pearl", "specbranch"):
         bold = method == "specbranch"
         cell = lambda f: f"**{f.fmt(method, 'speedup_vs_ar')}**" if bold else f.fmt(method, "speedup_vs_ar")  # noqa
         rows.append([f"`{method}`", cell(f0), cell(f1), f0.fmt(method, "acceptance_rate", 3, sd=False),
-                     f0.fmt(method, "path_rollback_rate", 3, sd=False)])
-    out = table(["method", "vs `ar`, T=0", "vs `ar`, T=1", "α, T=0", "path rollback, T=0"], rows)
-    return out + (f"\n`ar`: {f0.fmt('ar', 'tokens_per_s', 1)} tokens/s at T=0. JSON: "
-                  f"{link([SELF_T0, SELF_T1], 'docs/results/json/')} (each pools 3 seeds).\n")
+                     f0.fmt(method, "path_rollback_rate", 3, sd=False), run["identical_to_ar"][method]])
+    out = table(["method", "vs `ar`, T=0", "vs `ar`, T=1", "α, T=0", "path rollback, T=0", "T=0 output = `ar`'s"],
+                rows)
+    prompts = run["results"]["ar"]["all"]["prompts"]
+    return out + (f"\n`ar`: {f0.fmt('ar', 'tokens_per_s', 1)} tokens/s at T=0, {f1.fmt('ar', 'tokens_per_s', 1)} at "
+                  f"T=1. {prompts} prompts × {run['settings']['max_new_tokens']} tokens, one run each; draft "
+                  f"`{run['pair']['draft']}`. JSON: {link([HEADLINE_T0, HEADLINE_T1], 'docs/results/json/')}.\n")
 
 
 # the costs reports do not record their command line; these are the commands that wrote them
