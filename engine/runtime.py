@@ -6,7 +6,8 @@ uses `threads` torch threads (default 1) and two workers really overlap on a 2-c
 are host clocks (perf_counter) around the call.
 
 On CUDA each worker owns a stream on its model's device and runs every forward on it, so the two models'
-kernels can overlap on one GPU. Nothing synchronises the whole device:
+kernels can overlap on one GPU. The stream is made at the worker's first forward, not when the worker is built: on
+ZeroGPU the app's process may touch CUDA only inside its `spaces.GPU` function. Nothing synchronises the whole device:
   - before a forward, the worker's stream waits on an event recorded on the caller's (event loop's) current
     stream, so whatever the loop queued first (cache crops, features handed over from the other model)
     is done before the forward reads it; tensors of the inputs and caches are `record_stream`ed on the
@@ -14,8 +15,11 @@ kernels can overlap on one GPU. Nothing synchronises the whole device:
   - after it, the caller's stream waits on the forward's end event, and the output tensors are
     `record_stream`ed on the caller's stream.
 Spans come from CUDA events on the worker's own stream (see `span_seconds`), so they say when the kernels
-ran, not when Python launched them. The CUDA path has NOT been run on a GPU yet: it is written to the
-documented semantics of torch.cuda streams and events and is tested on CPU only through `span_seconds`.
+ran, not when Python launched them. The host does not wait for a forward's end: the worker returns once the forward
+is queued, with a LateSpan whose times are read from its events when the span is read (`settled`, which the decoders'
+step loop calls as it hands a step's events on, after the step's verdict has waited for its forwards anyway). The
+CUDA path has NOT been run on a GPU yet: it is written to the documented semantics of torch.cuda streams and events
+and is tested on CPU only against fakes (tests/test_devices.py).
 """
 from __future__ import annotations
 
@@ -100,6 +104,31 @@ class PerProcess:
         return self._pid == os.getpid()
 
 
+class LateSpan:
+    """A CUDA forward's TimingSpan before its times are read: its start and end events, with the run's reference
+    event and when that ran (`span_seconds`). `settle()` waits for the end event (work that is, by the time a
+    step's events are handed on, already done) and reads the times."""
+    __slots__ = ("worker", "kind", "step", "tokens", "start_ev", "end_ev", "ref", "anchor")
+
+    def __init__(self, worker: str, kind: str, step: int, tokens: int, start_ev, end_ev, ref, anchor: float):
+        self.worker, self.kind, self.step, self.tokens = worker, kind, step, tokens
+        self.start_ev, self.end_ev, self.ref, self.anchor = start_ev, end_ev, ref, anchor
+
+    def settle(self) -> TimingSpan:
+        self.end_ev.synchronize()  # this stream's work up to the end event, nothing else
+        start, end = span_seconds(self.anchor, self.ref.elapsed_time(self.start_ev), self.ref.elapsed_time(self.end_ev))
+        return TimingSpan(self.worker, self.kind, self.step, start, end, self.tokens)
+
+
+def settled(span: TimingSpan | LateSpan) -> TimingSpan:
+    """The TimingSpan of a forward (a CPU worker's already is one; a CUDA worker's is read from its events now)."""
+    return span.settle() if type(span) is LateSpan else span
+
+
+def _done(job: asyncio.Future) -> bool:
+    return job.done()
+
+
 class Measured(NamedTuple):
     """A forward's result with when it really computed (time.perf_counter seconds), where that differs from the
     call around it: a draft in its own process may compute a step before it is asked for (a step taken ahead), and
@@ -112,24 +141,43 @@ class Measured(NamedTuple):
 class Worker:
     def __init__(self, name: str, threads: int = 1, device: torch.device | str | None = None,
                  solo_threads: int | None = None):
-        """`device`: the device of the model this worker runs (None: CPU). On CUDA the worker owns a stream there.
-        `solo_threads` (CPU): torch threads for a forward run with `solo=True`, one the other model waits on, so
-        that it has the cores to itself (default: `threads`; Engine passes default_solo_threads())."""
+        """`device`: the device of the model this worker runs (None: CPU). On CUDA the worker owns a stream there,
+        made at its first forward (nothing here touches CUDA). `solo_threads` (CPU): torch threads for a forward run
+        with `solo=True`, one the other model waits on, so that it has the cores to itself (default: `threads`;
+        Engine passes default_solo_threads())."""
         self.name = name
         self.threads = threads
         self.solo_threads = solo_threads or threads
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.stream = None
-        if self.device.type == "cuda":
-            if self.device.index is None:
-                self.device = torch.device("cuda", torch.cuda.current_device())
-            self.stream = torch.cuda.Stream(device=self.device)
+        self.cuda = self.device.type == "cuda"  # decided once: the CPU path below never looks at CUDA
+        self._stream = PerProcess(self._new_stream)  # made on first use, and anew in a forked child
         self._run_t0: float | None = None  # the run the reference event below belongs to
         self._ref = None  # CUDA: this run's reference event on the worker's stream
         self._anchor = 0.0  # ... and when it ran, in seconds since the run's t0
+        self._last_end = None  # CUDA: the end event of the last forward queued here
+        # whether a job this worker runs has finished: on a CPU when its call returned; on CUDA when its kernels ran
+        self.landed = self._landed_on_device if self.cuda else _done
         self.closed = False  # shutdown() was called: no forward runs here again
         self._executor = PerProcess(lambda: ThreadPoolExecutor(1, thread_name_prefix=f"specbranch-{name}",
                                                                initializer=_init_thread, initargs=(threads,)))
+
+    def _new_stream(self):
+        if self.device.index is None:  # `cuda`: the current GPU, by its canonical name
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        return torch.cuda.Stream(device=self.device)
+
+    @property
+    def stream(self):
+        """The worker's CUDA stream (made here on first use; None on a CPU)."""
+        return self._stream.get() if self.cuda else None
+
+    @stream.setter
+    def stream(self, stream) -> None:
+        """Run this worker's forwards on another's stream (gpu-check's shared-stream arrangement)."""
+        self._stream = PerProcess(lambda: stream)
+
+    def _landed_on_device(self, job: asyncio.Future) -> bool:
+        return job.done() and (self._last_end is None or self._last_end.query())
 
     @property
     def executor(self) -> ThreadPoolExecutor:
@@ -143,7 +191,7 @@ class Worker:
         """Run fn(*args) on this worker's thread; returns (result, TimingSpan). A forward that runs out of
         device memory frees the allocator's cache and raises OutOfMemory (a SpecBranchError). `solo`: the other
         model waits on this forward, so on a CPU it runs on solo_threads."""
-        if self.stream is None:
+        if not self.cuda:
             threads = self.solo_threads if solo else self.threads
 
             def call():
@@ -160,12 +208,13 @@ class Worker:
                     if threads != self.threads:
                         torch.set_num_threads(self.threads)
         else:
+            stream = self.stream  # first: making it names the device, where it was `cuda`
             caller = torch.cuda.current_stream(self.device)
             ready = torch.cuda.Event()
             ready.record(caller)  # what the loop queued before this forward (e.g. features it handed over)
 
             def call():
-                return self._cuda_forward(fn, args, ready, t0)
+                return self._cuda_forward(stream, fn, args, ready, t0, (kind, step, tokens))
 
         def guarded():
             try:
@@ -180,15 +229,15 @@ class Worker:
                               f"fewer new tokens, or a smaller pair")
 
         result, start, end, done = await asyncio.get_running_loop().run_in_executor(self.executor, guarded)
-        if done is not None:
-            caller.wait_event(done)  # the loop's later work on the result waits for the forward
-            _record_on(result, caller)
-        return result, TimingSpan(self.name, kind, step, start, end, tokens)
+        if done is None:
+            return result, TimingSpan(self.name, kind, step, start, end, tokens)
+        caller.wait_event(done.end_ev)  # the loop's later work on the result waits for the forward
+        _record_on(result, caller)
+        return result, done
 
-    def _cuda_forward(self, fn, args, ready, t0: float):
-        """On the worker's thread: fn(*args) on the worker's stream, timed by events on that stream. Waits for
-        this stream's work up to the forward's end event (not for the device)."""
-        stream = self.stream
+    def _cuda_forward(self, stream, fn, args, ready, t0: float, what: tuple[str, int, int]):
+        """On the worker's thread: fn(*args) queued on the worker's stream between two timing events; returns
+        without waiting for it, with a LateSpan of those events."""
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             if self._run_t0 != t0:  # a new run: a reference event, taken with the stream idle
                 stream.synchronize()
@@ -204,9 +253,8 @@ class Worker:
             start_ev.record(stream)
             result = fn(*args)
             end_ev.record(stream)
-        end_ev.synchronize()  # this stream's work up to the end event, nothing else
-        start, end = span_seconds(self._anchor, self._ref.elapsed_time(start_ev), self._ref.elapsed_time(end_ev))
-        return result, start, end, end_ev
+        self._last_end = end_ev
+        return result, None, None, LateSpan(self.name, *what, start_ev, end_ev, self._ref, self._anchor)
 
     def shutdown(self) -> None:
         if self._executor.made_here():

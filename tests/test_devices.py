@@ -41,6 +41,7 @@ class FakeCuda:
     def __init__(self):
         self.now_ms = 100.0
         self.log: list[tuple] = []
+        self.streams_made = 0
         cuda = self
 
         class Event:
@@ -54,6 +55,9 @@ class FakeCuda:
             def synchronize(self):
                 cuda.log.append(("event_sync",))
 
+            def query(self):
+                return True
+
             def elapsed_time(self, other):
                 assert self.timing and other.timing, "elapsed_time needs timing events"
                 return other.t - self.t
@@ -61,6 +65,7 @@ class FakeCuda:
         class Stream:
             def __init__(self, device=None, name="worker"):
                 self.device, self.name = device, name
+                cuda.streams_made += 1
 
             def wait_event(self, event):
                 cuda.log.append(("wait", self.name, event.timing))
@@ -70,6 +75,7 @@ class FakeCuda:
 
         self.Event, self.Stream = Event, Stream
         self.default = Stream(torch.device("cuda", 0), "default")
+        self.streams_made = 0
 
     def install(self, monkeypatch):
         c = torch.cuda
@@ -86,7 +92,6 @@ def test_cuda_worker_times_on_its_stream_and_orders_by_events(monkeypatch):
     fake = FakeCuda()
     fake.install(monkeypatch)
     worker = Worker("target", 1, "cuda")
-    assert worker.device == torch.device("cuda", 0) and isinstance(worker.stream, fake.Stream)
 
     def forward(ms):
         fake.now_ms += ms  # the forward's kernels take `ms` on the fake GPU
@@ -103,17 +108,44 @@ def test_cuda_worker_times_on_its_stream_and_orders_by_events(monkeypatch):
         results = asyncio.run(two_runs())
     finally:
         worker.shutdown()
-    spans = [span for _, span in results]
+    assert worker.device == torch.device("cuda", 0) and isinstance(worker.stream, fake.Stream)
+    queued = len(fake.log)
+    spans = [runtime.settled(span) for _, span in results]  # read from the events only now
     assert [round(s.end - s.start, 6) for s in spans] == [0.005, 0.002, 0.005, 0.002]
     assert spans[1].start == spans[0].end and spans[3].start == spans[2].end  # back to back on the GPU clock
     first_forward = [("record", "default", False),  # caller: what the loop queued before
                      ("stream_sync", "worker"), ("record", "worker", True), ("event_sync",),  # the run's reference
                      ("wait", "worker", False),  # the worker's stream waits on the caller's event
                      ("record", "worker", True), ("record", "worker", True),  # start, end around fn
-                     ("event_sync",),  # only the end event is waited for
-                     ("wait", "default", True)]  # the caller's stream waits on the end event
+                     ("wait", "default", True)]  # the caller's stream waits on the end event; the host does not
     assert fake.log[: len(first_forward)] == first_forward
     assert fake.log.count(("stream_sync", "worker")) == 2  # one reference per run, not per forward
+    assert fake.log[:queued].count(("event_sync",)) == 2  # while queuing: the two references' only
+    assert fake.log[queued:] == [("event_sync",)] * 4  # each span waits for its end event when it is read
+
+
+def test_a_cuda_worker_makes_its_stream_at_its_first_forward(monkeypatch):
+    """On ZeroGPU only the `spaces.GPU` function may touch CUDA: building a worker (as an Engine does, in the app's
+    main process) makes no stream and asks CUDA nothing; its first forward makes the stream, once."""
+    fake = FakeCuda()
+    fake.install(monkeypatch)
+    touched = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: touched.append("current_device") or 0)
+    for device in ("cuda:0", "cuda"):
+        worker = Worker("target", 1, device)
+        assert fake.streams_made == 0 and touched == [] and fake.log == []
+
+        async def twice():
+            for _ in range(2):
+                await worker.run(lambda: torch.zeros(1), kind="decode", step=1, t0=0.0)
+
+        try:
+            asyncio.run(twice())
+        finally:
+            worker.shutdown()
+        assert fake.streams_made == 1 and worker.device == torch.device("cuda", 0)
+        fake.streams_made, fake.log = 0, []
+    assert touched == ["current_device"]  # `cuda` is named cuda:<current> at the first forward, not before
 
 
 # ---------------------------------------------------------------- the CPU worker: host clocks, no CUDA calls

@@ -222,6 +222,8 @@ def section_greedy(setup: Setup, out: Saved) -> dict:
 def step_loop(worker, lm, cache_len: int, steps: int, rows: int = 1):
     """An async job: `steps` one-token forwards of `lm` on `rows` rows through `worker`, after a prefill of cache_len
     tokens; returns their TimingSpans (CUDA events on a GPU)."""
+    from engine.runtime import settled
+
     async def job():
         cache = lm.new_cache()
         ids = torch.randint(0, lm.vocab_size, (1, cache_len))
@@ -233,7 +235,7 @@ def step_loop(worker, lm, cache_len: int, steps: int, rows: int = 1):
             x = torch.randint(0, lm.vocab_size, (rows, 1))
             _, span = await worker.run(lm.forward, x, cache, kind="decode", step=i + 1, t0=0.0, tokens=rows)
             spans.append(span)
-        return spans
+        return [settled(s) for s in spans]  # read from their CUDA events once all are queued
     return job
 
 

@@ -10,6 +10,7 @@ import torch
 
 from engine.methods.decoding import RunState, emit
 from engine.events import TARGET, Event, TimingSpan
+from engine.runtime import settled
 
 
 class _Clock:
@@ -43,7 +44,7 @@ def _generate(state: RunState, streamer: _Clock) -> list[int]:
 async def assisted_decode(state: RunState):
     clock = _Clock()
     tokens, span = await state.target_worker.run(_generate, state, clock, kind="assisted_generate", step=0, t0=state.t0)
-    events: list[Event] = [span]
+    events: list[Event] = [settled(span)]
     if clock.times:  # decode time starts when the first tokens were streamed
         state.decode_start = clock.times[0][0] - state.t0
         state.prefill_s = state.decode_start

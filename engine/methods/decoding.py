@@ -16,7 +16,7 @@ from engine.drafts.process import step_fn
 from engine.events import (BONUS, CORRECTION, DECODE, DRAFT, PREFILL, TARGET, VERIFY, DraftProposed, Event, Rollback,
                      StepStarted, TokensEmitted, Verified)
 from engine.models.loading import LM, ModelPair, Out
-from engine.runtime import Worker
+from engine.runtime import Worker, settled
 from engine.methods.sampling import NextDraw, draw_u, logits_to_probs, sample, top_alternatives, verify_block
 
 
@@ -219,9 +219,10 @@ async def step_loop(state: RunState, step) -> AsyncIterator[Event]:
     """The loop every decoder shares: prefill, then `await step(events)` until the run is finished.
     Events are buffered during a step and yielded when it completes."""
     events: list[Event] = []
+    late = state.target_worker.cuda or state.draft_worker.cuda  # CUDA spans are read as they are handed on
     await prefill(state, events)
     while True:
-        for e in drain(events):
+        for e in drain(events, late):
             yield e
         if state.finish_reason:
             return
@@ -230,8 +231,9 @@ async def step_loop(state: RunState, step) -> AsyncIterator[Event]:
         await step(events)
 
 
-def drain(events: list[Event]) -> list[Event]:
-    """Hand the buffered events to the caller and empty the buffer."""
+def drain(events: list[Event], late: bool = False) -> list[Event]:
+    """Hand the buffered events to the caller and empty the buffer. `late`: a worker is on CUDA, so its spans are
+    read from their events now (runtime.settled), once the step's verdict has waited for its forwards."""
     out = events[:]
     events.clear()
-    return out
+    return [settled(e) for e in out] if late else out

@@ -613,7 +613,8 @@ async def draft_until_verdict(state: RunState, spec: Speculation, ds: DraftState
     hold_branches, also a step that would take them below keeps nothing (draft_step)."""
     steps = 0
     cap = min(2 * state.cfg.gamma, state.remaining)  # never past the token budget, so never past the context
-    while not ds.holding(spec) and depth(spec) < cap and (steps == 0 or not target_job.done()):
+    landed = state.target_worker.landed  # on CUDA: the pass has run on the device, not merely been queued
+    while not ds.holding(spec) and depth(spec) < cap and (steps == 0 or not landed(target_job)):
         if spec.fork is not None and policy.hold > 0 and policy.held_back(policy.line_odds(spec)):
             break
         await draft_step(state, spec, ds, policy, events)
