@@ -1,7 +1,7 @@
 """Exact enumeration of the random draws inside engine.methods.sampling's verification functions.
 
-verify_block and verify_candidates take their randomness through a `Draws` (accept with probability a;
-sample a token from a row). `outcomes(call)` runs `call(draws)` once per combination of draw outcomes,
+verify_block and verify_candidates take their randomness through a `Draws` (accept each of several tokens with
+its probability a_i, in order, until one decision comes out a given way; sample a token from a row). `outcomes(call)` runs `call(draws)` once per combination of draw outcomes,
 each time with a `Script` that fixes every draw, and yields each result with its exact probability (the
 product of the probabilities of the outcomes taken), so a test enumerates the engine's own function in
 float64 instead of rebuilding its rule.
@@ -35,13 +35,25 @@ class Script(Draws):
         self.prob *= weights[i]
         return i
 
-    def accept(self, a: float) -> tuple[float, bool]:
-        i = self.choose([a, 1.0 - a])
-        return (a / 2, True) if i == 0 else ((1.0 + a) / 2, False)  # a u on the side of a the outcome is on
+    def accept(self, a: torch.Tensor, until: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each decision in order, up to the first that comes out `until` (the rest do not count: they are not
+        enumerated, and read as `until`)."""
+        us, accepted = [], []
+        for a_i in a.tolist():
+            if accepted and accepted[-1] == until:
+                us.append(0.0)
+                accepted.append(until)
+                continue
+            i = self.choose([a_i, 1.0 - a_i])
+            us.append(a_i / 2 if i == 0 else (1.0 + a_i) / 2)  # a u on the side of a the outcome is on
+            accepted.append(i == 0)
+        return torch.tensor(us, dtype=torch.float64), torch.tensor(accepted, dtype=torch.bool)
 
-    def sample(self, probs: torch.Tensor) -> int:
+    def sample(self, probs: torch.Tensor, needed: torch.Tensor | None = None) -> torch.Tensor:
+        if needed is not None and not bool(needed):  # the verdict does not use it: no outcome to enumerate
+            return torch.tensor(0)
         support = [y for y in range(probs.shape[-1]) if float(probs[y]) > 0]
-        return support[self.choose([float(probs[y]) for y in support])]
+        return torch.tensor(support[self.choose([float(probs[y]) for y in support])])
 
 
 def outcomes(call: Callable[[Draws], T]) -> Iterator[tuple[T, float]]:

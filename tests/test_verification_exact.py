@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.methods import sampling
-from engine.methods.sampling import logits_to_probs, verify_block
+from engine.methods.sampling import accept_probability, logits_to_probs, verify_block
 
 from .exact_draws import outcomes
 
@@ -129,7 +129,7 @@ def test_negative_controls_fail(wrong, monkeypatch):
     p, q = toy_model(3, 2.0), toy_model(4, 2.0)
     name, rule = {
         "residual_is_p": ("residual_distribution", lambda pd, qd: pd),
-        "accept_q_over_p": ("accept_probability", lambda pd, qd, x: min(1.0, float(qd[x]) / float(pd[x]))),
+        "accept_q_over_p": ("accept_probability", lambda pd, qd, x: accept_probability(qd, pd, x)),
         "residual_unnormalised_q": ("residual_distribution", lambda pd, qd: qd),
     }[wrong]
     monkeypatch.setattr(sampling, name, rule)

@@ -38,8 +38,8 @@ from engine.methods.decoding import RunState, crop_draft, emit, forward, share_f
 from engine.drafts.process import step_fn
 from engine.events import (ACCEPTED, BONUS, BRANCH_DRAFT, CORRECTION, DRAFT, RESCUED, VERIFY, BranchResolved, DraftProposed,
                      Event, Rollback, Verified)
-from engine.methods.sampling import (NO_REPLACEMENT, TOPK, candidate_q, draw_candidates, residual_distribution,
-                       top_alternatives, verify_block, verify_candidates)
+from engine.methods.sampling import (NO_REPLACEMENT, TOPK, candidate_q, check_block, check_candidates, draw_candidates,
+                                     residual_distribution, settle, top_alternatives, verify_candidates)
 
 REJECT_AT_ONCE, PARTLY, ALL_ACCEPTED = 0, 1, 2  # H-RAD classes
 
@@ -412,14 +412,18 @@ def feed_limit(acceptance: list[float], stop: float) -> int:
     return n
 
 
-def check_line(state: RunState, tokens: list[int], qs: list[torch.Tensor], rows: torch.Tensor, ends: bool,
-               branch: int, events: list[Event]):
-    """Verify a linear run of draft tokens against the target rows that reach it (row i judges tokens[i]).
-    `ends`: nothing is drafted after the run, so one spare row draws the bonus token."""
+def check_line(state: RunState, tokens: list[int], qs: list[torch.Tensor], rows: torch.Tensor, ends: bool):
+    """Verify a linear run of draft tokens against the target rows that reach it (row i judges tokens[i]), on the
+    rows' device: (the tokens judged, the pending verdict; resolve reads it). `ends`: nothing is drafted after the
+    run, so one spare row draws the bonus token."""
     checked = tokens[: len(rows)]
     use = rows if ends and len(rows) > len(checked) else rows[: len(checked)]
-    verdict = verify_block(checked, torch.stack(qs[: len(checked)]) if checked else rows[:0], use,
-                           state.generator, state.cfg.greedy)
+    return checked, check_block(checked, torch.stack(qs[: len(checked)]) if checked else rows[:0], use,
+                                state.generator, state.cfg.greedy)
+
+
+def record_line(state: RunState, checked: list[int], verdict, branch: int, events: list[Event]):
+    """The Verified event of a verdict on a linear run (check_line); returns the verdict."""
     events.append(Verified(state.step, len(checked), verdict.accepted, verdict.p, verdict.q, verdict.u,
                            -1 if verdict.next_token is None else verdict.next_token,
                            "" if verdict.next_token is None else (BONUS if verdict.bonus else CORRECTION),
@@ -472,9 +476,23 @@ def missed_rescue(p: torch.Tensor, q: torch.Tensor, alts: tuple[float, list[int]
 
 
 def resolve(state: RunState, spec: Speculation, rows: torch.Tensor, events: list[Event]) -> Outcome:
-    """The verdict on the speculation. rows [n_fed + 1, V]: the target's rows for line_of(spec)[0..n_fed]."""
-    verdict = check_line(state, spec.path, spec.path_q, rows, spec.fork is None, 0, events)
-    n, path = verdict.accepted, spec.path
+    """The verdict on the speculation. rows [n_fed + 1, V]: the target's rows for line_of(spec)[0..n_fed].
+    Every verdict the rows can reach (the path's; the fork's, where the rows reach its branch point; the first
+    branch's, where it was fed) is computed on the rows' device at once and read in one host transfer (settle); the
+    fork's and the branch's count only where the path, and then the first candidate, hold up. They draw from the
+    verification generator either way: fresh draws, independent of the ones that decide, so the rule stays exact."""
+    path, fork = spec.path, spec.fork
+    checked, path_check = check_line(state, path, spec.path_q, rows, fork is None)
+    fork_check = branch_check = None
+    if fork is not None and len(rows) > len(path):  # a target row reaches the branch point
+        fork_check = check_candidates(rows[len(path)], fork.q, fork.candidates, fork.scheme, state.generator,
+                                      state.cfg.greedy)
+        if len(rows) > len(path) + 1:  # the target was fed the first branch
+            branch_checked, branch_check = check_line(state, fork.branches[0], fork.branch_q[0], rows[len(path) + 1:],
+                                                      True)
+    verdict, cv, branch_verdict = settle(path_check, fork_check, branch_check)
+    record_line(state, checked, verdict, 0, events)
+    n = verdict.accepted
     if verdict.next_token is not None:  # a rejection on the path, or a bonus after it
         kind = BONUS if verdict.bonus else CORRECTION
         missed = None if verdict.bonus or n >= len(spec.path_alts) else missed_rescue(
@@ -483,12 +501,10 @@ def resolve(state: RunState, spec: Speculation, rows: torch.Tensor, events: list
                        "superseded" if verdict.bonus else "rejected", judged=judged_path(spec, n, not verdict.bonus),
                        rescue=missed)
     judged = judged_path(spec, n, False)
-    if spec.fork is None or len(rows) <= len(path):  # the path holds up; the rest waits for the next round
+    if cv is None:  # the path holds up; the rest waits for the next round
         return Outcome(path[:n], [ACCEPTED] * n, Speculation(path[n:], spec.path_q[n:], spec.fork, spec.path_conf[n:],
                                                              spec.path_top[n:], spec.path_alts[n:]), judged=judged)
-    fork = spec.fork  # the path was accepted and a target row reaches the branch point
-    cv = verify_candidates(rows[len(path)], fork.q, fork.candidates, fork.scheme, state.generator, state.cfg.greedy)
-    rescued = cv.index is not None and cv.index > 0
+    rescued = cv.index is not None and cv.index > 0  # the path was accepted and a target row reaches the branch point
     if fork.top is not None:  # the first candidate is the draft's own token here, judged like a path token
         judged.append((fork.top, cv.index == 0))
     rescue = (fork.share, rescued) if fork.share is not None and cv.index != 0 else None
@@ -504,8 +520,8 @@ def resolve(state: RunState, spec: Speculation, rows: torch.Tensor, events: list
     branch, branch_q = fork.branches[cv.index], fork.branch_q[cv.index]
     branch_conf = fork.branch_conf[cv.index] if fork.branch_conf else []
     why = "losing branches"
-    if cv.index == 0 and len(rows) > len(path) + 1:  # the target was fed the first branch: judge it now
-        verdict = check_line(state, branch, branch_q, rows[len(path) + 1:], True, 1, events)
+    if cv.index == 0 and branch_verdict is not None:  # the target was fed the first branch: its verdict counts
+        verdict = record_line(state, branch_checked, branch_verdict, 1, events)
         m = verdict.accepted
         tokens, kinds = tokens + branch[:m], kinds + [ACCEPTED] * m
         if verdict.next_token is not None:

@@ -8,13 +8,15 @@ Temperature 0 gives a one-hot row (greedy); the same rules then reduce to "accep
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 
 def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """logits [..., V] -> probs [..., V] float32 on CPU, after temperature, top-k and top-p."""
-    logits = logits.detach().float().cpu()
+    """logits [..., V] -> probs [..., V] float32 on the logits' device (verification runs there: check_block), after
+    temperature, top-k and top-p."""
+    logits = logits.detach().float()
     if temperature == 0.0:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     logits = logits / temperature
@@ -83,37 +85,65 @@ def uniform(generator: torch.Generator | None) -> float:
     return float(torch.rand((), generator=generator))
 
 
+def to_host(values: torch.Tensor) -> list[float]:
+    """The one place verification reads the device: a verdict's numbers, packed in one 1-D float64 tensor, as
+    Python floats. On CUDA this waits for the stream the verdict was computed on (and so for the target's pass it
+    read), nothing else; on a CPU it is a copy into a list."""
+    return values.tolist()
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """sample_at on the device: the token [] (long) at U = u ([] float64) of a 1-D row's inverse CDF, read nowhere.
+    Where u · total rounds up to the total, the last token with mass (the first index whose CDF reaches it)."""
+    cdf = probs.double().cumsum(-1)  # [V]
+    total = cdf[-1:]  # [1]
+    hit = torch.searchsorted(cdf, u * total, right=True)  # [1]
+    return torch.minimum(hit, torch.searchsorted(cdf, total))[0]
+
+
 class Draws:
     """The random draws of verification, behind two calls, so that a test can replace them by an exact
-    enumeration of their outcomes (tests/exact_draws.py). This one draws from a torch generator."""
+    enumeration of their outcomes (tests/exact_draws.py). This one draws from a torch generator, and decides on the
+    rows' device: it never reads the probabilities it is given."""
 
     def __init__(self, generator: torch.Generator | None):
         self.generator = generator
 
-    def accept(self, a: float) -> tuple[float, bool]:
-        """Draw U ~ Uniform[0, 1) and accept with probability a: (U, U < a)."""
-        u = uniform(self.generator)
+    def accept(self, a: torch.Tensor, until: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """For acceptance probabilities a [n] tried in order: U_i ~ Uniform[0, 1) each, accepted where U_i < a_i:
+        (U [n], accepted [n] bool), on a's device. Only the decisions up to the first that comes out `until` count
+        (the rule stops there); this draws all n, so that nothing waits for a."""
+        u = torch.rand(a.shape, generator=self.generator).to(a.device)
         return u, u < a
 
-    def sample(self, probs: torch.Tensor) -> int:
-        return sample(probs, self.generator)
+    def sample(self, probs: torch.Tensor, needed: torch.Tensor | None = None) -> torch.Tensor:
+        """A token [] (long) drawn from the 1-D row by inverse CDF at a fresh U (float64), on the row's device.
+        `needed` ([] bool, None = yes): whether the verdict uses it; this draws it either way."""
+        u = torch.rand((), generator=self.generator, dtype=torch.float64).to(probs.device)
+        return inverse_cdf(probs, u)
 
 
 def as_draws(generator: torch.Generator | Draws | None) -> Draws:
     return generator if isinstance(generator, Draws) else Draws(generator)
 
 
-def accept_probability(p: torch.Tensor, q: torch.Tensor, token: int) -> float:
-    """Leviathan et al.: accept a token drawn from q with probability min(1, p(x)/q(x))."""
-    return min(1.0, float(p[token]) / float(q[token]))
+def accept_probability(p: torch.Tensor, q: torch.Tensor, token) -> torch.Tensor:
+    """Leviathan et al.: accept a token drawn from q with probability min(1, p(x)/q(x)). p, q [..., V]; token: an id
+    (int) for 1-D rows, or ids [...] (long), one per row. Returns [...] float64 (the ratio of the rows' values in
+    float64, as the host's floats did)."""
+    if isinstance(token, int):
+        px, qx = p[..., token], q[..., token]
+    else:
+        px, qx = p.gather(-1, token[..., None])[..., 0], q.gather(-1, token[..., None])[..., 0]
+    return (px.double() / qx.double()).clamp(max=1.0)
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """After a rejection, the next token is drawn from norm(max(p - q, 0))."""
+    """After a rejection, the next token is drawn from norm(max(p - q, 0)) (rows [..., V])."""
     r = (p - q).clamp_min(0)
-    total = r.sum()
+    total = r.sum(-1, keepdim=True)
     # total == 0 only when p == q, where rejection has probability 0; p is the right answer then
-    return p if float(total) <= 0 else r / total
+    return torch.where(total > 0, r / total, p)
 
 
 @dataclass
@@ -127,32 +157,83 @@ class Verdict:
     u: list[float]  # uniform draws (-1 where greedy needs none)
 
 
+@dataclass
+class Pending:
+    """A verdict computed on the rows' device, not read yet: `values` [n] float64 is all the host needs of it, and
+    `read` makes the verdict from those numbers. `settle` reads any number of them in one transfer."""
+    values: torch.Tensor
+    read: Callable[[list[float]], object]
+
+
+def settle(*pending: Pending | None) -> list:
+    """Read pending verdicts (None: none there) with one host transfer (to_host) for all of them."""
+    real = [p for p in pending if p is not None]
+    values = to_host(real[0].values if len(real) == 1 else torch.cat([p.values for p in real]))
+    out, at = [], 0
+    for p in pending:
+        if p is None:
+            out.append(None)
+            continue
+        n = p.values.shape[0]
+        out.append(p.read(values[at: at + n]))
+        at += n
+    return out
+
+
+def first_false(flags: torch.Tensor) -> torch.Tensor:
+    """[1] long: the index of the first False of flags [n] bool (n where all are True), on their device."""
+    return flags.long().cumprod(0).sum().view(1)
+
+
 def verify_block(tokens: list[int], q_rows: torch.Tensor, p_rows: torch.Tensor,
                  generator: torch.Generator | Draws | None, greedy: bool) -> Verdict:
     """Verify draft tokens x_1..x_g (q_rows [g, V]) against target rows p_rows [g+1, V] (or [g, V]:
-    then nothing is drawn when all are accepted, because the caller resolves that position itself)."""
+    then nothing is drawn when all are accepted, because the caller resolves that position itself).
+    Computed on the rows' device; the verdict comes to the host in one transfer."""
+    return settle(check_block(tokens, q_rows, p_rows, generator, greedy))[0]
+
+
+def check_block(tokens: list[int], q_rows: torch.Tensor, p_rows: torch.Tensor,
+                generator: torch.Generator | Draws | None, greedy: bool) -> Pending:
+    """verify_block's arithmetic, left on the rows' device (Pending). Every token's acceptance is decided at once
+    and the first rejection found there; the correction is drawn from the residual at that row, or the bonus from
+    the row after the block. Greedy, rows are one-hot (logits_to_probs at T = 0): the rule accepts where p(x) = 1,
+    draws nothing, and takes the target's argmax at the first rejection (the residual of two different one-hot
+    rows is p's) or at the bonus row."""
+    g, bonus_row = len(tokens), p_rows.shape[0] > len(tokens)
+    if g == 0 and not bonus_row:  # nothing to judge, nothing to draw
+        return Pending(p_rows.new_zeros(0, dtype=torch.float64), lambda v: Verdict(0, None, 0.0, False, [], [], []))
     draws = as_draws(generator)
-    p_of, q_of, us = [], [], []
-    for i, x in enumerate(tokens):
-        p_of.append(float(p_rows[i, x]))
-        q_of.append(float(q_rows[i, x]))
-        u, accepted = decide(accept_probability(p_rows[i], q_rows[i], x), draws, greedy)
-        us.append(u)
-        if accepted:
-            continue
-        residual = residual_distribution(p_rows[i], q_rows[i])
-        token = draws.sample(residual)
-        return Verdict(i, token, float(residual[token]), False, p_of, q_of, us)
-    if len(p_rows) == len(tokens):
-        return Verdict(len(tokens), None, 0.0, False, p_of, q_of, us)
-    bonus_row = p_rows[len(tokens)]
-    token = draws.sample(bonus_row)
-    return Verdict(len(tokens), token, float(bonus_row[token]), True, p_of, q_of, us)
+    x = torch.tensor(tokens, dtype=torch.long, device=p_rows.device)  # [g]
+    p_x = p_rows[:g].gather(-1, x[:, None])[:, 0].double()  # [g]
+    q_x = q_rows[:g].gather(-1, x[:, None])[:, 0].double()  # [g]
+    a = accept_probability(p_rows[:g], q_rows[:g], x)  # [g]
+    u, accepted = (None, a == 1.0) if greedy else draws.accept(a, until=False)
+    n = first_false(accepted)  # [1]: the accepted prefix's length
+    p_n = p_rows.index_select(0, n.clamp(max=p_rows.shape[0] - 1))[0]  # [V]: the rejected token's row, or the bonus row
+    if greedy:
+        token = p_n.argmax().view(1)
+        row = p_n
+    else:
+        row = p_n
+        if g:
+            q_n = q_rows.index_select(0, n.clamp(max=g - 1))[0]  # [V]
+            residual = residual_distribution(p_n, q_n)
+            row = torch.where(n < g, residual, p_n) if bonus_row else residual
+        token = draws.sample(row, None if bonus_row else n < g).view(1)
+    packed = [p_x, q_x] + ([] if greedy else [u.double()]) + [n.double(), token.double(), row.gather(0, token).double()]
 
+    def read(v: list[float]) -> Verdict:
+        n, token, next_p = int(v[-3]), int(v[-2]), v[-1]
+        m = min(n + 1, g)  # the tokens tried: the accepted ones and the one rejected
+        us = [-1.0] * m if greedy else v[2 * g: 2 * g + m]
+        if n < g:
+            return Verdict(n, token, next_p, False, v[:m], v[g: g + m], us)
+        if not bonus_row:
+            return Verdict(g, None, 0.0, False, v[:m], v[g: g + m], us)
+        return Verdict(g, token, next_p, True, v[:m], v[g: g + m], us)
 
-def decide(a: float, draws: Draws, greedy: bool) -> tuple[float, bool]:
-    """(u, accepted) for an acceptance probability a; greedy draws nothing and accepts iff a == 1."""
-    return (-1.0, a == 1.0) if greedy else draws.accept(a)
+    return Pending(torch.cat(packed), read)
 
 
 def top_alternatives(probs: torch.Tensor, k: int = 3) -> list[list[float]]:
@@ -193,13 +274,13 @@ def candidate_q(q: torch.Tensor, earlier: list[int], scheme: str) -> torch.Tenso
     return q / q.sum()
 
 
-def candidate_step(p_i: torch.Tensor, q_i: torch.Tensor, x: int, scheme: str) -> tuple[float, torch.Tensor]:
-    """(probability of accepting candidate x under p_i, p_{i+1} to use if it is rejected)."""
+def candidate_step(p_i: torch.Tensor, q_i: torch.Tensor, x: int, scheme: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probability [] of accepting candidate x under p_i, p_{i+1} [V] to use if it is rejected), on the rows' device."""
     if scheme == TOPK:  # a point mass at x: accept with p_i(x), else remove x from p_i
         rest = p_i.clone()
         rest[x] = 0
         total = rest.sum()
-        return float(p_i[x]), (rest / total if float(total) > 0 else p_i)
+        return p_i[x].double(), torch.where(total > 0, rest / total, p_i)
     return accept_probability(p_i, q_i, x), residual_distribution(p_i, q_i)
 
 
@@ -214,15 +295,36 @@ class CandidateVerdict:
 
 def verify_candidates(p: torch.Tensor, q: torch.Tensor, candidates: list[int], scheme: str,
                       generator: torch.Generator | Draws | None, greedy: bool) -> CandidateVerdict:
-    draws = as_draws(generator)
-    p_i, us = p, []
+    """The multi-candidate rule at one position, computed on the rows' device; the verdict comes to the host in one
+    transfer."""
+    return settle(check_candidates(p, q, candidates, scheme, generator, greedy))[0]
+
+
+def check_candidates(p: torch.Tensor, q: torch.Tensor, candidates: list[int], scheme: str,
+                     generator: torch.Generator | Draws | None, greedy: bool) -> Pending:
+    """verify_candidates' arithmetic, left on the rows' device (Pending): the whole chain p_1..p_{k+1} is computed,
+    every candidate's acceptance decided at once, and the first accepted one found there; where none is, the token
+    is drawn from p_{k+1} (greedy: its argmax)."""
+    draws, k = as_draws(generator), len(candidates)
+    ids = torch.tensor(candidates, dtype=torch.long, device=p.device)  # [k]
+    p_i, a = p, []
     for i, x in enumerate(candidates):
         q_i = candidate_q(q, candidates[:i], scheme)
-        a, p_next = candidate_step(p_i, q_i, x, scheme)
-        u, accepted = decide(a, draws, greedy)
-        us.append(u)
-        if accepted:
-            return CandidateVerdict(i, x, float(p[x]), [float(p[c]) for c in candidates], us)
-        p_i = p_next
-    token = draws.sample(p_i)
-    return CandidateVerdict(None, token, float(p_i[token]), [float(p[c]) for c in candidates], us)
+        a_i, p_i = candidate_step(p_i, q_i, x, scheme)
+        a.append(a_i)
+    a = torch.stack(a).double() if k else p.new_zeros(0, dtype=torch.float64)  # [k]
+    u, accepted = (None, a == 1.0) if greedy else draws.accept(a, until=True)
+    first = first_false(~accepted)  # [1]: the first accepted candidate (k: none)
+    none = first == k  # [1]
+    drawn = (p_i.argmax() if greedy else draws.sample(p_i, none[0])).view(1)
+    token = torch.where(none, drawn, ids[first.clamp(max=max(k - 1, 0))]) if k else drawn  # [1]
+    prob = torch.where(none, p_i.gather(0, token), p.gather(0, token))  # [1]
+    packed = [first.double(), token.double(), prob.double(), p.gather(0, ids).double()] + ([] if greedy else [u.double()])
+
+    def read(v: list[float]) -> CandidateVerdict:
+        index, token, prob = int(v[0]), int(v[1]), v[2]
+        tried = min(index + 1, k)
+        us = [-1.0] * tried if greedy else v[3 + k: 3 + k + tried]
+        return CandidateVerdict(None if index == k else index, token, prob, v[3: 3 + k], us)
+
+    return Pending(torch.cat(packed), read)
