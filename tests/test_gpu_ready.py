@@ -13,6 +13,8 @@ from engine.events import VERIFY, BranchResolved, TimingSpan, Verified
 from engine.methods import sampling
 from engine.methods.sampling import NO_REPLACEMENT, TOPK, logits_to_probs, verify_block, verify_candidates
 
+from .conftest import make_tiny_model
+
 HOST_READS = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__")
 
 
@@ -89,3 +91,72 @@ def test_an_engine_run_reads_one_verdict_per_verify_pass(tiny_engine, monkeypatc
     assert sum(isinstance(e, Verified) and e.branch == 0 for e in result.events) == len(passes)
     if method == "specbranch":  # forks were judged, in the same transfers as their paths
         assert any(isinstance(e, BranchResolved) for e in result.events)
+
+
+# ---------------------------------------------------------------- emit decodes incrementally
+TRICKY = ["héllo 🎉🇯🇵 日本語のテキスト、そして  spaced   out . , !",
+          "👩‍👩‍👧‍👦 family, 🏳️‍🌈 flag, e\u0301 combining, Ωμέγα, 中文字符串测试, emoji at the end 🎉",
+          "   leading spaces, tabs\tand\nnew lines\n\n   🤖" * 6]
+
+
+@pytest.fixture(scope="module")
+def real_tokenizer():
+    from transformers import AutoTokenizer
+
+    from engine.models.loading import dequantized_gguf_dir, embedded_gguf_path
+
+    return AutoTokenizer.from_pretrained(dequantized_gguf_dir(embedded_gguf_path()))
+
+
+def counted(tokenizer, calls: list[int]):
+    """The tokenizer's own decode, counting the tokens each call is given."""
+    real = tokenizer.decode
+
+    def decode(ids, *args, **kwargs):
+        calls.append(len(ids))
+        return real(ids, *args, **kwargs)
+    return decode
+
+
+@pytest.mark.parametrize("text", TRICKY)
+def test_emit_sends_the_full_decode_and_decodes_a_bounded_window(tmp_path, real_tokenizer, monkeypatch, text):
+    """The text emit has sent after each step is the whole output's decode (less a trailing incomplete character,
+    until the run ends), with special tokens skipped; a step decodes a bounded number of tokens, however long the
+    output already is (the whole output each step was O(n^2) in its length)."""
+    from engine.methods.decoding import RunState, emit
+    from engine.models.loading import load_pair
+    from engine.runtime import Worker
+
+    tok = real_tokenizer
+    special = tok.all_special_ids[0]
+    ids = tok.encode(text)
+    ids = ids[:7] + [special] + ids[7:]  # a special token in the middle: skipped in the text
+    pair = load_pair(str(make_tiny_model(tmp_path / "target", seed=1, context=1024)), None, device="cpu")
+    pair.target.tokenizer = tok
+    prompt = [5, 6]
+    state = RunState(pair, GenerationConfig(method="ar", max_new_tokens=len(ids)), Worker("t"), Worker("d"),
+                     list(prompt), len(prompt), {-1})
+    ids = ids[: state.budget]  # the tiny model's context
+    assert len(ids) >= 40
+    state.budget = len(ids)
+    whole_of = lambda ids: type(tok).decode(tok, ids, skip_special_tokens=True)  # noqa: E731 - not counted
+    calls: list[int] = []
+    monkeypatch.setattr(tok, "decode", counted(tok, calls))
+    sent, at, sizes = "", 0, [1, 3, 2, 5, 1, 4, 2]
+    complete = [0, 0]  # output lengths after a step where the output's text ended on a whole character
+    for i in range(len(ids)):
+        if at >= len(ids):
+            break
+        chunk = ids[at: at + sizes[i % len(sizes)]]
+        at += len(chunk)
+        calls.clear()
+        sent += emit(state, chunk, ["target"] * len(chunk)).text
+        whole = whole_of(ids[:at])
+        assert sent == (whole if state.finish_reason else whole.rstrip("\ufffd"))
+        # the step's decode work: from the last-but-one place its text was whole (the context of the last one), twice
+        # at most, and one piece per new token; never the whole output
+        assert sum(calls) <= 2 * (at - complete[-2]) + len(chunk), (calls, at, complete)
+        if not whole.endswith("\ufffd"):
+            complete.append(at)
+    assert len(complete) > 10 and max(b - a for a, b in zip(complete, complete[1:])) < 16
+    assert state.finish_reason == "length" and sent == whole_of(ids)

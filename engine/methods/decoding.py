@@ -35,7 +35,7 @@ class RunState:
     finish_reason: str | None = None
     decode_start: float = 0.0
     prefill_s: float = 0.0
-    sent_text: str = ""
+    text: "TextStream" = None  # the output's text, decoded as it grows (emit)
     generator: torch.Generator = field(default_factory=torch.Generator)  # verification draws
     draft_generator: torch.Generator = field(default_factory=torch.Generator)  # the draft's own samples
     probe_generator: torch.Generator = field(default_factory=torch.Generator)  # forks a sampled SpecBranch run
@@ -47,6 +47,7 @@ class RunState:
     hrad_samples: list | None = None  # when set: (emitted index, H-RAD features, draft confidence) are collected here
 
     def __post_init__(self):
+        self.text = TextStream(self.pair.tokenizer, self.prompt_len)
         self.generator.manual_seed(self.cfg.seed)
         self.draft_generator.manual_seed(self.cfg.seed + 1_000_003)
         self.probe_generator.manual_seed(self.cfg.seed + 2_000_003)
@@ -207,12 +208,39 @@ def emit(state: RunState, tokens: list[int], kinds: list[str]) -> TokensEmitted:
     state.tokens.extend(tokens)
     if state.finish_reason is None and state.remaining <= 0:
         state.finish_reason = "length"
-    text = state.pair.tokenizer.decode(state.tokens[state.prompt_len:], skip_special_tokens=True)
-    if state.finish_reason is None:
-        text = text.rstrip("\ufffd")  # hold back an incomplete multi-byte character
-    delta = text[len(state.sent_text):]
-    state.sent_text = max(text, state.sent_text, key=len)
+    delta = state.text.delta(state.tokens, final=state.finish_reason is not None)
     return TokensEmitted(state.step, tokens, state.pieces(tokens), kinds, delta)
+
+
+class TextStream:
+    """The output's text, decoded incrementally: after each step, the text sent so far is exactly the whole output's
+    decode (skip_special_tokens), less a trailing incomplete multi-byte character ("\ufffd"), held back until the
+    tokens that complete it come, or the run ends. The scheme of text-generation-inference and vLLM: decode only a
+    window, from `prefix` (the start of the last chunk whose text was complete) to the end; its text past the
+    prefix's (the tokens [prefix, read)) is new. The prefix gives the tokenizer the context a piece's text may depend
+    on (a SentencePiece word's leading space). So a step decodes the last complete chunk, what is held back, and its
+    own tokens, whatever the output's length: decoding the whole output each step was O(n^2) in its length."""
+    __slots__ = ("tokenizer", "prefix", "read", "prefix_chars", "sent")
+
+    def __init__(self, tokenizer, start: int):
+        self.tokenizer = tokenizer
+        self.prefix = self.read = start  # token indices: the window's start; the end of the text sent in full
+        self.prefix_chars = 0  # len(decode(tokens[prefix:read]))
+        self.sent = 0  # characters of the window past the prefix already sent (before a held-back character)
+
+    def delta(self, tokens: list[int], final: bool) -> str:
+        """The text the tokens added since the last call (`final`: the run has ended; nothing is held back)."""
+        decode = self.tokenizer.decode
+        text = decode(tokens[self.prefix:], skip_special_tokens=True)
+        held = text.endswith("\ufffd")
+        shown = text.rstrip("\ufffd") if held and not final else text
+        new = shown[self.prefix_chars + self.sent:]
+        if held and not final:  # the window stays open until the character is complete
+            self.sent += len(new)
+        else:  # everything up to here is text: the next window starts at this chunk
+            self.prefix, self.read, self.sent = self.read, len(tokens), 0
+            self.prefix_chars = len(decode(tokens[self.prefix:self.read], skip_special_tokens=True))
+        return new
 
 
 async def step_loop(state: RunState, step) -> AsyncIterator[Event]:
