@@ -17,13 +17,13 @@ from engine.methods.ar import autoregressive_decode
 from engine.methods.assisted import assisted_decode
 from engine.methods.calibration import PRIOR_WEIGHT, RESCUE_BINS, RESCUE_PRIOR_WEIGHT, AcceptanceCalibration
 from engine.config import GenerationConfig, SpecBranchError
-from engine.measure.costs import busy_draft, draft_features, forward_costs
+from engine.measure.costs import draft_features, forward_costs, target_beside_draft
 from engine.methods.decoding import RunState
 from engine.events import DECODE, DRAFT, VERIFY, Event, Finished, Notice, RunStarted, TimingSpan, TokensEmitted
 from engine.methods.hrad import find_hrad
 from engine.measure.metrics import compute_metrics
 from engine.models.loading import ModelPair
-from engine.runtime import PerProcess, Worker, default_solo_threads, new_event_loop
+from engine.runtime import PerProcess, Worker, default_solo_threads, new_event_loop, run_apart
 from engine.methods.parallel import BranchCosts, Policy, parallel_decode
 from engine.methods.sd import speculative_decode
 
@@ -207,39 +207,32 @@ class Engine:
         return self._calibration[key]
 
     def branch_costs(self, max_rows: int, rounds: int = 3) -> BranchCosts:
-        """What a fork costs on this machine, measured once per engine on the workers' own threads (so with
-        their thread count), 128 tokens in: a draft step on 1..max_rows rows alone (the row counts in turn, 15
-        times: costs.forward_costs), and a target step while the draft steps on k rows beside it (in `rounds`
-        rounds over every k, the median kept). A fork's worth is a difference of these, and measured one after
-        another they drifted by a third on the 2-core CPU (docs/results/README.md)."""
+        """What a fork costs on this machine, measured once per engine through the workers themselves (so with their
+        thread counts, and on CUDA on their streams, timed by their spans), 128 tokens in: a draft step on
+        1..max_rows rows alone (the row counts in turn, 15 times: costs.forward_costs), and a target step while the
+        draft steps on k rows beside it (in `rounds` rounds over every k, the median kept). A fork's worth is a
+        difference of these, and measured one after another they drifted by a third on the 2-core CPU
+        (docs/results/README.md)."""
         if self._branch_costs is None or max(self._branch_costs.draft_ms) < max_rows:
             context = min(128, self.pair.target.context_length // 2)
             feats = draft_features(self.pair, context)
             widths = list(range(1, max_rows + 1))
-            draft = self.draft_worker.executor.submit(forward_costs, self.pair.draft, context, widths, True, 15,
-                                                      feats).result()
-            busy = {k: [] for k in widths}
-            for _ in range(rounds):
-                for k in widths:
-                    busy[k].append(self.target_beside_draft(context, k, feats))
-            self._branch_costs = BranchCosts(draft, {k: statistics.median(v) for k, v in busy.items()})
+
+            async def measure():
+                draft = await forward_costs(self.draft_worker, self.pair.draft, context, widths, True, 15, feats)
+                busy = {k: [] for k in widths}
+                for _ in range(rounds):
+                    for k in widths:
+                        busy[k].append(await target_beside_draft(self.target_worker, self.pair.target,
+                                                                 self.draft_worker, self.pair.draft, context, k, feats))
+                return BranchCosts(draft, {k: statistics.median(v) for k, v in busy.items()})
+            self._branch_costs = run_apart(measure)  # a run may ask for it from inside its event loop
         return self._branch_costs
 
     @property
     def measured_branch_costs(self) -> BranchCosts | None:
         """What branch_costs measured, None where no run asked for it (--branch-costs)."""
         return self._branch_costs
-
-    def target_beside_draft(self, context: int, rows: int, feats: dict | None) -> float:
-        """ms of one target step while the draft steps on `rows` cache rows beside it (costs.busy_draft)."""
-        stop = threading.Event()
-        loop = self.draft_worker.executor.submit(busy_draft, self.pair.draft, context, rows, stop, feats)
-        try:
-            return self.target_worker.executor.submit(forward_costs, self.pair.target, context, [1], False,
-                                                      5).result()[1]
-        finally:
-            stop.set()
-            loop.result()
 
     def decoder(self, state: RunState):
         method = state.cfg.method

@@ -256,10 +256,32 @@ class Worker:
         self._last_end = end_ev
         return result, None, None, LateSpan(self.name, *what, start_ev, end_ev, self._ref, self._anchor)
 
+    async def timed(self, fn: Callable[..., Any], *args, kind: str) -> TimingSpan:
+        """Run fn(*args) as a forward of this worker (run) and return its span, read at once: on CUDA on the worker's
+        thread, where waiting for the end event holds up neither the event loop nor the other worker."""
+        _, span = await self.run(fn, *args, kind=kind, step=0, t0=0.0)
+        if type(span) is LateSpan:
+            span = await asyncio.get_running_loop().run_in_executor(self.executor, span.settle)
+        return span
+
     def shutdown(self) -> None:
         if self._executor.made_here():
             self.executor.shutdown(wait=True)
         self.closed = True
+
+
+def run_apart(make_coroutine: Callable[[], Any]):
+    """Run a coroutine to its end from synchronous code, also where an event loop already runs on this thread (an
+    Engine measures its branch costs from inside a run): on a new event loop, on a thread of its own."""
+    def run():
+        loop = new_event_loop()
+        try:
+            return loop.run_until_complete(make_coroutine())
+        finally:
+            loop.close()
+
+    with ThreadPoolExecutor(1, thread_name_prefix="specbranch-apart") as pool:
+        return pool.submit(run).result()
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:

@@ -100,3 +100,44 @@ def test_costs_refuses_a_missing_or_foreign_bench_before_loading(tmp_path, capsy
     # the target named cannot load, so a refusal that came after loading would say so instead
     assert main(["costs", "--target", str(tmp_path / "no-such-model"), *args]) == 2
     assert why in capsys.readouterr().err
+
+
+def test_costs_are_the_engine_workers_own_spans(tiny_dirs, monkeypatch):
+    """Every forward `costs` and --branch-costs time runs on its model's engine worker, and the figures reported are
+    medians of those workers' spans (on CUDA their events on their own streams; on a CPU host clocks around the
+    call), not clocks of their own around a call on the caller's thread."""
+    import statistics
+
+    from engine.engine import Engine
+    from engine.measure import costs
+    from engine.models.loading import load_pair
+    from engine.runtime import Worker
+
+    spans = []
+    real = Worker.run
+
+    async def run(self, fn, *args, **kwargs):  # the real run, its spans kept
+        result, span = await real(self, fn, *args, **kwargs)
+        spans.append(span)
+        return result, span
+
+    monkeypatch.setattr(Worker, "run", run)
+    engine = Engine(load_pair(str(tiny_dirs["target"]), str(tiny_dirs["draft"]), device="cpu", draft_matmul="float32"))
+    try:
+        out = costs.measure(engine, context=16, max_tokens=3, max_rows=2, reps=3)
+        ms = lambda group: round(1000 * statistics.median(s.end - s.start for s in group), 3)  # noqa: E731
+        target = [s for s in spans if s.worker == "target" and s.kind == costs.COSTS]
+        draft = [s for s in spans if s.worker == "draft" and s.kind == costs.COSTS]
+        assert len(target) == 3 + 3 * 3 and len(draft) == 2 + 3 * 2  # one warm-up per width, then 3 reps in turn
+        assert out["target_ms_by_tokens"] == {w: ms(target[3:][w - 1::3]) for w in (1, 2, 3)}
+        assert out["draft_ms_by_rows"] == {k: ms(draft[2:][k - 1::2]) for k in (1, 2)}
+        spans.clear()
+        measured = engine.branch_costs(2, rounds=1)
+        draft = [s for s in spans if s.worker == "draft"]
+        target = [s for s in spans if s.worker == "target"]
+        assert measured.draft_ms == {k: ms(draft[2: 2 + 15 * 2][k - 1::2]) for k in (1, 2)}
+        # each target step beside k draft rows: one warm-up and 5 timed, while the draft's worker stepped beside it
+        assert len(target) == 2 * 6 and len(draft) >= 2 + 15 * 2 + 2
+        assert measured.target_busy_ms == {1: ms(target[1:6]), 2: ms(target[7:12])}
+    finally:
+        engine.close()

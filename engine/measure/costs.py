@@ -4,7 +4,10 @@ Two parts, both written to one JSON:
   forwards   median ms of the target fed 1..8 tokens, and of the draft fed 1 token on 1..k rows (a branch
              step), each on a cache already holding `--context` tokens, one model at a time, `--threads`
              torch threads (the engine's workers use 1 each); and the target's 1-token step while the draft
-             steps on 1..k rows beside it (Engine.branch_costs: what a fork's rows cost the target)
+             steps on 1..k rows beside it (Engine.branch_costs: what a fork's rows cost the target). Every forward
+             runs on its model's own engine worker and is timed by that worker's span (runtime.Worker.timed): on a
+             CPU host clocks around the call; on CUDA events on the worker's own stream, so the time the kernels
+             took, each model on its stream as in a run, not the time Python took to launch them
   model      for each method of a bench JSON (`python -m engine bench --json`), the speedup it would reach if
              nothing but the forwards cost time, next to the measured one:
                ar           1
@@ -25,25 +28,18 @@ Two parts, both written to one JSON:
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import statistics
-import threading
-import time
 
 import torch
 
 from engine.models import cache as kv
 from engine.measure.metrics import round_ms, round_pace
+from engine.runtime import run_apart
 
 
-def median_ms(fn, reps: int) -> float:
-    fn()  # warm
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return round(1000 * statistics.median(times), 3)
+COSTS = "costs"  # the kind of a timed forward's span
 
 
 def step_of(lm, context: int, w: int, per_row: bool, features: dict | None):
@@ -53,10 +49,11 @@ def step_of(lm, context: int, w: int, per_row: bool, features: dict | None):
     cache = lm.new_cache()
     if features is not None:  # a head drafts on the target's features of the context
         cache.set_target_features(0, features["feats"][:context])
-    lm.forward(torch.randint(0, vocab, (1, context)), cache)
+    device = getattr(lm, "device", torch.device("cpu"))
+    lm.forward(torch.randint(0, vocab, (1, context)).to(device), cache)
     if per_row:
         cache.batch_repeat_interleave(w)
-    x = torch.randint(0, vocab, (w, 1) if per_row else (1, w))
+    x = torch.randint(0, vocab, (w, 1) if per_row else (1, w)).to(device)
 
     def step():
         lm.forward(x, cache)
@@ -64,48 +61,65 @@ def step_of(lm, context: int, w: int, per_row: bool, features: dict | None):
     return step
 
 
-def forward_costs(lm, context: int, widths: list[int], per_row: bool = False, reps: int = 15,
-                  features: dict | None = None) -> dict[int, float]:
-    """ms of one forward of `w` new tokens, or (per_row) of 1 token on each of `w` cache rows (a branch step):
-    the median of `reps`, the widths taken in turn within each rep, so that a drift of the machine's speed
-    (a third within seconds on the 2-core CPU, docs/results/README.md) moves them all, not the one measured then."""
+async def forward_costs(worker, lm, context: int, widths: list[int], per_row: bool = False, reps: int = 15,
+                        features: dict | None = None) -> dict[int, float]:
+    """ms of one forward of `w` new tokens, or (per_row) of 1 token on each of `w` cache rows (a branch step), on
+    `worker` (the model's engine worker), by its spans: the median of `reps`, the widths taken in turn within each
+    rep, so that a drift of the machine's speed (a third within seconds on the 2-core CPU, docs/results/README.md)
+    moves them all, not the one measured then."""
     steps = {w: step_of(lm, context, w, per_row, features) for w in widths}
     for step in steps.values():
-        step()  # warm
+        await worker.timed(step, kind=COSTS)  # warm
     times = {w: [] for w in widths}
     for _ in range(reps):
         for w, step in steps.items():
-            start = time.perf_counter()
-            step()
-            times[w].append(time.perf_counter() - start)
+            span = await worker.timed(step, kind=COSTS)
+            times[w].append(span.end - span.start)
     return {w: round(1000 * statistics.median(t), 3) for w, t in times.items()}
 
 
-def busy_draft(lm, context: int, rows: int, stop: threading.Event, features: dict | None = None) -> int:
-    """Keep the draft stepping on `rows` cache rows until `stop` is set: the load a fork puts beside the
-    target (run it on the draft's thread while timing the target on its own). Returns the steps taken."""
+async def busy_draft(worker, lm, context: int, rows: int, stop: asyncio.Event, features: dict | None = None) -> int:
+    """Keep the draft stepping on `rows` cache rows, on its worker, until `stop` is set: the load a fork puts beside
+    the target (time the target on its own worker meanwhile). Each step is waited for before the next (Worker.timed),
+    so that on CUDA the draft's queue stays one step deep. Returns the steps taken."""
     step, n = step_of(lm, context, rows, True, features), 0
     while not stop.is_set():
-        step()
+        await worker.timed(step, kind=COSTS)
         n += 1
     return n
+
+
+async def target_beside_draft(target_worker, target, draft_worker, draft, context: int, rows: int,
+                              features: dict | None, reps: int = 5) -> float:
+    """ms of one target step on its worker while the draft steps on `rows` cache rows beside it, on its own."""
+    stop = asyncio.Event()
+    busy = asyncio.ensure_future(busy_draft(draft_worker, draft, context, rows, stop, features))
+    try:
+        return (await forward_costs(target_worker, target, context, [1], False, reps))[1]
+    finally:
+        stop.set()
+        await busy
 
 
 def draft_features(pair, context: int) -> dict | None:
     """The target's features of a random context, for a draft head to draft on (None for other drafts)."""
     if not getattr(pair.draft, "reads_target_features", False):
         return None
-    ids = torch.randint(0, min(pair.target.vocab_size, 1000), (1, context))
+    ids = torch.randint(0, min(pair.target.vocab_size, 1000), (1, context)).to(pair.target.device)
     with torch.inference_mode():
         return {"feats": pair.target.forward(ids, pair.target.new_cache(), features=True).features[0]}
 
 
-def measure(pair, context: int = 200, max_tokens: int = 8, max_rows: int = 4, reps: int = 15) -> dict:
-    target = forward_costs(pair.target, context, list(range(1, max_tokens + 1)), reps=reps)
+def measure(engine, context: int = 200, max_tokens: int = 8, max_rows: int = 4, reps: int = 15) -> dict:
+    """The target's and the draft's forward costs, each on its engine worker (forward_costs)."""
+    pair = engine.pair
+    target = run_apart(lambda: forward_costs(engine.target_worker, pair.target, context,
+                                             list(range(1, max_tokens + 1)), reps=reps))
     result = {"context": context, "target_ms_by_tokens": target}
     if pair.draft is not None:
-        result["draft_ms_by_rows"] = forward_costs(pair.draft, context, list(range(1, max_rows + 1)), per_row=True,
-                                                   reps=reps, features=draft_features(pair, context))
+        feats = draft_features(pair, context)
+        result["draft_ms_by_rows"] = run_apart(lambda: forward_costs(engine.draft_worker, pair.draft, context,
+                                                                     list(range(1, max_rows + 1)), True, reps, feats))
         result["c"] = round(target[1] / result["draft_ms_by_rows"][1], 2)
     return result
 
@@ -168,7 +182,7 @@ def run_costs(engine, args, report: dict | None = None) -> dict:
     out = {}
     if engine is not None:
         torch.set_num_threads(max(1, args.threads))
-        out = {"forwards": measure(engine.pair, args.context, args.max_tokens, args.max_rows, args.reps),
+        out = {"forwards": measure(engine, args.context, args.max_tokens, args.max_rows, args.reps),
                "pair": {"target": engine.pair.target.name,
                         "draft": engine.pair.draft.name if engine.pair.draft else None},
                "threads": args.threads}

@@ -383,8 +383,12 @@ def krow_costs(pair, context: int, reps: int, rounds: int) -> dict:
     from engine.engine import Engine
     from engine.measure.costs import measure
 
-    out = measure(pair, context=context, max_tokens=8, max_rows=4, reps=reps)
-    out["target_beside_draft_rows"] = dataclasses.asdict(Engine(pair).branch_costs(4, rounds=rounds))
+    engine = Engine(pair)  # every forward through the engine's own workers, on their streams
+    try:
+        out = measure(engine, context=context, max_tokens=8, max_rows=4, reps=reps)
+        out["target_beside_draft_rows"] = dataclasses.asdict(engine.branch_costs(4, rounds=rounds))
+    finally:
+        engine.close()
     return out
 
 
