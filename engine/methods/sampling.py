@@ -140,10 +140,10 @@ def accept_probability(p: torch.Tensor, q: torch.Tensor, token) -> torch.Tensor:
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """After a rejection, the next token is drawn from norm(max(p - q, 0)) (rows [..., V])."""
-    r = (p - q).clamp_min(0)
+    r = (p - q).clamp_min_(0)  # in place: one [..., V] allocation for r
     total = r.sum(-1, keepdim=True)
     # total == 0 only when p == q, where rejection has probability 0; p is the right answer then
-    return torch.where(total > 0, r / total, p)
+    return torch.where(total > 0, r.div_(total), p)
 
 
 @dataclass
@@ -205,23 +205,25 @@ def check_block(tokens: list[int], q_rows: torch.Tensor, p_rows: torch.Tensor,
         return Pending(p_rows.new_zeros(0, dtype=torch.float64), lambda v: Verdict(0, None, 0.0, False, [], [], []))
     draws = as_draws(generator)
     x = torch.tensor(tokens, dtype=torch.long, device=p_rows.device)  # [g]
-    p_x = p_rows[:g].gather(-1, x[:, None])[:, 0].double()  # [g]
-    q_x = q_rows[:g].gather(-1, x[:, None])[:, 0].double()  # [g]
-    a = accept_probability(p_rows[:g], q_rows[:g], x)  # [g]
-    u, accepted = (None, a == 1.0) if greedy else draws.accept(a, until=False)
+    p_x = p_rows[:g].gather(-1, x[:, None])[:, 0]  # [g]
+    q_x = q_rows[:g].gather(-1, x[:, None])[:, 0]  # [g]
+    if greedy:  # a = min(1, p/q) is 1 exactly where p(x) >= q(x)
+        u, accepted = None, p_x >= q_x
+    else:
+        u, accepted = draws.accept(accept_probability(p_rows[:g], q_rows[:g], x), until=False)
     n = first_false(accepted)  # [1]: the accepted prefix's length
     p_n = p_rows.index_select(0, n.clamp(max=p_rows.shape[0] - 1))[0]  # [V]: the rejected token's row, or the bonus row
+    row = p_n
     if greedy:
         token = p_n.argmax().view(1)
-        row = p_n
     else:
-        row = p_n
         if g:
             q_n = q_rows.index_select(0, n.clamp(max=g - 1))[0]  # [V]
             residual = residual_distribution(p_n, q_n)
             row = torch.where(n < g, residual, p_n) if bonus_row else residual
         token = draws.sample(row, None if bonus_row else n < g).view(1)
-    packed = [p_x, q_x] + ([] if greedy else [u.double()]) + [n.double(), token.double(), row.gather(0, token).double()]
+    # one float64 tensor (torch.cat promotes): token ids are exact in it
+    packed = [p_x, q_x] + ([] if greedy else [u]) + [n, token, row.gather(0, token)]
 
     def read(v: list[float]) -> Verdict:
         n, token, next_p = int(v[-3]), int(v[-2]), v[-1]
@@ -233,7 +235,7 @@ def check_block(tokens: list[int], q_rows: torch.Tensor, p_rows: torch.Tensor,
             return Verdict(g, None, 0.0, False, v[:m], v[g: g + m], us)
         return Verdict(g, token, next_p, True, v[:m], v[g: g + m], us)
 
-    return Pending(torch.cat(packed), read)
+    return Pending(torch.cat(packed).double(), read)
 
 
 def top_alternatives(probs: torch.Tensor, k: int = 3) -> list[list[float]]:
@@ -304,22 +306,26 @@ def check_candidates(p: torch.Tensor, q: torch.Tensor, candidates: list[int], sc
                      generator: torch.Generator | Draws | None, greedy: bool) -> Pending:
     """verify_candidates' arithmetic, left on the rows' device (Pending): the whole chain p_1..p_{k+1} is computed,
     every candidate's acceptance decided at once, and the first accepted one found there; where none is, the token
-    is drawn from p_{k+1} (greedy: its argmax)."""
+    is drawn from p_{k+1} (greedy: p's argmax)."""
     draws, k = as_draws(generator), len(candidates)
     ids = torch.tensor(candidates, dtype=torch.long, device=p.device)  # [k]
-    p_i, a = p, []
-    for i, x in enumerate(candidates):
-        q_i = candidate_q(q, candidates[:i], scheme)
-        a_i, p_i = candidate_step(p_i, q_i, x, scheme)
-        a.append(a_i)
-    a = torch.stack(a).double() if k else p.new_zeros(0, dtype=torch.float64)  # [k]
-    u, accepted = (None, a == 1.0) if greedy else draws.accept(a, until=True)
+    p_c = p.gather(0, ids)  # [k]
+    if greedy:  # p is one-hot: the rule accepts the candidate that is its argmax, and no step of the chain changes p
+        u, accepted, p_i = None, p_c == 1.0, p
+    else:
+        p_i, a = p, []
+        for i, x in enumerate(candidates):
+            q_i = candidate_q(q, candidates[:i], scheme)
+            a_i, p_i = candidate_step(p_i, q_i, x, scheme)
+            a.append(a_i)
+        a = torch.stack(a).double() if k else p.new_zeros(0, dtype=torch.float64)  # [k]
+        u, accepted = draws.accept(a, until=True)
     first = first_false(~accepted)  # [1]: the first accepted candidate (k: none)
     none = first == k  # [1]
     drawn = (p_i.argmax() if greedy else draws.sample(p_i, none[0])).view(1)
     token = torch.where(none, drawn, ids[first.clamp(max=max(k - 1, 0))]) if k else drawn  # [1]
     prob = torch.where(none, p_i.gather(0, token), p.gather(0, token))  # [1]
-    packed = [first.double(), token.double(), prob.double(), p.gather(0, ids).double()] + ([] if greedy else [u.double()])
+    packed = [first, token, prob, p_c] + ([] if greedy else [u])
 
     def read(v: list[float]) -> CandidateVerdict:
         index, token, prob = int(v[0]), int(v[1]), v[2]
@@ -327,4 +333,4 @@ def check_candidates(p: torch.Tensor, q: torch.Tensor, candidates: list[int], sc
         us = [-1.0] * tried if greedy else v[3 + k: 3 + k + tried]
         return CandidateVerdict(None if index == k else index, token, prob, v[3: 3 + k], us)
 
-    return Pending(torch.cat(packed), read)
+    return Pending(torch.cat(packed).double(), read)
