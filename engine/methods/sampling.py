@@ -222,7 +222,7 @@ def check_block(tokens: list[int], q_rows: torch.Tensor, p_rows: torch.Tensor,
             residual = residual_distribution(p_n, q_n)
             row = torch.where(n < g, residual, p_n) if bonus_row else residual
         token = draws.sample(row, None if bonus_row else n < g).view(1)
-    # one float64 tensor (torch.cat promotes): token ids are exact in it
+    # one tensor (torch.cat promotes the ids to the rows' float dtype: exact below 2^24, beyond any vocabulary)
     packed = [p_x, q_x] + ([] if greedy else [u]) + [n, token, row.gather(0, token)]
 
     def read(v: list[float]) -> Verdict:
