@@ -33,10 +33,12 @@ VERDICT_TEXT = {"prefix": "committed prefix", "accepted": "accepted draft token"
                 "target": "target token", "unverified": "never verified"}
 SURVIVOR = "#ff8f00"  # the survivor's highlight: border and edges
 
-FONT_PX = 12
-CELL_PX = 7.4  # advance of one monospace cell at FONT_PX (DejaVu Sans Mono: 0.602 em), with a little slack
-PAD_X, NODE_H, ROW_H, COL_GAP, MARGIN = 6, 22, 30, 26, 10
-MAX_CELLS, PREFIX_CELLS = 24, 16  # longer labels are cut (the full text is in the hover)
+# Sized to be read from the back of a room on a projected 1280x720 page: 20 px labels, thick survivor edges
+FONT_PX = 20
+CELL_PX = 12.3  # advance of one monospace cell at FONT_PX (DejaVu Sans Mono: 0.602 em), with a little slack
+PAD_X, NODE_H, ROW_H, COL_GAP, MARGIN = 8, 34, 44, 34, 12
+EDGE_W, SURVIVOR_W = 2, 5  # stroke widths: an edge, and the survivor's border and edges
+MAX_CELLS, PREFIX_CELLS = 16, 12  # longer labels are cut (the full text is in the hover)
 
 
 @dataclass
@@ -401,7 +403,8 @@ def edge_svg(a: Box, b: Box) -> str:
     x1, y1, x2, y2 = a.x + a.w, a.y + a.h / 2, b.x, b.y + b.h / 2
     mid = (x1 + x2) / 2
     survivor = a.node.survivor and b.node.survivor
-    style = f'stroke="{SURVIVOR}" stroke-width="3"' if survivor else 'stroke="#9e9e9e" stroke-width="1.2"'
+    style = f'stroke="{SURVIVOR}" stroke-width="{SURVIVOR_W}"' if survivor else \
+        f'stroke="#9e9e9e" stroke-width="{EDGE_W}"'
     return (f'<path class="edge{" survivor" if survivor else ""}" d="M{x1:.1f},{y1:.1f} C{mid:.1f},{y1:.1f} '
             f'{mid:.1f},{y2:.1f} {x2:.1f},{y2:.1f}" fill="none" {style}/>')
 
@@ -409,8 +412,9 @@ def edge_svg(a: Box, b: Box) -> str:
 def node_svg(box: Box) -> str:
     n = box.node
     fill, stroke, ink, dashed = STYLE.get(n.verdict, STYLE["unverified"])
-    border = f'stroke="{SURVIVOR}" stroke-width="3"' if n.survivor else f'stroke="{stroke}" stroke-width="1.2"'
-    dash = ' stroke-dasharray="4 3"' if dashed and not n.survivor else ""
+    border = f'stroke="{SURVIVOR}" stroke-width="{SURVIVOR_W}"' if n.survivor else \
+        f'stroke="{stroke}" stroke-width="{EDGE_W}"'
+    dash = ' stroke-dasharray="6 4"' if dashed and not n.survivor else ""
     text_w = cells(box.label) * CELL_PX
     fit = f' textLength="{text_w:.1f}" lengthAdjust="spacingAndGlyphs"' if cells(box.label) > 1 else ""
     classes = f"node v-{html.escape(n.verdict)}" + (" survivor" if n.survivor else "")
@@ -503,12 +507,40 @@ def step_caption(step_events_: list[Event], step: int, previous: list[Event] = (
     return f"Step {step}: " + "; ".join(parts)
 
 
+def step_headline(step_events_: list[Event]) -> str:
+    """The step's outcome in a few large words (HTML, token text escaped): which branch of a fork won, with its
+    token in the colour of its verdict, else how many drafted tokens the target accepted."""
+    facts = StepFacts.of(step_events_)
+    if facts.fork is not None:
+        f = facts.fork
+        if f.survivor < 0:
+            return (f'<div class="tree-headline">Fork of {len(f.candidates)}: every branch lost; the target '
+                    f'wrote {chip(visible(facts.emitted_pieces[-1]) if facts.emitted_pieces else "?", "correction")}'
+                    '</div>')
+        verdict = "rescued" if f.rescued else "accepted"
+        won = f"branch {f.survivor + 1} of {len(f.candidates)} won"
+        return (f'<div class="tree-headline">Fork: {won} {chip(visible(f.pieces[f.survivor]), verdict)}'
+                + (' <span class="tree-rescue">a rescue: not the draft\'s first choice</span>' if f.rescued else "")
+                + "</div>")
+    if facts.verdict is not None and facts.verdict.tokens:
+        v = facts.verdict
+        return (f'<div class="tree-headline">{v.accepted} of {len(v.tokens)} drafted tokens accepted, no fork'
+                '</div>')
+    return ""
+
+
+def chip(text: str, verdict: str) -> str:
+    fill, stroke, ink, _ = STYLE[verdict]
+    return (f'<span class="tree-chip" style="background:{fill};border:3px solid {SURVIVOR};color:{ink}">'
+            f'{html.escape(text)}</span>')
+
+
 def tree_html(events: list[Event], step: int | None) -> str:
     """The tree of `step` of a stream, with its caption and legend (what the Live and Replay tabs show)."""
     if step is None:
         return '<div class="tree-view"><p>No steps yet.</p></div>'
     mine = step_events(events, step)
     caption = step_caption(mine, step, step_events(events, step - 1))
-    return (f'<div class="tree-view" data-step="{int(step)}"><div class="tree-caption">'
+    return (f'<div class="tree-view" data-step="{int(step)}">{step_headline(mine)}<div class="tree-caption">'
             f'{html.escape(caption)}</div><div class="tree-legend">{TREE_LEGEND}</div>'
             f'<div class="tree-scroll">{tree_svg(mine, prefix_before(events, step))}</div></div>')

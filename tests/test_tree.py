@@ -178,3 +178,36 @@ def test_the_caption_tells_a_branch_hold_from_a_path_hold():
     nxt = [StepStarted(3, START + 2, 0.1), TimingSpan("draft", "draft", 3, 0.1051, 0.11),
            TimingSpan("target", "verify", 3, 0.105, 0.15), TokensEmitted(3, [6], ["f"], ["target"], "f")]
     assert "started without waiting on a draft step" not in step_caption(nxt, 3, branch_held)
+
+
+def test_the_headline_says_which_branch_won_in_large_type():
+    """A fork's step opens with its outcome in a few large words: which branch won, its token in its verdict's
+    colour, and whether that was a rescue; a step without a fork says how many drafted tokens were accepted."""
+    from app.tree import STYLE, step_headline
+
+    won = step_headline(fork(survivor=1, rescued=True, tried=2))
+    assert "branch 2 of 3 won" in won and ">c2</span>" in won and STYLE["rescued"][0] in won and "a rescue" in won
+    first = step_headline(fork(survivor=0, rescued=False, tried=1))
+    assert "branch 1 of 3 won" in first and STYLE["accepted"][0] in first and "rescue" not in first
+    lost = step_headline(fork(survivor=-1, rescued=False, tried=3))
+    assert "every branch lost" in lost and ">Z</span>" in lost
+    assert "2 of 4 drafted tokens accepted, no fork" in step_headline(linear_rejection())
+    assert tree_html(fork(survivor=1, rescued=True, tried=2), 2).index("tree-headline") < \
+        tree_html(fork(survivor=1, rescued=True, tried=2), 2).index("tree-caption")
+    evil = fork(survivor=1, rescued=True, tried=2)
+    evil[next(i for i, e in enumerate(evil) if isinstance(e, BranchResolved))] = BranchResolved(2, START + 1, [11, 12, 13], ["c1", "<img src=x onerror=alert(1)>", "c3"], [0.5] * 3,
+                             [0.2] * 3, [0.9, 0.3], "topk", [[1], [2], [3]], [["a"], ["b"], ["c"]], 1, 12, True)
+    assert "<img" not in step_headline(evil) and "&lt;img" in step_headline(evil)
+
+
+def test_a_forking_step_is_drawn_large_enough_to_read_from_afar():
+    """20 px labels (the page's body text is about 14 px) and thick survivor edges; a fork of 3 with γ 3 and
+    short tokens still fits a 1280-px-wide page without scrolling."""
+    from app.tree import FONT_PX, NODE_H, SURVIVOR_W
+
+    assert FONT_PX >= 20 and NODE_H >= FONT_PX + 12 and SURVIVOR_W >= 4
+    events = fork(survivor=1, rescued=True, tried=2)
+    svg = tree_svg(events, "Why is the sky blue? The sky")
+    assert f'font-size="{FONT_PX}"' in svg and f'stroke-width="{SURVIVOR_W}"' in svg
+    width = float(re.search(r'<svg[^>]* width="([\d.]+)"', svg).group(1))
+    assert width <= 1200
