@@ -11,7 +11,7 @@ import gradio as gr
 
 from .context import AppContext, no_store
 from .identity import browser_id_state, browser_identity
-from .settings import DRAFT_LABEL, defaults_for
+from .settings import defaults_for
 from .tabs.compare import CompareTab
 from .tabs.how_to_read import HowToReadTab
 from .tabs.live import LiveTab
@@ -28,6 +28,7 @@ MAX_QUEUE_ENV = "SPECBRANCH_MAX_QUEUE"
 OTHERS_PER_ENGINE_SLOT = 4  # gradio's own bound, on events of every endpoint, is this many times the engine's
 BUSY = ("The app is busy: {waiting} runs are already waiting for the engine (at most {bound} may wait). Please try "
         "again in a minute.")
+DRAFT_INFO = "loaded on first use; picking one sets the Advanced settings to the ones chosen for its kind"
 TABS = (LiveTab, CompareTab, ReplayTab, HowToReadTab)  # in page order; Compare reads the controls Live builds
 
 
@@ -40,7 +41,8 @@ def build_app(get_engine, get_store=None, defaults: dict | None = None, about: s
                     "came from, every forward pass is on the timeline.")
         if about:
             gr.HTML(f'<div class="about">{html.escape(about)}</div>')
-        ctx.draft = gr.Dropdown(drafts, value=ctx.specs[0], label=DRAFT_LABEL, elem_id="draft") if drafts \
+        ctx.draft = gr.Dropdown(drafts, value=ctx.specs[0], label="Draft", elem_id="draft",
+                                info=DRAFT_INFO) if drafts \
             else gr.State(None)
         ctx.browser = browser_id_state()
         tabs = [tab(ctx) for tab in TABS]

@@ -12,20 +12,6 @@ from engine.presets import preset_for
 LIVE_METHODS = ["specbranch", "pearl", "sd", "ar", "specbranch-no-branch", "specbranch-no-hrad"]
 COMPARE_METHODS = ["ar", "sd", "pearl", "specbranch"]
 
-# H-RAD ships off: on held-out prompts it placed branch points no better than the draft's confidence alone
-# (classification and speed, docs/methods.md); the checkbox says so where the user decides
-HRAD_LABEL = ("H-RAD (classifier places branch points). Off by default: on held-out prompts it was no faster "
-              "than confidence only (docs/methods.md)")
-
-
-HOLD_BRANCHES_LABEL = ("Hold the branches too (SpecBranch, with a hold): a branch step that would take the first "
-                       "branch's odds below the hold keeps nothing. On by default for embedded-weak and self-skip "
-                       "drafts: it cut path rollback at the same speed; off for the distilled draft, which it made 7 % "
-                       "slower at T=0 (docs/methods.md)")
-
-DRAFT_LABEL = "Draft (loaded on first use; picking one sets the sliders to the settings the bench chose for its kind)"
-
-
 def defaults_for(draft: str | None) -> dict:
     """The sliders' starting values for a draft spec: its preset, as the CLI and the bench read it
     (engine/presets.py)."""

@@ -259,10 +259,10 @@ def test_app_defaults_follow_the_draft_and_the_pair_line_is_text(tiny_engine):
     for defaults, held in ((SELF.settings(), False), (DISTILLED.settings(), False), (OFTEN_WRONG.settings(), True)):
         demo = build_app(lambda draft=None: tiny_engine, defaults=defaults, about="target <b>x</b> · draft self")
         props = [c["props"] for c in demo.config["components"]]
-        value = lambda label: next(p["value"] for p in props if str(p.get("label", "")).startswith(label))
-        assert value("γ:") == defaults["gamma"] and value("ε:") == defaults["epsilon"]
-        assert value("Draft stop") == defaults["draft_stop"] and value("Head start") == defaults["head_start"]
-        assert value("Hold (") == defaults["hold"] and value("Hold the branches") is defaults["hold_branches"] is held
+        value = lambda elem_id: next(p["value"] for p in props if p.get("elem_id") == elem_id)
+        assert value("gamma") == defaults["gamma"] and value("epsilon") == defaults["epsilon"]
+        assert value("draft-stop") == defaults["draft_stop"] and value("head-start") == defaults["head_start"]
+        assert value("hold") == defaults["hold"] and value("hold-branches") is defaults["hold_branches"] is held
         about = [p["value"] for p in props if 'class="about"' in str(p.get("value", ""))]
         assert about == ['<div class="about">target &lt;b&gt;x&lt;/b&gt; · draft self</div>']
 

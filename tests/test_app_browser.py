@@ -58,7 +58,8 @@ def page(app_url):
         page = browser.new_page(viewport={"width": 1400, "height": 2200})
         page.goto(app_url, wait_until="load")
         page.wait_for_selector("#prompt textarea", timeout=60_000)
-        page.get_by_label("Chat template (off: raw text, e.g. code completion)").uncheck()  # tiny models: raw text
+        page.locator("#advanced").get_by_text("Advanced").first.click()  # the settings past the basic ones
+        page.locator("#chat-template input[type=checkbox]").uncheck()  # tiny models: raw text
         yield page
         browser.close()
 

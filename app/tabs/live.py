@@ -7,15 +7,14 @@ import time
 import gradio as gr
 
 from engine.config import SpecBranchError
-from engine.events import Event, TokensEmitted
+from engine.events import Event, Notice, TokensEmitted
 from sessions.replay import replay_steps
 
 from ..context import AppContext
 from ..identity import owner_of
 from ..navigator import build_navigator, clamp_step, notice_of, slider_update, step_strip, wire_navigator
 from ..render import VIEWS, highlight_of, notice_html, skips, views_at
-from ..settings import (HOLD_BRANCHES_LABEL, HRAD_LABEL, LIVE_METHODS, SLIDER_KEYS, examples,
-                        make_config, slider_defaults)
+from ..settings import LIVE_METHODS, SLIDER_KEYS, examples, make_config, slider_defaults
 from ..figures import timeline_figure
 from ..stream import stream_events
 from ..tree import tree_html
@@ -26,7 +25,19 @@ LEGEND = ('<div class="legend"><span class="tok tok-accepted">accepted draft</sp
           '</span><span class="tok tok-bonus">bonus</span><span class="tok tok-target">target</span>'
           '<span class="rb-key">↶n</span> n drafted tokens rolled back in that step (click to show) · hover a token '
           'for p, q, p/q and u</div>')
-PLOT_EVERY_S = 1.0  # long outputs stay responsive: the figures redraw about once a second, the tokens every 4
+METHOD_INFO = ("specbranch: the draft forks where unsure and runs beside the target; pearl: beside it, no forks; "
+               "sd: draft a block, then verify it; ar: the target alone")
+HOLD_BRANCHES_INFO = ("SpecBranch, with a hold: a branch step that would take the first branch's odds below the hold "
+                      "keeps nothing. On for the embedded-weak and self-skip drafts: it cut path rollback at the same "
+                      "speed; off for the distilled draft, which it made 7 % slower at T=0 (docs/methods.md)")
+# H-RAD ships off: on held-out prompts it placed branch points no better than the draft's confidence alone
+HRAD_INFO = ("a classifier places the branch points. Off by default: on held-out prompts it was no faster than the "
+             "draft's confidence alone (docs/methods.md)")
+# A live view that does not slow what it shows: while a run streams, only the answer and the token view update, at
+# most TOKENS_EVERY_S apart; the figures, the tree, the metric panel and the glance line are drawn once at the end,
+# and every PLOT_EVERY_S during a long run (the browser redrawing three Plotly figures took cores the engine needs)
+TOKENS_EVERY_S = 0.25
+PLOT_EVERY_S = 10.0
 
 
 def message_text(message: dict) -> str:
@@ -36,8 +47,9 @@ def message_text(message: dict) -> str:
 
 
 class LiveTab:
-    def __init__(self, ctx: AppContext):
+    def __init__(self, ctx: AppContext, clock=time.perf_counter):
         self.ctx = ctx
+        self.clock = clock  # what paces the stream's updates (a test hands it a clock of its own)
 
     # ------------------------------------------------------------------ UI
     def create_ui(self) -> None:
@@ -59,33 +71,43 @@ class LiveTab:
             self.events = gr.State([])
 
     def create_controls(self) -> None:
+        """Basic controls (method, max new tokens, temperature; the draft menu sits above the tabs) show at once;
+        everything else waits in the Advanced accordion, each with a one-line label and its explanation as info."""
         d = self.ctx.defaults
-        self.method = gr.Dropdown(LIVE_METHODS, value="specbranch", label="Method", elem_id="live-method")
-        max_new = gr.Slider(1, 2048, value=128, step=1, label="Max new tokens (1–2048)", elem_id="max-new")
-        temperature = gr.Slider(0, 2, value=0, step=0.05, label="Temperature (0 = greedy, ≥ 0)")
-        top_p = gr.Slider(0.01, 1, value=1, step=0.01, label="Top-p, in (0, 1]")
-        gamma = gr.Slider(1, 16, value=d["gamma"], step=1, elem_id="gamma",
-                          label="γ: SD block length; PEARL/SpecBranch: tokens verified per round (1–16)")
-        branches = gr.Slider(1, 6, value=3, step=1, label="k: most branches at a branch point (1–6)")
-        epsilon = gr.Slider(0, 1, value=d["epsilon"], step=0.05, elem_id="epsilon",
-                            label="ε: branch where the draft's token is accepted less often than this: its "
-                                  "confidence, read as the acceptance this engine measured at it [0, 1]")
-        draft_stop = gr.Slider(0, 1, value=d["draft_stop"], step=0.05, elem_id="draft-stop",
-                               label="Draft stop: end a round's drafting below this confidence (0 = off)")
-        feed_stop = gr.Slider(0, 1, value=d["feed_stop"], step=0.05, elem_id="feed-stop",
-                              label="Feed stop: verify drafted tokens only while the draft's odds that all are "
-                                    "accepted stay above this (0 = up to γ)")
-        head_start = gr.Slider(0, 1, value=d["head_start"], step=0.01, elem_id="head-start",
-                               label="Head start: after a rejection, the draft leads the target's next pass while "
-                                     "its odds that the block is accepted stay above this (0 = off, the target "
-                                     "starts at once as in PEARL)")
-        hold = gr.Slider(0, 1, value=d["hold"], step=0.05, elem_id="hold",
-                         label="Hold (SpecBranch): draft nothing where the odds that it is accepted, the pending "
-                               "tokens' included, fall below this; the target takes that token itself (0 = off)")
-        hold_branches = gr.Checkbox(d["hold_branches"], label=HOLD_BRANCHES_LABEL, elem_id="hold-branches")
-        hrad = gr.Checkbox(d["hrad"], label=HRAD_LABEL, elem_id="hrad")
-        seed = gr.Number(0, precision=0, label="Seed (integer)")
-        self.chat = gr.Checkbox(True, label="Chat template (off: raw text, e.g. code completion)")
+        self.method = gr.Dropdown(LIVE_METHODS, value="specbranch", label="Method", info=METHOD_INFO,
+                                  elem_id="live-method")
+        max_new = gr.Slider(1, 2048, value=128, step=1, label="Max new tokens", info="1–2048", elem_id="max-new")
+        temperature = gr.Slider(0, 2, value=0, step=0.05, label="Temperature", info="0 = greedy (≥ 0)",
+                                elem_id="temperature")
+        with gr.Accordion("Advanced", open=False, elem_id="advanced"):
+            top_p = gr.Slider(0.01, 1, value=1, step=0.01, label="Top-p", elem_id="top-p",
+                              info="in (0, 1]: sample from the fewest tokens holding this much probability")
+            gamma = gr.Slider(1, 16, value=d["gamma"], step=1, label="γ (draft length)", elem_id="gamma",
+                              info="SD: the block length; PEARL and SpecBranch: the most tokens verified per "
+                                   "round (1–16)")
+            branches = gr.Slider(1, 6, value=3, step=1, label="k (branches)", elem_id="branches",
+                                 info="SpecBranch: the most candidates at a branch point (1–6)")
+            epsilon = gr.Slider(0, 1, value=d["epsilon"], step=0.05, label="ε (where to fork)", elem_id="epsilon",
+                                info="fork where the draft's token is accepted less often than this: its "
+                                     "confidence, read as the acceptance this engine measured at it [0, 1]")
+            draft_stop = gr.Slider(0, 1, value=d["draft_stop"], step=0.05, label="Draft stop", elem_id="draft-stop",
+                                   info="end a round's drafting below this confidence (0 = off)")
+            feed_stop = gr.Slider(0, 1, value=d["feed_stop"], step=0.05, label="Feed stop", elem_id="feed-stop",
+                                  info="verify drafted tokens only while the draft's odds that all are accepted "
+                                       "stay above this (0 = up to γ)")
+            head_start = gr.Slider(0, 1, value=d["head_start"], step=0.01, label="Head start", elem_id="head-start",
+                                   info="after a rejection, the draft leads the target's next pass while its odds "
+                                        "that the block is accepted stay above this (0 = off: the target starts "
+                                        "at once, as in PEARL)")
+            hold = gr.Slider(0, 1, value=d["hold"], step=0.05, label="Hold", elem_id="hold",
+                             info="SpecBranch: draft nothing where the odds that it is accepted, the pending "
+                                  "tokens' included, fall below this; the target takes that token itself (0 = off)")
+            hold_branches = gr.Checkbox(d["hold_branches"], label="Hold the branches too", info=HOLD_BRANCHES_INFO,
+                                        elem_id="hold-branches")
+            hrad = gr.Checkbox(d["hrad"], label="H-RAD", info=HRAD_INFO, elem_id="hrad")
+            seed = gr.Number(0, precision=0, label="Seed", info="an integer", elem_id="seed")
+            self.chat = gr.Checkbox(True, label="Chat template", info="off: raw text, e.g. code completion",
+                                    elem_id="chat-template")
         self.settings = {"gamma": gamma, "epsilon": epsilon, "draft_stop": draft_stop, "feed_stop": feed_stop,
                          "head_start": head_start, "hold": hold, "hold_branches": hold_branches, "hrad": hrad}
         self.ctx.controls = [max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, feed_stop,
@@ -163,19 +185,23 @@ class LiveTab:
             return (history, *views_at(events, None, warning, show_rollbacks, ar_speed),
                     slider_update(steps, steps[-1] if steps else None), "", events)
 
-        text, last_plot, tokens_seen = "", 0.0, 0
+        text, clock = "", self.clock
+        last_all, last_text = clock(), float("-inf")  # the first tokens show at once
         try:
             for event in stream_events(engine, ids, cfg, prompt):
                 events.append(event)
                 recorder.add(event)
-                if isinstance(event, TokensEmitted):
+                if isinstance(event, Notice):  # e.g. the draft's step still compiling: say so at once
+                    yield (history, *skips(2), notice_html(events), *skips(VIEWS - 3 + 2), events)
+                elif isinstance(event, TokensEmitted):
                     text += event.text
-                    tokens_seen += len(event.tokens)
                     history[-1] = {"role": "assistant", "content": text}  # the chat holds the answer text only
-                    if time.perf_counter() - last_plot > PLOT_EVERY_S:
-                        last_plot = time.perf_counter()
+                    now = clock()
+                    if now - last_all >= PLOT_EVERY_S:  # a long run: every view, now and then
+                        last_all = last_text = now
                         yield everything()
-                    elif tokens_seen % 4 == 0:
+                    elif now - last_text >= TOKENS_EVERY_S:  # the answer and its tokens, a few times a second
+                        last_text = now
                         yield (history, token_view(events, show_rollbacks), *skips(VIEWS - 1 + 2), events)
         except Exception as exc:
             message = "out of memory: try fewer tokens or a smaller pair" if "out of memory" in str(exc) else str(exc)

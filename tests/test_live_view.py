@@ -1,0 +1,133 @@
+"""The Live tab as a teacher projects it: the basic controls show at once and the rest wait in Advanced (each with
+a one-line label and its explanation as info), the glance line's speedup from the first chat on, and a stream whose
+heavy figures are drawn once at the end (and now and then in a long run), never on every token."""
+from __future__ import annotations
+
+import gradio as gr
+import pytest
+
+from app.context import AppContext
+from app.main import build_app
+from app.tabs.live import PLOT_EVERY_S, TOKENS_EVERY_S, LiveTab
+from app.views import glance_html, one_token_step_s
+from engine.events import Finished, RunStarted, TimingSpan, TokensEmitted
+
+BASIC = ("draft", "live-method", "max-new", "temperature")
+ADVANCED = ("top-p", "gamma", "branches", "epsilon", "draft-stop", "feed-stop", "head-start", "hold", "hold-branches",
+            "hrad", "seed", "chat-template")
+
+
+def by_id(demo) -> dict:
+    return {b.elem_id: b for b in demo.blocks.values() if getattr(b, "elem_id", None)}
+
+
+def accordion_of(block):
+    while block is not None:
+        if isinstance(block, gr.Accordion):
+            return block
+        block = block.parent
+    return None
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return build_app(lambda draft=None: None, drafts=[("the app's own", "self"), ("another", "embedded")])
+
+
+def test_basic_controls_show_at_once_and_the_rest_wait_in_advanced(demo):
+    blocks = by_id(demo)
+    for elem_id in BASIC:
+        assert accordion_of(blocks[elem_id]) is None, elem_id  # on the page as it opens
+    advanced = blocks["advanced"]
+    assert isinstance(advanced, gr.Accordion) and advanced.open is False and advanced.label == "Advanced"
+    for elem_id in ADVANCED:
+        control = blocks[elem_id]
+        assert accordion_of(control) is advanced, elem_id
+        # a one-line label; the long explanation is the control's info text
+        assert len(control.label) <= 24 and "\n" not in control.label, control.label
+        assert control.info and len(control.info) > len(control.label), elem_id
+    for elem_id in ("live-method", "max-new", "temperature"):
+        assert len(blocks[elem_id].label) <= 24 and blocks[elem_id].info
+
+
+def events_of(n_tokens: int, step_ms: float, spans: list[tuple[float, int]], tokens_per_s: float) -> list:
+    """A finished specbranch run: target forwards (ms long, tokens fed) and its measured speed."""
+    events = [RunStarted("specbranch", "t", "d", [1], "why?", {}, "cpu", 0.0)]
+    t = 0.0
+    for ms, fed in spans:
+        events.append(TimingSpan("target", "verify", 1, t, t + ms / 1000, fed))
+        t += ms / 1000
+    events.append(TokensEmitted(1, list(range(n_tokens)), ["a"] * n_tokens, ["accepted"] * n_tokens, "a" * n_tokens))
+    events.append(Finished("length", 0.1, 1.0, n_tokens, {"tokens_per_s": tokens_per_s}))
+    return events
+
+
+def test_the_first_chat_gets_a_speedup_against_the_targets_one_token_step():
+    """No AR run of the prompt yet: the run's tokens/s times the median of its one-token target forwards (a
+    4-token verify pass does not count), labelled as such; once an AR run exists, the measured comparison."""
+    events = events_of(8, 0, [(50, 1), (60, 1), (200, 4), (40, 1), (70, 1)], tokens_per_s=30.0)
+    assert one_token_step_s(events) == pytest.approx((0.055, 4))
+    first = glance_html(events)
+    assert "≈ 1.65× the target&#x27;s one-token step" in first and "(30 tokens/s; one step 55.0 ms)" in first
+    assert "glance-speed" in first and "vs AR" not in first
+    assert first.index("one-token step") < first.index("tokens per target forward")  # the speedup comes first
+    measured = glance_html(events, ar_tokens_per_s=20.0)
+    assert "vs AR on this prompt" in measured and "<b>1.50×</b>" in measured and "one-token step" not in measured
+    # a run with no one-token target forward claims no speedup until an AR run exists
+    none = glance_html(events_of(8, 0, [(200, 4)], tokens_per_s=30.0))
+    assert "×" not in none and "tokens per target forward" in none
+
+
+class Clock:
+    """A clock that moves `dt` seconds each time it is read."""
+
+    def __init__(self, dt: float):
+        self.t, self.dt = 0.0, dt
+
+    def __call__(self) -> float:
+        self.t += self.dt
+        return self.t
+
+
+TIMELINE = 6  # the timeline's place among /generate's outputs (chat, tokens, metrics, notices, glance, tree, ...)
+
+
+def stream(tiny_engine, clock) -> tuple[list, list]:
+    """Every update a Live run yields, and the run's events."""
+    tab = LiveTab(AppContext(lambda draft=None: tiny_engine), clock=clock)
+    updates = list(tab.generate("a b c", [], "specbranch", 40, 0, 1, 3, 3, 0.5, 0.0, 0.0, 0.0, 0.0, False, False,
+                                0, False))
+    return updates, updates[-1][-1]
+
+
+def token_updates(updates: list) -> list:
+    """The updates that show tokens (not those that only show a notice, e.g. that the draft is slow)."""
+    return [u for u in updates if u[1] != gr.skip()]
+
+
+def drawn(update) -> bool:
+    return update[TIMELINE] != gr.skip()
+
+
+def test_a_streamed_run_draws_its_figures_once_at_the_end(tiny_engine):
+    """However many steps a run takes, if it ends within PLOT_EVERY_S its figures (timeline, acceptance, cumulative,
+    tree, metric panel, glance) are drawn once: in the last update. The answer shows at its first tokens."""
+    updates, events = stream(tiny_engine, Clock(0.0))
+    emits = sum(isinstance(e, TokensEmitted) for e in events)
+    assert emits >= 5  # many steps, one drawing
+    assert [drawn(u) for u in updates].count(True) == 1 and drawn(updates[-1])
+    assert len(updates) >= 2 and "tok tok-" in updates[0][1]  # the first tokens, at once
+
+
+def test_a_long_run_redraws_its_figures_every_plot_every_s_and_its_tokens_at_most_every_tokens_every_s(tiny_engine):
+    """A clock that moves a second a read: the tokens update at every emission (a second apart, more than
+    TOKENS_EVERY_S), the figures once per PLOT_EVERY_S of run and at the end."""
+    updates, events = stream(tiny_engine, Clock(1.0))
+    emits = sum(isinstance(e, TokensEmitted) for e in events)
+    assert TOKENS_EVERY_S < 1.0 <= PLOT_EVERY_S and emits >= 2 * PLOT_EVERY_S
+    assert len(token_updates(updates)) == emits + 1  # one per emission, then the final drawing
+    assert [drawn(u) for u in updates].count(True) == emits // int(PLOT_EVERY_S) + 1
+    # a clock a quarter of TOKENS_EVERY_S a read: the tokens update on every fourth emission at most
+    updates, events = stream(tiny_engine, Clock(TOKENS_EVERY_S / 4))
+    emits = sum(isinstance(e, TokensEmitted) for e in events)
+    assert len(token_updates(updates)) - 1 <= emits // 4 + 1 and [drawn(u) for u in updates].count(True) == 1
