@@ -311,7 +311,8 @@ def test_a_visitor_picks_a_draft_from_the_offered_ones_only(tiny_engine, app_sto
         # ... into the sliders of those names, in that order
         ids = {c["id"]: c["props"].get("elem_id") for c in demo.config["components"]}
         picked = next(d for d in demo.config["dependencies"]
-                      if any(ids.get(target) == "draft" and event == "change" for target, event in d["targets"]))
+                      if any(ids.get(target) == "draft" and event == "input" for target, event in d["targets"])
+                      and d["api_name"] == "slider_defaults")
         assert [ids[o] for o in picked["outputs"]] == [key.replace("_", "-") for key in SLIDER_KEYS]
     finally:
         demo.close()

@@ -131,3 +131,34 @@ def test_a_long_run_redraws_its_figures_every_plot_every_s_and_its_tokens_at_mos
     updates, events = stream(tiny_engine, Clock(TOKENS_EVERY_S / 4))
     emits = sum(isinstance(e, TokensEmitted) for e in events)
     assert len(token_updates(updates)) - 1 <= emits // 4 + 1 and [drawn(u) for u in updates].count(True) == 1
+
+
+def test_picking_a_scenario_sets_the_draft_the_method_and_every_setting(demo):
+    """Each offered scenario sets the draft menu, the method and the Advanced settings to its preset; the page
+    opens on the scenario whose draft and settings it starts with; picking a draft by hand leaves the scenario."""
+    from app.settings import SLIDER_KEYS, defaults_for
+    from app.tabs.live import leave_scenario, pick_scenario
+    from engine.presets import SCENARIOS
+
+    assert {"fastest", "rescue", "weak"} <= set(SCENARIOS)
+    for key, s in SCENARIOS.items():
+        draft, method, *sliders, note = pick_scenario(key)
+        assert draft["value"] == s.draft and method["value"] == s.method == "specbranch"
+        assert [u["value"] for u in sliders] == [s.preset.settings()[k] for k in SLIDER_KEYS]
+        assert s.summary and "scenario-note" in note
+    assert leave_scenario("embedded") == (None, "")
+    everything = [(f"the {s.draft} draft", s.draft) for s in SCENARIOS.values()]
+    full = build_app(lambda draft=None: None, defaults=defaults_for(SCENARIOS["fastest"].draft),
+                     drafts=[*everything, ("embedded", "embedded")])
+    blocks = by_id(full)
+    picker = blocks["scenario"]
+    assert [key for _, key in picker.choices] == list(SCENARIOS) and picker.value == "fastest"
+    assert accordion_of(picker) is None  # a basic control
+    ids = {c["id"]: c["props"].get("elem_id") for c in full.config["components"]}
+    wired = next(d for d in full.config["dependencies"] if any(ids.get(t) == "scenario" for t, _ in d["targets"]))
+    assert [ids[o] for o in wired["outputs"]] == ["draft", "live-method", *[k.replace("_", "-") for k in SLIDER_KEYS],
+                                                  "scenario-note"]
+    # the test page's menu offers self and embedded only: the scenarios on other drafts are not offered
+    assert [key for _, key in by_id(demo)["scenario"].choices] == [k for k, s in SCENARIOS.items()
+                                                                   if s.draft in ("self", "embedded")]
+    assert "scenario" not in by_id(build_app(lambda draft=None: None))  # no draft menu, no scenarios

@@ -2,12 +2,14 @@
 timeline, the acceptance and cumulative charts and the metric panel."""
 from __future__ import annotations
 
+import html
 import time
 
 import gradio as gr
 
 from engine.config import SpecBranchError
 from engine.events import Event, Notice, TokensEmitted
+from engine.presets import SCENARIOS
 from sessions.replay import replay_steps
 
 from ..context import AppContext
@@ -46,6 +48,27 @@ def message_text(message: dict) -> str:
     return c if isinstance(c, str) else "".join(p.get("text", "") for p in c or [] if isinstance(p, dict))
 
 
+def scenario_note(key: str | None) -> str:
+    """The picked scenario's one line: what to watch, and its measured speed."""
+    s = SCENARIOS.get(key) if key else None
+    return f'<div class="scenario-note">{html.escape(s.summary)}</div>' if s else ""
+
+
+def pick_scenario(key: str):
+    """The draft, the method, the settings (SLIDER_KEYS, in order) and the note of a scenario."""
+    s = SCENARIOS.get(key)
+    if s is None:
+        return (gr.skip(),) * (3 + len(SLIDER_KEYS))
+    settings = s.preset.settings()
+    return (gr.update(value=s.draft), gr.update(value=s.method), *(gr.update(value=settings[k]) for k in SLIDER_KEYS),
+            scenario_note(key))
+
+
+def leave_scenario(_draft):
+    """A draft picked by hand: no scenario is picked any more."""
+    return None, ""
+
+
 class LiveTab:
     def __init__(self, ctx: AppContext, clock=time.perf_counter):
         self.ctx = ctx
@@ -74,6 +97,7 @@ class LiveTab:
         """Basic controls (method, max new tokens, temperature; the draft menu sits above the tabs) show at once;
         everything else waits in the Advanced accordion, each with a one-line label and its explanation as info."""
         d = self.ctx.defaults
+        self.create_scenarios()
         self.method = gr.Dropdown(LIVE_METHODS, value="specbranch", label="Method", info=METHOD_INFO,
                                   elem_id="live-method")
         max_new = gr.Slider(1, 2048, value=128, step=1, label="Max new tokens", info="1–2048", elem_id="max-new")
@@ -113,6 +137,21 @@ class LiveTab:
         self.ctx.controls = [max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, feed_stop,
                              head_start, hold, hold_branches, hrad, seed, self.chat]
 
+    def create_scenarios(self) -> None:
+        """The scenario picker: each sets the draft, the method and every setting together (engine/presets.py). Only
+        the scenarios whose draft the menu offers; none without a draft menu. It starts on the scenario the page
+        opens with, if any."""
+        ctx, self.scenario = self.ctx, None
+        offered = [s for s in SCENARIOS.values() if ctx.drafts and s.draft in ctx.specs]
+        if not offered:
+            return
+        start = next((s.key for s in offered if s.draft == ctx.specs[0]
+                      and all(ctx.defaults.get(k) == v for k, v in s.preset.settings().items())), None)
+        self.scenario = gr.Radio([(s.label, s.key) for s in offered], value=start, label="Scenario",
+                                 info="sets the draft, the method and the Advanced settings together",
+                                 elem_id="scenario")
+        self.scenario_note = gr.HTML(scenario_note(start), elem_id="scenario-note")
+
     def create_chat(self) -> None:
         self.chatbot = gr.Chatbot(label="Chat (the answer text)", height=320, sanitize_html=True, elem_id="chatbot")
         self.prompt = gr.Textbox(label="Prompt", lines=2, placeholder="Ask something…", elem_id="prompt")
@@ -144,9 +183,14 @@ class LiveTab:
                        [self.nav.slider, self.nav.notice, self.tree, self.timeline, self.nav.strip])
         self.show_rollbacks.change(self.rerender_tokens, [self.show_rollbacks, self.events], self.tokens,
                                    api_name="live_tokens", api_visibility="private")
-        if ctx.drafts:  # a draft brings the settings the bench chose for its kind
-            ctx.draft.change(slider_defaults, ctx.draft, [self.settings[key] for key in SLIDER_KEYS],
-                             api_name="slider_defaults", api_visibility="private")
+        sliders = [self.settings[key] for key in SLIDER_KEYS]
+        if ctx.drafts:  # a draft picked by hand brings the settings chosen for its kind (a scenario brings its own)
+            ctx.draft.input(slider_defaults, ctx.draft, sliders, api_name="slider_defaults", api_visibility="private")
+        if self.scenario is not None:
+            self.scenario.input(pick_scenario, self.scenario, [ctx.draft, self.method, *sliders, self.scenario_note],
+                                api_name="pick_scenario", api_visibility="private")
+            ctx.draft.input(leave_scenario, ctx.draft, [self.scenario, self.scenario_note],
+                            api_name="leave_scenario", api_visibility="private")
 
     def prepare(self, prompt, history, method, controls, chat, draft):
         """(config, engine, prompt ids) for a request; raises SpecBranchError with what is wrong."""
