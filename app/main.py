@@ -37,13 +37,15 @@ def build_app(get_engine, get_store=None, defaults: dict | None = None, about: s
     """The whole page (AppContext says what each argument is); about: a line under the title, shown as text."""
     ctx = AppContext(get_engine, get_store or no_store("recording is off"), {**defaults_for(None), **(defaults or {})}, drafts)
     with gr.Blocks(title="SpecBranch Studio") as demo:
-        gr.Markdown("# SpecBranch Studio\nSpeculative decoding, made visible: every token is coloured by where it "
-                    "came from, every forward pass is on the timeline.")
-        if about:
-            gr.HTML(f'<div class="about">{html.escape(about)}</div>')
-        ctx.draft = gr.Dropdown(drafts, value=ctx.specs[0], label="Draft", elem_id="draft",
-                                info=DRAFT_INFO) if drafts \
-            else gr.State(None)
+        with gr.Row(equal_height=False):  # the title and the draft menu side by side: more of the run on screen
+            with gr.Column(scale=3):
+                gr.Markdown("# SpecBranch Studio\nSpeculative decoding, made visible: every token is coloured by "
+                            "where it came from, every forward pass is on the timeline.")
+                if about:
+                    gr.HTML(f'<div class="about">{html.escape(about)}</div>')
+            with gr.Column(scale=2, min_width=320):
+                ctx.draft = gr.Dropdown(drafts, value=ctx.specs[0], label="Draft", elem_id="draft",
+                                        info=DRAFT_INFO) if drafts else gr.State(None)
         ctx.browser = browser_id_state()
         tabs = [tab(ctx) for tab in TABS]
         for tab in tabs:

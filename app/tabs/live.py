@@ -27,8 +27,7 @@ LEGEND = ('<div class="legend"><span class="tok tok-accepted">accepted draft</sp
           '</span><span class="tok tok-bonus">bonus</span><span class="tok tok-target">target</span>'
           '<span class="rb-key">↶n</span> n drafted tokens rolled back in that step (click to show) · hover a token '
           'for p, q, p/q and u</div>')
-METHOD_INFO = ("specbranch: the draft forks where unsure and runs beside the target; pearl: beside it, no forks; "
-               "sd: draft a block, then verify it; ar: the target alone")
+METHOD_INFO = "specbranch forks where the draft is unsure; pearl never forks; sd drafts, then verifies; ar: no draft"
 HOLD_BRANCHES_INFO = ("SpecBranch, with a hold: a branch step that would take the first branch's odds below the hold "
                       "keeps nothing. On for the embedded-weak and self-skip drafts: it cut path rollback at the same "
                       "speed; off for the distilled draft, which it made 7 % slower at T=0 (docs/methods.md)")
@@ -76,12 +75,22 @@ class LiveTab:
 
     # ------------------------------------------------------------------ UI
     def create_ui(self) -> None:
+        """Laid out to be projected: the controls and the chat side by side, then the answer's tokens under the
+        glance line, then the branch tree of a step with its navigator, the measured figures and the metric panel."""
         with gr.Tab("Live"):
             with gr.Row():
-                with gr.Column(scale=1, min_width=320):
+                with gr.Column(scale=1, min_width=320) as left:
                     self.create_controls()
                 with gr.Column(scale=2):
                     self.create_chat()
+            with left:  # under the controls, now that the prompt they fill exists
+                gr.Examples(examples(), [self.prompt, self.chat], label="Example prompts (benchmark split)")
+            self.notices = gr.HTML(elem_id="notices")
+            self.glance = gr.HTML(elem_id="glance")
+            gr.HTML(LEGEND)
+            self.show_rollbacks = gr.Checkbox(False, label="Show all rollbacks (else click a ↶ marker)",
+                                              elem_id="show-rollbacks")
+            self.tokens = gr.HTML(elem_id="token-view")
             gr.Markdown("### Branch tree of a step\nPick a step with the buttons, the slider, or a marker under the "
                         "timeline; the tree and the timeline's shading follow.")
             self.nav = build_navigator("step")
@@ -91,6 +100,7 @@ class LiveTab:
             with gr.Row():
                 self.acceptance = gr.Plot(label="Acceptance", elem_id="acceptance-plot")
                 self.cumulative = gr.Plot(label="Drafted / accepted / rolled back", elem_id="cumulative-plot")
+            self.metrics = gr.HTML(elem_id="metric-panel")
             self.events = gr.State([])
 
     def create_controls(self) -> None:
@@ -153,19 +163,11 @@ class LiveTab:
         self.scenario_note = gr.HTML(scenario_note(start), elem_id="scenario-note")
 
     def create_chat(self) -> None:
-        self.chatbot = gr.Chatbot(label="Chat (the answer text)", height=320, sanitize_html=True, elem_id="chatbot")
+        self.chatbot = gr.Chatbot(label="Chat (the answer text)", height=260, sanitize_html=True, elem_id="chatbot")
         self.prompt = gr.Textbox(label="Prompt", lines=2, placeholder="Ask something…", elem_id="prompt")
         with gr.Row():
             self.send = gr.Button("Generate", variant="primary", elem_id="generate")
             self.stop = gr.Button("Stop", variant="stop", elem_id="stop")
-        gr.Examples(examples(), [self.prompt, self.chat], label="Example prompts (benchmark split)")
-        self.notices = gr.HTML(elem_id="notices")
-        self.glance = gr.HTML(elem_id="glance")
-        gr.HTML(LEGEND)
-        self.show_rollbacks = gr.Checkbox(False, label="Show all rollbacks (else click a ↶ marker)",
-                                          elem_id="show-rollbacks")
-        self.tokens = gr.HTML(elem_id="token-view")
-        self.metrics = gr.HTML(elem_id="metric-panel")
 
     # ------------------------------------------------------------------ events
     def create_event_handlers(self) -> None:
