@@ -79,11 +79,12 @@ def step_strip(events: list[Event], selected: int | None) -> str:
         return '<div class="step-strip empty">no steps yet</div>'
     t0 = min(a for a, _ in times.values())
     span = max(b for _, b in times.values()) - t0 or 1.0
-    marks = []
+    marks, forks = [], {e.step for e in events if isinstance(e, BranchResolved)}
     for step, (a, b) in sorted(times.items()):
         kind, title = step_outcome(events, step)
         chosen = " selected" if step == selected else ""
-        marks.append(f'<button type="button" class="step-mark mark-{kind}{chosen}" data-step="{step}" '
+        fork = ' data-fork="true"' if step in forks else ""
+        marks.append(f'<button type="button" class="step-mark mark-{kind}{chosen}" data-step="{step}"{fork} '
                      f'style="left:{100 * (a - t0) / span:.3f}%;width:max(3px, {100 * (b - a) / span:.3f}%)" '
                      f'title="{html.escape(title)}">{step}</button>')
     return (f'<div class="step-strip-wrap"><div class="step-strip-axis">steps on the measured clock '

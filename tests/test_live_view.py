@@ -10,7 +10,7 @@ from app.context import AppContext
 from app.main import build_app
 from app.tabs.live import PLOT_EVERY_S, TOKENS_EVERY_S, LiveTab
 from app.views import glance_html, one_token_step_s
-from engine.events import Finished, RunStarted, TimingSpan, TokensEmitted
+from engine.events import BranchResolved, Finished, RunStarted, TimingSpan, TokensEmitted
 
 BASIC = ("draft", "live-method", "max-new", "temperature")
 ADVANCED = ("top-p", "gamma", "branches", "epsilon", "draft-stop", "feed-stop", "head-start", "hold", "hold-branches",
@@ -117,6 +117,9 @@ def test_a_streamed_run_draws_its_figures_once_at_the_end(tiny_engine):
     assert emits >= 5  # many steps, one drawing
     assert [drawn(u) for u in updates].count(True) == 1 and drawn(updates[-1])
     assert len(updates) >= 2 and "tok tok-" in updates[0][1]  # the first tokens, at once
+    # the step strip marks the steps that forked (the screenshots pick one to show its tree)
+    forks = {e.step for e in events if isinstance(e, BranchResolved)}
+    assert forks and updates[-1][TIMELINE + 1].count('data-fork="true"') == len(forks)
 
 
 def test_a_long_run_redraws_its_figures_every_plot_every_s_and_its_tokens_at_most_every_tokens_every_s(tiny_engine):
