@@ -83,12 +83,20 @@ class Scenario:
     summary: str  # one line: what to watch, and the measured speed against ar
 
 
+# The scenarios' settings and figures: docs/results/scripts/tune_scenarios.py on the tuning prompts (128 tokens, T=0,
+# each run right after an ar run of the same prompt), docs/app.md "How the scenarios were chosen". "rescue": of the
+# self-skip candidates that forked in at least half the steps and rescued on every prompt, the fastest by the median
+# of its per-prompt ratios (docs/results/json/scenarios-tuning-2.json); while other work loads the 2-core machine a
+# parallel method slows 3-10x and ar hardly at all (the median keeps the prompts measured then from deciding).
 SCENARIOS: dict[str, Scenario] = {s.key: s for s in (
     Scenario("fastest", "Fastest", "self", "specbranch", SELF,
-             "the 4-bit self-draft: long accepted blocks, few forks"),
+             "the target in 4 bits drafts for itself: long accepted blocks, few forks; 1.9× ar on the tuning "
+             "prompts, with the CPU shared"),
     Scenario("rescue", "Watch branches rescue", "self-skip:3,4,5,25", "specbranch",
              dataclasses.replace(OFTEN_WRONG, epsilon=0.65, hold=0.0, hold_branches=False),
-             "the target without 4 of its layers: forks in most steps, and a branch often survives"),
+             "the target without 4 of its layers: forks in 6 of 10 steps, 7 rescues a chat; 1.2× ar (median "
+             "of the tuning prompts), far slower on a busy CPU"),
     Scenario("weak", "A poorly aligned draft", "embedded-weak", "specbranch", OFTEN_WRONG,
-             "a draft right about 10 % of the time: rejections and rollbacks to watch"),
+             "a draft right about 10 % of the time: rejections, rollbacks and holds to watch; 0.7× ar, with the CPU "
+             "shared"),
 )}
