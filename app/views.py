@@ -3,8 +3,9 @@ run may come from an imported file, so every string from an event is HTML-escape
 from __future__ import annotations
 
 import html
+import math
 
-from engine.events import DECODE, VERIFY, Event, Rollback, TimingSpan, TokensEmitted, Verified
+from engine.events import DECODE, VERIFY, Event, Rollback, RunStarted, TimingSpan, TokensEmitted, Verified
 from engine.measure.metrics import FORMULAS, metrics_of
 from sessions.replay import run_label
 
@@ -54,15 +55,22 @@ def token_view(events: list[Event], show_rollbacks: bool = False) -> str:
     return f'<div class="token-view">{"".join(out)}</div>'
 
 
-def one_token_step_s(events: list[Event]) -> tuple[float, int] | None:
-    """(median seconds, count) of the target's one-token forwards in a run (AR's decode steps; a parallel method's
-    verify passes of one token, and the tokens a hold leaves to the target), None where it made none."""
+def one_token_step_s(events: list[Event]) -> tuple[float, str] | None:
+    """(seconds, where it was measured) of the target's one-token step in a run: the median of its one-token
+    forwards (AR's decode steps, a verify pass of one token, a token a hold leaves to the target), else the step the
+    engine measured before the run, which its RunStarted event carries (a speculative run's passes feed several
+    tokens each), else None."""
     one = sorted(e.end - e.start for e in events if isinstance(e, TimingSpan) and e.worker == "target"
                  and e.kind in (DECODE, VERIFY) and e.tokens == 1 and e.end > e.start)
-    if not one:
-        return None
-    mid = len(one) // 2
-    return (one[mid] if len(one) % 2 else (one[mid - 1] + one[mid]) / 2), len(one)
+    if one:
+        mid = len(one) // 2
+        return (one[mid] if len(one) % 2 else (one[mid - 1] + one[mid]) / 2), \
+            f"the median of the target's {len(one)} one-token forwards in this run"
+    start = next((e for e in events if isinstance(e, RunStarted)), None)
+    ms = getattr(start, "target_step_ms", -1.0)
+    if isinstance(ms, (int, float)) and not isinstance(ms, bool) and math.isfinite(ms) and ms > 0:
+        return ms / 1000, "the target's one-token step, measured by the engine before this run"
+    return None
 
 
 def glance_html(events: list[Event], ar_tokens_per_s: float | None = None) -> str:
@@ -78,11 +86,11 @@ def glance_html(events: list[Event], ar_tokens_per_s: float | None = None) -> st
                       f"({fmt(speed)} vs {fmt(float(ar_tokens_per_s))} tokens/s)",
                       "this run's tokens/s over an AR run of the same prompt, both measured"))
     elif speed and (step := one_token_step_s(events)) is not None:
-        step_s, count = step
+        step_s, where = step
         items.append(("speed", f"≈ {speed * step_s:.2f}× the target's one-token step",
                       f"({fmt(speed)} tokens/s; one step {1000 * step_s:.1f} ms)",
-                      f"this run's tokens/s times the median of the target's {count} one-token forwards in this "
-                      "run: what plain decoding would make at best. Run ar on this prompt for a measured comparison"))
+                      f"this run's tokens/s times {where}: what plain decoding would make at best. Run ar on this "
+                      "prompt for a measured comparison"))
     items += [("tokens per target forward", fmt(m.get("mean_accepted_length")), "", ""),
               ("α (acceptance rate)", fmt(m.get("acceptance_rate")), "", "")]
     cells = "".join(glance_item(*item, big=i == 0 and len(items) == 3) for i, item in enumerate(items))

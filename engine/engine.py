@@ -58,6 +58,7 @@ class Engine:
         self._waiter = PerProcess(lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-lock"))
         self.hrad, self.hrad_notice = find_hrad(pair)  # H-RAD classifier, when trained weights fit this pair
         self._branch_costs: BranchCosts | None = None
+        self._target_step_ms: float | None = None
         self._calibration: dict[tuple, AcceptanceCalibration] = {}
 
     @property
@@ -138,11 +139,14 @@ class Engine:
         take = getattr(self.pair.draft, "take_compiled", None)  # a draft compiled in a process of its own, if ready
         if take is not None:
             self.pair.draft = take()
+        # measured before the run's clock starts; the run's RunStarted carries it (AR's own steps are one-token)
+        step_ms = self.target_step_ms() if cfg.method != "ar" else -1.0
         state = RunState(self.pair, cfg, self.target_worker, self.draft_worker, list(prompt_ids),
                          len(prompt_ids), self.pair.eos_ids)
         events: list[Event] = [RunStarted(cfg.method, self.pair.target.name,
                                           self.pair.draft.name if self.pair.draft else None, list(prompt_ids),
-                                          prompt_text, cfg.to_dict(), str(self.pair.target.device), time.time())]
+                                          prompt_text, cfg.to_dict(), str(self.pair.target.device), time.time(),
+                                          step_ms)]
         yield events[0]
         state.hrad_samples = collect_hrad
         if cfg.method == "specbranch" and cfg.hrad and self.hrad is None:
@@ -228,6 +232,18 @@ class Engine:
                 return BranchCosts(draft, {k: statistics.median(v) for k, v in busy.items()})
             self._branch_costs = run_apart(measure)  # a run may ask for it from inside its event loop
         return self._branch_costs
+
+    def target_step_ms(self) -> float:
+        """ms of one target forward of one token (the median of 5, 128 tokens in the cache, on the target's worker),
+        measured once per engine, about a quarter of a second: what plain decoding costs a token at best. A
+        speculative run's RunStarted event carries it, so that its speed can be read against the target's own step
+        before any AR run of its prompt exists (the app's glance line); a speculative run's target passes feed
+        several tokens each and so never show it."""
+        if self._target_step_ms is None:
+            context = min(128, self.pair.target.context_length // 2)
+            self._target_step_ms = round(self.target_worker.executor.submit(
+                forward_costs, self.pair.target, context, [1], False, 5).result()[1], 3)
+        return self._target_step_ms
 
     @property
     def measured_branch_costs(self) -> BranchCosts | None:

@@ -35,6 +35,10 @@ class RunStarted(Event):
     config: dict[str, Any]
     device: str
     wall_clock: float  # unix time when the run started
+    # ms of one target forward of one token, measured by the engine before the run (Engine.target_step_ms; -1: not
+    # measured, as for AR, whose own decode steps are one-token forwards): what a speculative run's speed is read
+    # against before an AR run of its prompt exists
+    target_step_ms: float = -1.0
 
 
 @dataclass(frozen=True)

@@ -66,16 +66,33 @@ def test_the_first_chat_gets_a_speedup_against_the_targets_one_token_step():
     """No AR run of the prompt yet: the run's tokens/s times the median of its one-token target forwards (a
     4-token verify pass does not count), labelled as such; once an AR run exists, the measured comparison."""
     events = events_of(8, 0, [(50, 1), (60, 1), (200, 4), (40, 1), (70, 1)], tokens_per_s=30.0)
-    assert one_token_step_s(events) == pytest.approx((0.055, 4))
+    step_s, where = one_token_step_s(events)
+    assert step_s == pytest.approx(0.055) and "4 one-token forwards in this run" in where
     first = glance_html(events)
     assert "≈ 1.65× the target&#x27;s one-token step" in first and "(30 tokens/s; one step 55.0 ms)" in first
     assert "glance-speed" in first and "vs AR" not in first
     assert first.index("one-token step") < first.index("tokens per target forward")  # the speedup comes first
     measured = glance_html(events, ar_tokens_per_s=20.0)
     assert "vs AR on this prompt" in measured and "<b>1.50×</b>" in measured and "one-token step" not in measured
-    # a run with no one-token target forward claims no speedup until an AR run exists
+    # no one-token target forward (a speculative run's passes feed several tokens each): the step the engine
+    # measured before the run, which its Finished metrics carry; neither: no speedup is claimed
+    engine_step = events_of(8, 0, [(200, 4)], tokens_per_s=30.0)
+    engine_step[0] = RunStarted("specbranch", "t", "d", [1], "why?", {}, "cpu", 0.0, target_step_ms=40.0)
+    assert "≈ 1.20× the target&#x27;s one-token step" in glance_html(engine_step)
+    assert "measured by the engine before this run" in glance_html(engine_step)
     none = glance_html(events_of(8, 0, [(200, 4)], tokens_per_s=30.0))
     assert "×" not in none and "tokens per target forward" in none
+
+
+def test_a_speculative_run_carries_the_targets_one_token_step(tiny_engine):
+    """The engine measures the target's one-token step once, before a run's clock starts; a speculative run's
+    RunStarted carries it (an AR run's own decode steps are one-token forwards)."""
+    from engine.config import GenerationConfig
+
+    ids = tiny_engine.encode("a b c", False)
+    start = tiny_engine.run(ids, GenerationConfig(method="specbranch", max_new_tokens=8)).events[0]
+    assert isinstance(start, RunStarted) and start.target_step_ms == tiny_engine.target_step_ms() > 0
+    assert tiny_engine.run(ids, GenerationConfig(method="ar", max_new_tokens=8)).events[0].target_step_ms == -1.0
 
 
 class Clock:
