@@ -176,10 +176,13 @@ class LiveTab:
                  self.acceptance, self.cumulative]
         outputs = [self.chatbot, *views, self.nav.slider, self.nav.notice, self.events]
         inputs = [self.prompt, self.chatbot, self.method, *ctx.controls, ctx.browser, self.show_rollbacks, ctx.draft]
+        # progress shows on the token view only, minimal: not an animated timer over each of the 13 outputs, which
+        # the browser redraws all through the run on the cores the engine needs
+        progress = dict(show_progress="minimal", show_progress_on=[self.tokens])
         run = self.send.click(self.generate, inputs, outputs, concurrency_limit=1, concurrency_id="engine",
-                              api_name="generate")
+                              api_name="generate", **progress)
         submit = self.prompt.submit(self.generate, inputs, outputs, concurrency_limit=1, concurrency_id="engine",
-                                    api_name="generate_on_enter", api_visibility="private")
+                                    api_name="generate_on_enter", api_visibility="private", **progress)
         self.stop.click(None, cancels=[run, submit], api_name="stop", api_visibility="private")
         wire_navigator(self.nav, self.show_step, [self.events],
                        [self.nav.slider, self.nav.notice, self.tree, self.timeline, self.nav.strip])
