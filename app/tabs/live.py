@@ -87,14 +87,15 @@ class LiveTab:
                 gr.Examples(examples(), [self.prompt, self.chat], label="Example prompts (benchmark split)")
             self.notices = gr.HTML(elem_id="notices")
             self.glance = gr.HTML(elem_id="glance")
-            gr.HTML(LEGEND)
-            self.show_rollbacks = gr.Checkbox(False, label="Show all rollbacks (else click a ↶ marker)",
-                                              elem_id="show-rollbacks")
-            self.tokens = gr.HTML(elem_id="token-view")
-            gr.Markdown("### Branch tree of a step\nPick a step with the buttons, the slider, or a marker under the "
-                        "timeline; the tree and the timeline's shading follow.")
+            with gr.Row(equal_height=True):
+                gr.HTML(LEGEND)
+                self.show_rollbacks = gr.Checkbox(False, label="Show all rollbacks (else click a ↶ marker)",
+                                                  elem_id="show-rollbacks", scale=0, min_width=300)
+            self.tokens = gr.HTML(elem_id="token-view")  # scrolls past a few lines: the tree stays near (app.css)
+            gr.Markdown("**Branch tree of a step** · pick one with the buttons and the slider under it, or a marker "
+                        "under the timeline; the timeline's shading follows", elem_classes="tree-title")
+            self.tree = gr.HTML(elem_id="tree-view")  # right under its title: on a projected screen with the glance
             self.nav = build_navigator("step")
-            self.tree = gr.HTML(elem_id="tree-view")
             self.timeline = gr.Plot(label="Bubble timeline", elem_id="timeline-plot")
             self.nav.add_strip()
             with gr.Row():

@@ -25,6 +25,7 @@ from playwright.sync_api import sync_playwright
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
+sys.path.insert(0, str(ROOT))  # engine.presets: the scenarios
 PORT = 7897
 PROMPT = "Explain how a hash map works in two sentences."
 MAX_NEW = "64"
