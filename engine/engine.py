@@ -241,8 +241,10 @@ class Engine:
         several tokens each and so never show it."""
         if self._target_step_ms is None:
             context = min(128, self.pair.target.context_length // 2)
-            self._target_step_ms = round(self.target_worker.executor.submit(
-                forward_costs, self.pair.target, context, [1], False, 5).result()[1], 3)
+
+            async def measure():
+                return (await forward_costs(self.target_worker, self.pair.target, context, [1], False, 5))[1]
+            self._target_step_ms = round(run_apart(measure), 3)  # a run asks for it from inside its event loop
         return self._target_step_ms
 
     @property
