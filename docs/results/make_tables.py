@@ -94,6 +94,8 @@ HRAD_RAN = {"ablation-0e-t0", "ablation-0e-t1"}
 
 # (draft, T, sources, settings, when measured)
 SPEED = [
+    ("`self`, no flag (the defaults)", 0, [HEADLINE_T0], "A", "2026-11-26, current engine, one run"),
+    ("`self`, no flag (the defaults)", 1, [HEADLINE_T1], "A", "2026-11-26, current engine, one run"),
     ("`self` (4-bit, compiled)", 0, [SELF_T0], "A", "2026-11-26, current engine"),
     ("`self` (4-bit, compiled)", 1, [SELF_T1], "A", "2026-11-26, current engine"),
     ("`self-skip:4,5`", 0, ["skip4-5-t0"], "B, hold 0.5", "2026-11-24, older engine"),
@@ -271,8 +273,9 @@ def headline() -> str:
                   f"`{run['pair']['draft']}`. JSON: {link([HEADLINE_T0, HEADLINE_T1], 'docs/results/json/')}.\n")
 
 
-# the costs reports do not record their command line; these are the commands that wrote them
+# the costs reports (and the drafts' memory) do not record their command line; these are the commands that wrote them
 COSTS_COMMANDS = {
+    "draft-memory": "python docs/results/scripts/draft_memory.py > docs/results/json/draft-memory.json (last line)",
     "compiled-costs-lean": "python -m engine costs --draft self --draft-forward lean --draft-worker thread "
                            "--max-rows 3 --max-tokens 1 --reps 30",
     "compiled-costs-lean-compiled": "python -m engine costs --draft self --draft-forward lean-compiled "
@@ -292,7 +295,7 @@ def command_of(name: str) -> tuple[str, str]:
         return COSTS_COMMANDS[name], "–"
     if name.endswith("-model"):
         return f"python -m engine costs --bench docs/{name[:-6]}.json --model-only", "–"
-    if "runs" in data:
+    if "runs" in data and "command" not in data:  # a summary over seeds (engine summarize)
         first = re.sub(r"^\S*engine/__main__\.py", "python -m engine", data["runs"][0]["command"])
         seeds = ", ".join(str(run["seed"]) for run in data["runs"])
         return f"{first}, for seeds {seeds}; then python -m engine summarize over them", "–"
