@@ -109,24 +109,25 @@ def generate(page, method: str, prompt: str = PROMPT, max_new: str = MAX_NEW, sc
     settle(page, "#metric-panel")
 
 
-def pick_interesting_step(page, root: str) -> None:
-    """A step a branch rescued, else one with a rollback: the tree has something to show."""
-    for kind in ("rescued", "rollback"):
-        marks = page.locator(f"{root} .step-mark.mark-{kind}")
+def click_middle_mark(page, selectors: list[str]) -> None:
+    """Click the middle step marker of the first selector that finds any, and let the tree redraw."""
+    for selector in selectors:
+        marks = page.locator(selector)
         if marks.count():
             marks.nth(marks.count() // 2).click()
             time.sleep(3)
             return
+
+
+def pick_interesting_step(page, root: str) -> None:
+    """A step a branch rescued, else one with a rollback: the tree has something to show."""
+    click_middle_mark(page, [f"{root} .step-mark.mark-{kind}" for kind in ("rescued", "rollback")])
 
 
 def pick_forking_step(page) -> None:
     """A step a branch rescued, else one whose fork the first branch won, else one with a rollback."""
-    for kind in (".mark-rescued", "[data-fork]", ".mark-rollback"):
-        marks = page.locator(f"#step-strip .step-mark{kind}")
-        if marks.count():
-            marks.nth(marks.count() // 2).click()
-            time.sleep(3)
-            return
+    click_middle_mark(page, [f"#step-strip .step-mark{kind}" for kind in (".mark-rescued", "[data-fork]",
+                                                                           ".mark-rollback")])
 
 
 def scenarios(browser) -> None:
