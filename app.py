@@ -60,7 +60,7 @@ def load_engine(args, draft: str, target=None):
         print(f"the draft {draft!r} runs in this process: {pair.draft_worker_why}")
     if hasattr(pair.draft, "start_compile"):  # lean-compiled: by a second draft process, or here
         pair.draft.start_compile(print)
-    return Engine(pair)
+    return Engine(pair, measure_target_step=True)  # the glance line's first-chat figure reads it
 
 
 def main() -> None:

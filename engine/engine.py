@@ -42,12 +42,17 @@ class Result:
 
 
 class Engine:
-    def __init__(self, pair: ModelPair, threads: int = 1, solo_threads: int | None = None):
+    def __init__(self, pair: ModelPair, threads: int = 1, solo_threads: int | None = None,
+                 measure_target_step: bool = False):
         """threads: torch threads per worker. solo_threads: the draft's, for a step the target waits on (SD's block,
         a parallel method's head start), when it has the cores to itself (None: runtime.default_solo_threads()).
         The target always keeps `threads`: on this CPU its 1-token step rounds differently on 2 threads, and the
-        output must not depend on how many threads ran it. The draft's numbers may: q is what its pass computed."""
+        output must not depend on how many threads ran it. The draft's numbers may: q is what its pass computed.
+        measure_target_step: before its first speculative run, measure the target's one-token step
+        (target_step_ms), which each speculative run's RunStarted then carries (the app's glance line reads it);
+        off, RunStarted says -1 and no forward runs besides the run's own."""
         self.pair = pair
+        self.measure_target_step = measure_target_step
         self.target_worker = Worker("target", threads, pair.target.device)
         self.draft_worker = Worker("draft", threads, pair.draft.device if pair.draft is not None else None,
                                    solo_threads or max(threads, default_solo_threads()))
@@ -140,7 +145,7 @@ class Engine:
         if take is not None:
             self.pair.draft = take()
         # measured before the run's clock starts; the run's RunStarted carries it (AR's own steps are one-token)
-        step_ms = self.target_step_ms() if cfg.method != "ar" else -1.0
+        step_ms = self.target_step_ms() if self.measure_target_step and cfg.method != "ar" else -1.0
         state = RunState(self.pair, cfg, self.target_worker, self.draft_worker, list(prompt_ids),
                          len(prompt_ids), self.pair.eos_ids)
         events: list[Event] = [RunStarted(cfg.method, self.pair.target.name,

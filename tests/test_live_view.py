@@ -84,12 +84,15 @@ def test_the_first_chat_gets_a_speedup_against_the_targets_one_token_step():
     assert "×" not in none and "tokens per target forward" in none
 
 
-def test_a_speculative_run_carries_the_targets_one_token_step(tiny_engine):
-    """The engine measures the target's one-token step once, before a run's clock starts; a speculative run's
-    RunStarted carries it (an AR run's own decode steps are one-token forwards)."""
+def test_a_speculative_run_carries_the_targets_one_token_step(tiny_engine, monkeypatch):
+    """An engine asked to (the app's) measures the target's one-token step once, before a run's clock starts; a
+    speculative run's RunStarted carries it (an AR run's own decode steps are one-token forwards). Not asked (the
+    CLI, the bench), it runs no forward besides the run's own and says -1."""
     from engine.config import GenerationConfig
 
     ids = tiny_engine.encode("a b c", False)
+    assert tiny_engine.run(ids, GenerationConfig(method="sd", max_new_tokens=4)).events[0].target_step_ms == -1.0
+    monkeypatch.setattr(tiny_engine, "measure_target_step", True)
     start = tiny_engine.run(ids, GenerationConfig(method="specbranch", max_new_tokens=8)).events[0]
     assert isinstance(start, RunStarted) and start.target_step_ms == tiny_engine.target_step_ms() > 0
     assert tiny_engine.run(ids, GenerationConfig(method="ar", max_new_tokens=8)).events[0].target_step_ms == -1.0
