@@ -13,21 +13,15 @@ import threading
 from collections import OrderedDict
 from typing import Callable
 
+from .settings import count_setting
+
 DEFAULT_MAX_DRAFTS = 2
 MAX_DRAFTS_ENV = "SPECBRANCH_MAX_DRAFTS"
 
 
 def max_drafts_from(value: str | int | None) -> int:
-    """The cap from a setting (None: the default); ValueError with the reason when it is not an integer >= 1."""
-    if value is None or value == "":
-        return DEFAULT_MAX_DRAFTS
-    try:
-        cap = int(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{MAX_DRAFTS_ENV} must be an integer >= 1, got {value!r}") from None
-    if cap < 1:
-        raise ValueError(f"{MAX_DRAFTS_ENV} must be an integer >= 1, got {value!r}")
-    return cap
+    """The draft cap from a setting (count_setting)."""
+    return count_setting(value, DEFAULT_MAX_DRAFTS, MAX_DRAFTS_ENV)
 
 
 def in_use(engine) -> bool:

@@ -11,7 +11,7 @@ import gradio as gr
 
 from .context import AppContext, no_store
 from .identity import browser_id_state, browser_identity
-from .settings import defaults_for
+from .settings import count_setting, defaults_for
 from .tabs.compare import CompareTab
 from .tabs.how_to_read import HowToReadTab
 from .tabs.live import LiveTab
@@ -61,17 +61,8 @@ def css_paths() -> list[str]:
 
 
 def max_queue_from(value: str | int | None) -> int:
-    """The engine queue's bound from a setting (None or "": the default); ValueError saying why when it is not an
-    integer >= 1."""
-    if value is None or value == "":
-        return DEFAULT_MAX_QUEUE
-    try:
-        bound = int(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{MAX_QUEUE_ENV} must be an integer >= 1, got {value!r}") from None
-    if bound < 1:
-        raise ValueError(f"{MAX_QUEUE_ENV} must be an integer >= 1, got {value!r}")
-    return bound
+    """The engine queue's bound from a setting (count_setting)."""
+    return count_setting(value, DEFAULT_MAX_QUEUE, MAX_QUEUE_ENV)
 
 
 def bounded_queue(demo: gr.Blocks, max_size: int | None = None) -> gr.Blocks:

@@ -61,3 +61,17 @@ def make_config(method, max_new, temperature, top_p, gamma, branches, epsilon, d
                             head_start=number(head_start, "head start", float), hold=number(hold, "hold", float),
                             hold_branches=bool(hold_branches), hrad=bool(hrad),
                             seed=number(seed, "seed", int)).validate()
+
+
+def count_setting(value: str | int | None, default: int, name: str) -> int:
+    """A count from a setting (an environment variable or a flag; None or "": the default); ValueError saying why when
+    it is not an integer >= 1."""
+    if value is None or value == "":
+        return default
+    try:
+        count = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}") from None
+    if count < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return count
