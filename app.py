@@ -1,4 +1,5 @@
 """SpecBranch Studio: `python app.py` serves the app on 127.0.0.1:7860 (see --help)."""
+
 from __future__ import annotations
 
 import argparse
@@ -50,12 +51,25 @@ def load_engine(args, draft: str, target=None):
     from engine.models.loading import load_pair, with_draft
 
     if target is not None:
-        pair = with_draft(target, draft, draft_matmul=args.draft_matmul, draft_forward=args.draft_forward,
-                          draft_worker=args.draft_worker, compile_later=True)
+        pair = with_draft(
+            target,
+            draft,
+            draft_matmul=args.draft_matmul,
+            draft_forward=args.draft_forward,
+            draft_worker=args.draft_worker,
+            compile_later=True,
+        )
     else:
-        pair = load_pair(args.target, draft, device=args.device, draft_matmul=args.draft_matmul,
-                         draft_forward=args.draft_forward, target_forward=args.target_forward,
-                         draft_worker=args.draft_worker, compile_later=True)
+        pair = load_pair(
+            args.target,
+            draft,
+            device=args.device,
+            draft_matmul=args.draft_matmul,
+            draft_forward=args.draft_forward,
+            target_forward=args.target_forward,
+            draft_worker=args.draft_worker,
+            compile_later=True,
+        )
     if pair.draft_worker_why:
         print(f"the draft {draft!r} runs in this process: {pair.draft_worker_why}")
     if hasattr(pair.draft, "start_compile"):  # lean-compiled: by a second draft process, or here
@@ -68,43 +82,66 @@ def main() -> None:
     parser.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"))
     parser.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", "7860")))
     parser.add_argument("--target", default=os.environ.get("SPECBRANCH_TARGET", "embedded"))
-    parser.add_argument("--draft", default=os.environ.get("SPECBRANCH_DRAFT"),
-                        help="a draft spec (python -m engine --help); default: self, the target read in 4 bits, on "
-                             "a CPU (engine/presets.py default_draft), else embedded. For more rejections and branches "
-                             "to watch: embedded or embedded-weak; for forks that rescue: self-skip:3,4,5,25")
+    parser.add_argument(
+        "--draft",
+        default=os.environ.get("SPECBRANCH_DRAFT"),
+        help="a draft spec (python -m engine --help); default: self, the target read in 4 bits, on "
+        "a CPU (engine/presets.py default_draft), else embedded. For more rejections and branches "
+        "to watch: embedded or embedded-weak; for forks that rescue: self-skip:3,4,5,25",
+    )
     parser.add_argument("--device", default=os.environ.get("SPECBRANCH_DEVICE"))
-    parser.add_argument("--draft-matmul", default=os.environ.get("SPECBRANCH_DRAFT_MATMUL", "auto"),
-                        choices=DRAFT_MATMULS,
-                        help="how the draft's matmuls read its weights: bfloat16, int4 or float32 (auto: int4 for "
-                             "--draft self or self-skip:... on a CPU, bfloat16 for other drafts where the CPU runs it "
-                             "natively); output stays exact")
-    parser.add_argument("--draft-forward", default=draft_forward(),
-                        choices=DRAFT_FORWARDS,
-                        help="lean: a Llama draft on the CPU runs engine/lean.py (fused matmuls, a KV cache that "
-                             "rolls back by a pointer); lean-compiled (the default): that, with its one-token steps "
-                             "through torch.compile, compiled by a second process of the draft's once it has loaded "
-                             "(about a minute the first time; runs meanwhile draft with the eager step and say so; a "
-                             "draft on a thread of this process compiles when it loads); transformers: the model's "
-                             "own forward")
-    parser.add_argument("--draft-worker", default=os.environ.get("SPECBRANCH_DRAFT_WORKER", "process"),
-                        choices=DRAFT_WORKERS,
-                        help="process: a draft on the CPU runs its forwards in a child process of its own, so the two "
-                             "models do not take turns at one Python interpreter (its logits are checked bit for bit "
-                             "at start); thread: on a thread of this process")
-    parser.add_argument("--target-forward", default=os.environ.get("SPECBRANCH_TARGET_FORWARD", "static"),
-                        choices=TARGET_FORWARDS,
-                        help="static: a Llama target on the CPU runs engine/static_forward.py (transformers' ops, "
-                             "with q/k/v and gate/up each one stacked matmul, over a KV cache written in place: the "
-                             "same bits, checked at load, and a faster step); transformers: the model's own forward")
+    parser.add_argument(
+        "--draft-matmul",
+        default=os.environ.get("SPECBRANCH_DRAFT_MATMUL", "auto"),
+        choices=DRAFT_MATMULS,
+        help="how the draft's matmuls read its weights: bfloat16, int4 or float32 (auto: int4 for "
+        "--draft self or self-skip:... on a CPU, bfloat16 for other drafts where the CPU runs it "
+        "natively); output stays exact",
+    )
+    parser.add_argument(
+        "--draft-forward",
+        default=draft_forward(),
+        choices=DRAFT_FORWARDS,
+        help="lean: a Llama draft on the CPU runs engine/lean.py (fused matmuls, a KV cache that "
+        "rolls back by a pointer); lean-compiled (the default): that, with its one-token steps "
+        "through torch.compile, compiled by a second process of the draft's once it has loaded "
+        "(about a minute the first time; runs meanwhile draft with the eager step and say so; a "
+        "draft on a thread of this process compiles when it loads); transformers: the model's "
+        "own forward",
+    )
+    parser.add_argument(
+        "--draft-worker",
+        default=os.environ.get("SPECBRANCH_DRAFT_WORKER", "process"),
+        choices=DRAFT_WORKERS,
+        help="process: a draft on the CPU runs its forwards in a child process of its own, so the two "
+        "models do not take turns at one Python interpreter (its logits are checked bit for bit "
+        "at start); thread: on a thread of this process",
+    )
+    parser.add_argument(
+        "--target-forward",
+        default=os.environ.get("SPECBRANCH_TARGET_FORWARD", "static"),
+        choices=TARGET_FORWARDS,
+        help="static: a Llama target on the CPU runs engine/static_forward.py (transformers' ops, "
+        "with q/k/v and gate/up each one stacked matmul, over a KV cache written in place: the "
+        "same bits, checked at load, and a faster step); transformers: the model's own forward",
+    )
     parser.add_argument("--db", default=None, help="session store (default: $SPECBRANCH_DB or the data dir)")
     parser.add_argument("--no-record", action="store_true", help="do not record sessions")
-    parser.add_argument("--max-queue", type=positive, default=os.environ.get(MAX_QUEUE_ENV, DEFAULT_MAX_QUEUE),
-                        help="most runs (Generate, Compare) waiting for the engine; one past it is refused at once "
-                             f"with a 'busy, try again' message (default: ${MAX_QUEUE_ENV} or {DEFAULT_MAX_QUEUE})")
-    parser.add_argument("--max-drafts", type=positive, default=os.environ.get(MAX_DRAFTS_ENV, DEFAULT_MAX_DRAFTS),
-                        help="most drafts loaded at once, each with its process (1.1-1.7 GB on the embedded pair); "
-                             "picking one more closes the least recently used idle one (default: "
-                             f"${MAX_DRAFTS_ENV} or {DEFAULT_MAX_DRAFTS})")
+    parser.add_argument(
+        "--max-queue",
+        type=positive,
+        default=os.environ.get(MAX_QUEUE_ENV, DEFAULT_MAX_QUEUE),
+        help="most runs (Generate, Compare) waiting for the engine; one past it is refused at once "
+        f"with a 'busy, try again' message (default: ${MAX_QUEUE_ENV} or {DEFAULT_MAX_QUEUE})",
+    )
+    parser.add_argument(
+        "--max-drafts",
+        type=positive,
+        default=os.environ.get(MAX_DRAFTS_ENV, DEFAULT_MAX_DRAFTS),
+        help="most drafts loaded at once, each with its process (1.1-1.7 GB on the embedded pair); "
+        "picking one more closes the least recently used idle one (default: "
+        f"${MAX_DRAFTS_ENV} or {DEFAULT_MAX_DRAFTS})",
+    )
     args = parser.parse_args()
     ensure_embedded_package()
     if not args.draft:
@@ -113,8 +150,9 @@ def main() -> None:
         args.draft = default_draft(args.device)
 
     lock, loaded = threading.Lock(), {}
-    specs = [args.draft, *(d for d in EMBEDDED_CHOICES if d != args.draft)] if args.target == "embedded" \
-        else [args.draft]
+    specs = (
+        [args.draft, *(d for d in EMBEDDED_CHOICES if d != args.draft)] if args.target == "embedded" else [args.draft]
+    )
     drafts = [(EMBEDDED_CHOICES.get(spec, spec), spec) for spec in specs]
     engines = EngineCache(lambda draft, target: load_engine(args, draft, target), args.draft, args.max_drafts)
 
@@ -136,22 +174,29 @@ def main() -> None:
                         print(f"recording sessions to {loaded['store'][0].path}")
                         if snapshots is not None:
                             atexit.register(snapshots.stop)
-                            print(f"copying them to {snapshots.folder} every {snapshots.every_s:.0f} s"
-                                  + (f" ({snapshots.last_error})" if snapshots.last_error else ""))
+                            print(
+                                f"copying them to {snapshots.folder} every {snapshots.every_s:.0f} s"
+                                + (f" ({snapshots.last_error})" if snapshots.last_error else "")
+                            )
                     except SessionStoreError as exc:
                         loaded["store"] = (None, str(exc))
                         print(f"not recording: {exc}")
             return loaded["store"]
 
     get_store()
-    demo = build_app(engines.get, get_store, defaults_for(args.draft),
-                     about=f"target {args.target} · draft matmul {args.draft_matmul} · "
-                           f"draft forward {args.draft_forward} where it fits · "
-                           f"draft worker {args.draft_worker} where it fits · "
-                           f"target forward {args.target_forward} where it fits",
-                     drafts=drafts)
-    bounded_queue(demo, args.max_queue).launch(server_name=args.host, server_port=args.port, css_paths=css_paths(),
-                                               show_error=SHOW_ERROR)
+    demo = build_app(
+        engines.get,
+        get_store,
+        defaults_for(args.draft),
+        about=f"target {args.target} · draft matmul {args.draft_matmul} · "
+        f"draft forward {args.draft_forward} where it fits · "
+        f"draft worker {args.draft_worker} where it fits · "
+        f"target forward {args.target_forward} where it fits",
+        drafts=drafts,
+    )
+    bounded_queue(demo, args.max_queue).launch(
+        server_name=args.host, server_port=args.port, css_paths=css_paths(), show_error=SHOW_ERROR
+    )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """What the tabs share: the engines (one a draft, loaded on first use), the session store, and the page-wide
 components (the draft menu, the browser's id, the generation controls that Live builds and Compare reads)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -15,8 +16,9 @@ def no_store(reason: str):
     return lambda: (None, reason)
 
 
-def stored_ar_speed(store, owner: str, prompt: str, pair: tuple[str, str | None] | None = None,
-                    session_id: str | None = None) -> float | None:
+def stored_ar_speed(
+    store, owner: str, prompt: str, pair: tuple[str, str | None] | None = None, session_id: str | None = None
+) -> float | None:
     """tokens/s of the newest complete AR run of exactly this prompt that this owner stored (a run in
     `session_id` first): the baseline for a speedup. None when there is none, so no speedup is claimed."""
     if store is None or not prompt:
@@ -27,8 +29,13 @@ def stored_ar_speed(store, owner: str, prompt: str, pair: tuple[str, str | None]
         for sid in ([session_id] if session_id else []) + [i for i in ids if i != session_id]:
             for run in store.get_session(sid, owner)["runs"]:
                 speed = (run["metrics"] or {}).get("tokens_per_s")
-                if run["method"] == "ar" and run["status"] == "complete" and isinstance(speed, (int, float)) \
-                        and not isinstance(speed, bool) and speed > 0:
+                if (
+                    run["method"] == "ar"
+                    and run["status"] == "complete"
+                    and isinstance(speed, (int, float))
+                    and not isinstance(speed, bool)
+                    and speed > 0
+                ):
                     return float(speed)
     except SessionStoreError:
         return None
@@ -47,6 +54,7 @@ class AppContext:
     is recorded); defaults: the controls' starting values; drafts: (what the menu says, draft spec) for each draft a
     visitor may pick, the app's own first (None: no choice). A pick outside them is refused: a spec can name a path
     or a hub id, so a visitor never types one."""
+
     get_engine: Callable
     get_store: Callable = field(default_factory=lambda: no_store("recording is off"))
     defaults: dict = field(default_factory=dict)

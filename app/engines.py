@@ -6,6 +6,7 @@ the cap, the least recently used engine is closed (its draft's process ends; its
 on its next pick. An engine a generation is using is never closed: the queue runs one engine request at a time, and a
 generation holds its engine's lock while it runs (also a run stopped by Stop or a closed tab, until it has let go), so
 such an engine is passed over and the cache stays above the cap until a later pick, when it is idle."""
+
 from __future__ import annotations
 
 import os

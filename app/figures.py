@@ -1,5 +1,6 @@
 """Plotly figures built from the event stream alone (live and replay draw the same pictures).
 All times on the figures are measured host times from TimingSpan events."""
+
 from __future__ import annotations
 
 import html
@@ -10,8 +11,14 @@ from engine.events import DraftProposed, Event, Rollback, TimingSpan, TokensEmit
 from engine.measure.metrics import busy_intervals
 from sessions.replay import run_label
 
-KIND_COLOURS = {"prefill": "#9e9e9e", "draft": "#4caf50", "branch_draft": "#8e24aa", "verify": "#1e88e5",
-                "decode": "#1e88e5", "assisted_generate": "#607d8b"}
+KIND_COLOURS = {
+    "prefill": "#9e9e9e",
+    "draft": "#4caf50",
+    "branch_draft": "#8e24aa",
+    "verify": "#1e88e5",
+    "decode": "#1e88e5",
+    "assisted_generate": "#607d8b",
+}
 BUBBLE = "rgba(244, 67, 54, 0.25)"
 
 
@@ -43,29 +50,55 @@ def timeline_figure(runs: list[list[Event]], highlight: tuple[int, float, float]
             lanes.append(lane)
             for kind in sorted({s.kind for s in mine}):
                 bars, label = [s for s in mine if s.kind == kind], plot_text(kind)
-                fig.add_trace(go.Bar(
-                    y=[lane] * len(bars), x=[1000 * (s.end - s.start) for s in bars],
-                    base=[1000 * s.start for s in bars], orientation="h", name=label, legendgroup=label,
-                    showlegend=label not in {t.name for t in fig.data}, marker_color=KIND_COLOURS.get(kind, "#333"),
-                    customdata=[[s.step, s.tokens] for s in bars],
-                    hovertemplate=f"{label}<br>step %{{customdata[0]}}, %{{customdata[1]}} tokens<br>"
-                                  "%{base:.1f}–%{x:.1f} ms long<extra>" + lane + "</extra>"))
+                fig.add_trace(
+                    go.Bar(
+                        y=[lane] * len(bars),
+                        x=[1000 * (s.end - s.start) for s in bars],
+                        base=[1000 * s.start for s in bars],
+                        orientation="h",
+                        name=label,
+                        legendgroup=label,
+                        showlegend=label not in {t.name for t in fig.data},
+                        marker_color=KIND_COLOURS.get(kind, "#333"),
+                        customdata=[[s.step, s.tokens] for s in bars],
+                        hovertemplate=f"{label}<br>step %{{customdata[0]}}, %{{customdata[1]}} tokens<br>"
+                        "%{base:.1f}–%{x:.1f} ms long<extra>" + lane + "</extra>",
+                    )
+                )
             busy = busy_intervals(spans, worker, start, end)
             gaps = [(a_end, b_start) for (_, a_end), (b_start, _) in zip(busy, busy[1:]) if b_start - a_end > 1e-4]
             if gaps:
-                fig.add_trace(go.Bar(
-                    y=[lane] * len(gaps), x=[1000 * (b - a) for a, b in gaps], base=[1000 * a for a, _ in gaps],
-                    orientation="h", name="idle (bubble)", legendgroup="idle",
-                    showlegend="idle (bubble)" not in {t.name for t in fig.data}, marker_color=BUBBLE,
-                    hovertemplate="idle %{x:.1f} ms<extra>" + lane + "</extra>"))
+                fig.add_trace(
+                    go.Bar(
+                        y=[lane] * len(gaps),
+                        x=[1000 * (b - a) for a, b in gaps],
+                        base=[1000 * a for a, _ in gaps],
+                        orientation="h",
+                        name="idle (bubble)",
+                        legendgroup="idle",
+                        showlegend="idle (bubble)" not in {t.name for t in fig.data},
+                        marker_color=BUBBLE,
+                        hovertemplate="idle %{x:.1f} ms<extra>" + lane + "</extra>",
+                    )
+                )
     if highlight is not None:
         step, start, end = highlight
-        fig.add_vrect(x0=1000 * start, x1=1000 * max(end, start + 1e-4), fillcolor="rgba(255, 143, 0, 0.18)",
-                      line=dict(color="#ff8f00", width=1), annotation_text=f"step {int(step)}",
-                      annotation_position="top left")
-    fig.update_layout(barmode="overlay", height=120 + 45 * len(lanes), margin=dict(l=10, r=10, t=40, b=30),
-                      title="Measured timeline (ms): draft and target forwards, idle gaps in red",
-                      xaxis_title="time since the run started (ms, measured)", yaxis=dict(autorange="reversed"))
+        fig.add_vrect(
+            x0=1000 * start,
+            x1=1000 * max(end, start + 1e-4),
+            fillcolor="rgba(255, 143, 0, 0.18)",
+            line=dict(color="#ff8f00", width=1),
+            annotation_text=f"step {int(step)}",
+            annotation_position="top left",
+        )
+    fig.update_layout(
+        barmode="overlay",
+        height=120 + 45 * len(lanes),
+        margin=dict(l=10, r=10, t=40, b=30),
+        title="Measured timeline (ms): draft and target forwards, idle gaps in red",
+        xaxis_title="time since the run started (ms, measured)",
+        yaxis=dict(autorange="reversed"),
+    )
     return fig
 
 
@@ -74,12 +107,18 @@ def acceptance_figure(metrics: dict) -> go.Figure:
     hist = metrics.get("accepted_length_histogram") or {}
     fig = go.Figure()
     fig.add_trace(go.Bar(x=list(range(1, len(per_pos) + 1)), y=per_pos, name="P(accept at i | before accepted)"))
-    fig.add_trace(go.Bar(x=[int(k) for k in hist], y=list(hist.values()), name="accepted length (count)", yaxis="y2",
-                         opacity=0.5))
-    fig.update_layout(title="Per-position acceptance and accepted-length histogram", height=300, barmode="group",
-                      margin=dict(l=10, r=10, t=40, b=30), xaxis_title="draft position / accepted length",
-                      yaxis=dict(title="acceptance", range=[0, 1]),
-                      yaxis2=dict(title="count", overlaying="y", side="right"))
+    fig.add_trace(
+        go.Bar(x=[int(k) for k in hist], y=list(hist.values()), name="accepted length (count)", yaxis="y2", opacity=0.5)
+    )
+    fig.update_layout(
+        title="Per-position acceptance and accepted-length histogram",
+        height=300,
+        barmode="group",
+        margin=dict(l=10, r=10, t=40, b=30),
+        xaxis_title="draft position / accepted length",
+        yaxis=dict(title="acceptance", range=[0, 1]),
+        yaxis2=dict(title="count", overlaying="y", side="right"),
+    )
     return fig
 
 
@@ -104,6 +143,11 @@ def cumulative_figure(events: list[Event]) -> go.Figure:
     fig = go.Figure()
     for name, ys in (("drafted", drafted), ("accepted", accepted), ("rolled back", rolled)):
         fig.add_trace(go.Scatter(x=t, y=ys, mode="lines", name=name, line_shape="hv"))
-    fig.update_layout(title="Cumulative draft tokens", height=300, margin=dict(l=10, r=10, t=40, b=30),
-                      xaxis_title="time (ms, measured)", yaxis_title="tokens")
+    fig.update_layout(
+        title="Cumulative draft tokens",
+        height=300,
+        margin=dict(l=10, r=10, t=40, b=30),
+        xaxis_title="time (ms, measured)",
+        yaxis_title="tokens",
+    )
     return fig

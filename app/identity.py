@@ -1,6 +1,7 @@
 """Who owns a stored session: a random id that the browser keeps in its localStorage (gr.BrowserState).
 A reload is a new Gradio session but the same browser, so it still sees its own private runs; another
 browser has another id and sees only its own runs and the shared ones."""
+
 from __future__ import annotations
 
 import os

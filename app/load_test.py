@@ -17,6 +17,7 @@ its children (the draft's processes); and the checks:
 It exits 0 when every client completed or was refused with a busy message and every check passed, else 1.
 tests/test_load.py runs the same functions, bounded, on tiny models in this process (run_load).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -94,8 +95,9 @@ def make_client(url: str):
 
 
 def submit(client, run: ClientRun, tokens: int, method: str):
-    return client.submit(run.prompt, [], method, max_new=tokens, chat=False, browser_id=run.browser,
-                         api_name="/generate")
+    return client.submit(
+        run.prompt, [], method, max_new=tokens, chat=False, browser_id=run.browser, api_name="/generate"
+    )
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -106,8 +108,15 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
-def run_clients(url: str, clients: int, tokens: int, method: str = "specbranch", timeout: float = 600.0,
-                gate=None, settled_timeout: float = 120.0) -> tuple[list[ClientRun], list]:
+def run_clients(
+    url: str,
+    clients: int,
+    tokens: int,
+    method: str = "specbranch",
+    timeout: float = 600.0,
+    gate=None,
+    settled_timeout: float = 120.0,
+) -> tuple[list[ClientRun], list]:
     """Open `clients` gradio_client sessions, each with a browser id of its own, and submit every /generate at once.
     gate: a context manager held from just before the submits until every job has settled (running, waiting or
     refused), e.g. one that holds the engine so that the queue fills (tests/test_load.py). Returns the runs and the
@@ -117,7 +126,7 @@ def run_clients(url: str, clients: int, tokens: int, method: str = "specbranch",
         sessions = list(pool.map(lambda _: make_client(url), range(clients)))
     from gradio_client.utils import Status
 
-    with (gate if gate is not None else contextlib.nullcontext()):
+    with gate if gate is not None else contextlib.nullcontext():
         started = time.perf_counter()
         jobs = [submit(c, r, tokens, method) for c, r in zip(sessions, runs)]
         submitted = [started] * clients
@@ -212,13 +221,18 @@ def check_isolation(runs: list[ClientRun], sessions: list) -> int:
         client = sessions[run.index]
         table, _, status = client.predict("", "", run.browser, api_name="/search")
         attempts += 1
-        ids = [row[0] for row in (table or {}).get("data", [])] if isinstance(table, dict) else \
-            [row[0] for row in table or []]
+        ids = (
+            [row[0] for row in (table or {}).get("data", [])]
+            if isinstance(table, dict)
+            else [row[0] for row in table or []]
+        )
         if ids != [run.session_id]:
             run.problems.append(f"its search listed {ids}, not only its own session")
-        for api, args in (("/open_session", (other.session_id, run.browser)),
-                          ("/export_session", (other.session_id, run.browser)),
-                          ("/share_session", (other.session_id, False, run.browser))):
+        for api, args in (
+            ("/open_session", (other.session_id, run.browser)),
+            ("/export_session", (other.session_id, run.browser)),
+            ("/share_session", (other.session_id, False, run.browser)),
+        ):
             attempts += 1
             try:
                 out = client.predict(*args, api_name=api)
@@ -264,7 +278,7 @@ class PeakRss:
 
     @property
     def peak_mb(self) -> float:
-        return round(self.peak / 2 ** 20, 1)
+        return round(self.peak / 2**20, 1)
 
 
 def warm_up(url: str, tokens: int, method: str) -> str:
@@ -283,40 +297,64 @@ def summarize(runs: list[ClientRun], store: dict, attempts: int, rss_mb: float |
     refused_messages = sorted({r.message for r in runs if r.outcome == "refused"})
     problems = [f"client {r.index}: {p}" for r in runs for p in r.problems]
     problems += [f"client {r.index} failed: {r.message}" for r in runs if r.outcome == "failed"]
-    problems += [f"client {r.index} refused without a busy message: {r.message!r}" for r in runs
-                 if r.outcome == "refused" and not is_busy_message(r.message)]
+    problems += [
+        f"client {r.index} refused without a busy message: {r.message!r}"
+        for r in runs
+        if r.outcome == "refused" and not is_busy_message(r.message)
+    ]
     if store["integrity_check"] != "ok":
         problems.append(f"integrity_check: {store['integrity_check']}")
     if store["strangers"]:
         problems.append(f"sessions of unknown owners: {store['strangers']}")
-    return {**extra, "clients": len(runs), **counts, "refused_messages": refused_messages,
-            "ttft_p50_s": round_or_none(percentile(ttft, 50)), "ttft_p95_s": round_or_none(percentile(ttft, 95)),
-            "total_p50_s": round_or_none(percentile([r.total_s for r in runs if r.outcome == "completed"], 50)),
-            "peak_rss_mb": rss_mb, "stored_sessions": store["sessions"],
-            "integrity_check": store["integrity_check"], "isolation_attempts": attempts,
-            "ok": not problems and counts["completed"] + counts["refused"] == len(runs), "problems": problems,
-            "runs": [{k: v for k, v in asdict(r).items() if k != "browser"} for r in runs]}
+    return {
+        **extra,
+        "clients": len(runs),
+        **counts,
+        "refused_messages": refused_messages,
+        "ttft_p50_s": round_or_none(percentile(ttft, 50)),
+        "ttft_p95_s": round_or_none(percentile(ttft, 95)),
+        "total_p50_s": round_or_none(percentile([r.total_s for r in runs if r.outcome == "completed"], 50)),
+        "peak_rss_mb": rss_mb,
+        "stored_sessions": store["sessions"],
+        "integrity_check": store["integrity_check"],
+        "isolation_attempts": attempts,
+        "ok": not problems and counts["completed"] + counts["refused"] == len(runs),
+        "problems": problems,
+        "runs": [{k: v for k, v in asdict(r).items() if k != "browser"} for r in runs],
+    }
 
 
 def round_or_none(x: float | None, digits: int = 3) -> float | None:
     return None if x is None else round(x, digits)
 
 
-def run_load(url: str, db: Path, clients: int, tokens: int, method: str = "specbranch", gate=None,
-             timeout: float = 600.0, rss_pid: int | None = None, others: set[str] = frozenset(), **extra) -> dict:
+def run_load(
+    url: str,
+    db: Path,
+    clients: int,
+    tokens: int,
+    method: str = "specbranch",
+    gate=None,
+    timeout: float = 600.0,
+    rss_pid: int | None = None,
+    others: set[str] = frozenset(),
+    **extra,
+) -> dict:
     """The burst and every check, against an app already serving at `url` and recording to `db`."""
-    with (PeakRss(rss_pid) if rss_pid else contextlib.nullcontext()) as rss:
+    with PeakRss(rss_pid) if rss_pid else contextlib.nullcontext() as rss:
         runs, sessions = run_clients(url, clients, tokens, method, timeout, gate)
     store = check_store(db, runs, others)
     attempts = check_isolation(runs, sessions)
     for client in sessions:
         with contextlib.suppress(Exception):
             client.close()
-    return summarize(runs, store, attempts, rss.peak_mb if rss is not None else None, tokens=tokens, method=method,
-                     **extra)
+    return summarize(
+        runs, store, attempts, rss.peak_mb if rss is not None else None, tokens=tokens, method=method, **extra
+    )
 
 
 # -- the app in a subprocess ------------------------------------------------------------------------
+
 
 def free_port() -> int:
     import socket
@@ -326,10 +364,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_app(port: int, db: Path, max_queue: int, target: str | None, draft: str | None, app_args: list[str],
-              log) -> subprocess.Popen:
-    cmd = [sys.executable, str(ROOT / "app.py"), "--host", "127.0.0.1", "--port", str(port), "--db", str(db),
-           "--max-queue", str(max_queue)]
+def start_app(
+    port: int, db: Path, max_queue: int, target: str | None, draft: str | None, app_args: list[str], log
+) -> subprocess.Popen:
+    cmd = [
+        sys.executable,
+        str(ROOT / "app.py"),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--db",
+        str(db),
+        "--max-queue",
+        str(max_queue),
+    ]
     cmd += ["--target", target] if target else []
     cmd += ["--draft", draft] if draft else []
     env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "PYTHONUNBUFFERED": "1"}
@@ -388,13 +437,23 @@ def main(argv: list[str] | None = None) -> int:
                 wait_until_serving(url, app, timeout=600)
                 warm = warm_up(url, args.tokens, args.method)
                 load_before = os.getloadavg()
-                report = run_load(url, db, args.clients, args.tokens, args.method, timeout=args.timeout,
-                                  rss_pid=app.pid, others={warm}, command=" ".join(["python -m app.load_test",
-                                                                                     *(argv or sys.argv[1:])]),
-                                  max_queue=args.max_queue,
-                                  target=args.target or "embedded", draft=args.draft or "the app's default",
-                                  app_args=args.app_arg, cpus=os.cpu_count(),
-                                  load_average_before=[round(x, 2) for x in load_before])
+                report = run_load(
+                    url,
+                    db,
+                    args.clients,
+                    args.tokens,
+                    args.method,
+                    timeout=args.timeout,
+                    rss_pid=app.pid,
+                    others={warm},
+                    command=" ".join(["python -m app.load_test", *(argv or sys.argv[1:])]),
+                    max_queue=args.max_queue,
+                    target=args.target or "embedded",
+                    draft=args.draft or "the app's default",
+                    app_args=args.app_arg,
+                    cpus=os.cpu_count(),
+                    load_average_before=[round(x, 2) for x in load_before],
+                )
                 report["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
             except Exception as exc:
                 log.seek(0)

@@ -1,5 +1,6 @@
 """The app's page: a title, the draft menu, and the tabs (app/tabs/), each building its UI and wiring its events.
 Everything shown is computed from the engine's event stream (app/render.py)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -26,26 +27,40 @@ ENGINE = "engine"  # the concurrency id of every endpoint that runs the engine (
 DEFAULT_MAX_QUEUE = 32
 MAX_QUEUE_ENV = "SPECBRANCH_MAX_QUEUE"
 OTHERS_PER_ENGINE_SLOT = 4  # gradio's own bound, on events of every endpoint, is this many times the engine's
-BUSY = ("The app is busy: {waiting} runs are already waiting for the engine (at most {bound} may wait). Please try "
-        "again in a minute.")
+BUSY = (
+    "The app is busy: {waiting} runs are already waiting for the engine (at most {bound} may wait). Please try "
+    "again in a minute."
+)
 DRAFT_INFO = "loaded on first use; picking one sets the Advanced settings to the ones chosen for its kind"
 TABS = (LiveTab, CompareTab, ReplayTab, HowToReadTab)  # in page order; Compare reads the controls Live builds
 
 
-def build_app(get_engine, get_store=None, defaults: dict | None = None, about: str = "",
-              drafts: list[tuple[str, str]] | None = None) -> gr.Blocks:
+def build_app(
+    get_engine,
+    get_store=None,
+    defaults: dict | None = None,
+    about: str = "",
+    drafts: list[tuple[str, str]] | None = None,
+) -> gr.Blocks:
     """The whole page (AppContext says what each argument is); about: a line under the title, shown as text."""
-    ctx = AppContext(get_engine, get_store or no_store("recording is off"), {**defaults_for(None), **(defaults or {})}, drafts)
+    ctx = AppContext(
+        get_engine, get_store or no_store("recording is off"), {**defaults_for(None), **(defaults or {})}, drafts
+    )
     with gr.Blocks(title="SpecBranch Studio") as demo:
         with gr.Row(equal_height=False):  # the title and the draft menu side by side: more of the run on screen
             with gr.Column(scale=3):
-                gr.Markdown("# SpecBranch Studio\nSpeculative decoding, made visible: every token is coloured by "
-                            "where it came from, every forward pass is on the timeline.")
+                gr.Markdown(
+                    "# SpecBranch Studio\nSpeculative decoding, made visible: every token is coloured by "
+                    "where it came from, every forward pass is on the timeline."
+                )
                 if about:
                     gr.HTML(f'<div class="about">{html.escape(about)}</div>')
             with gr.Column(scale=2, min_width=320):
-                ctx.draft = gr.Dropdown(drafts, value=ctx.specs[0], label="Draft", elem_id="draft",
-                                        info=DRAFT_INFO) if drafts else gr.State(None)
+                ctx.draft = (
+                    gr.Dropdown(drafts, value=ctx.specs[0], label="Draft", elem_id="draft", info=DRAFT_INFO)
+                    if drafts
+                    else gr.State(None)
+                )
         ctx.browser = browser_id_state()
         tabs = [tab(ctx) for tab in TABS]
         for tab in tabs:

@@ -1,6 +1,7 @@
 """The step navigator the Live and Replay tabs share: previous / next buttons, a slider and a strip of
 clickable step markers on the run's measured clock. Each selects one step; the branch tree and the
 timeline follow it. A step out of range (typed, stale, or past either end) is clamped, with a notice."""
+
 from __future__ import annotations
 
 import html
@@ -11,8 +12,10 @@ import gradio as gr
 from engine.events import BranchResolved, Event, Rollback, StepStarted, TimingSpan, TokensEmitted
 
 # Gradio 6 gr.HTML runs this once per page: one listener on the component, so re-rendered markers keep working.
-STRIP_JS = ("element.addEventListener('click', (e) => { const m = e.target.closest('[data-step]'); "
-            "if (m) trigger('click', {step: Number(m.dataset.step)}); });")
+STRIP_JS = (
+    "element.addEventListener('click', (e) => { const m = e.target.closest('[data-step]'); "
+    "if (m) trigger('click', {step: Number(m.dataset.step)}); });"
+)
 
 
 def clamp_step(requested, steps: list[int]) -> tuple[int | None, str]:
@@ -24,11 +27,13 @@ def clamp_step(requested, steps: list[int]) -> tuple[int | None, str]:
     except (TypeError, ValueError, OverflowError):  # OverflowError: an infinite step
         return steps[-1], f"step {str(requested)!r:.40} is not a number: showing step {steps[-1]}"
     if want < steps[0]:
-        return steps[0], (f"there is no step {want}: this run's steps are {steps[0]}–{steps[-1]}; "
-                          f"showing step {steps[0]}")
+        return steps[0], (
+            f"there is no step {want}: this run's steps are {steps[0]}–{steps[-1]}; showing step {steps[0]}"
+        )
     if want > steps[-1]:
-        return steps[-1], (f"there is no step {want}: this run's steps are {steps[0]}–{steps[-1]}; "
-                           f"showing step {steps[-1]}")
+        return steps[-1], (
+            f"there is no step {want}: this run's steps are {steps[0]}–{steps[-1]}; showing step {steps[-1]}"
+        )
     return want, ""
 
 
@@ -84,11 +89,15 @@ def step_strip(events: list[Event], selected: int | None) -> str:
         kind, title = step_outcome(events, step)
         chosen = " selected" if step == selected else ""
         fork = ' data-fork="true"' if step in forks else ""
-        marks.append(f'<button type="button" class="step-mark mark-{kind}{chosen}" data-step="{step}"{fork} '
-                     f'style="left:{100 * (a - t0) / span:.3f}%;width:max(3px, {100 * (b - a) / span:.3f}%)" '
-                     f'title="{html.escape(title)}">{step}</button>')
-    return (f'<div class="step-strip-wrap"><div class="step-strip-axis">steps on the measured clock '
-            f'({1000 * span:.0f} ms): click one</div><div class="step-strip">{"".join(marks)}</div></div>')
+        marks.append(
+            f'<button type="button" class="step-mark mark-{kind}{chosen}" data-step="{step}"{fork} '
+            f'style="left:{100 * (a - t0) / span:.3f}%;width:max(3px, {100 * (b - a) / span:.3f}%)" '
+            f'title="{html.escape(title)}">{step}</button>'
+        )
+    return (
+        f'<div class="step-strip-wrap"><div class="step-strip-axis">steps on the measured clock '
+        f'({1000 * span:.0f} ms): click one</div><div class="step-strip">{"".join(marks)}</div></div>'
+    )
 
 
 def slider_update(steps: list[int], step: int | None):

@@ -1,5 +1,6 @@
 """The generation controls' settings: methods offered, per-draft starting values, labels, and the config the
 controls build. Each tab that runs the engine reads them from here."""
+
 from __future__ import annotations
 
 import math
@@ -11,6 +12,7 @@ from engine.presets import preset_for
 
 LIVE_METHODS = ["specbranch", "pearl", "sd", "ar", "specbranch-no-branch", "specbranch-no-hrad"]
 COMPARE_METHODS = ["ar", "sd", "pearl", "specbranch"]
+
 
 def defaults_for(draft: str | None) -> dict:
     """The sliders' starting values for a draft spec: its preset, as the CLI and the bench read it
@@ -36,9 +38,24 @@ def examples() -> list[list]:
     return out
 
 
-def make_config(method, max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, feed_stop, head_start,
-                hold, hold_branches, hrad, seed) -> GenerationConfig:
+def make_config(
+    method,
+    max_new,
+    temperature,
+    top_p,
+    gamma,
+    branches,
+    epsilon,
+    draft_stop,
+    feed_stop,
+    head_start,
+    hold,
+    hold_branches,
+    hrad,
+    seed,
+) -> GenerationConfig:
     """Build and validate settings from the controls; raises SpecBranchError with the reason."""
+
     def number(value, name, cast):
         """value as a float or an int; an integer setting refuses a fraction or an infinity instead of rounding it."""
         if cast is int and isinstance(value, int) and not isinstance(value, bool):
@@ -52,15 +69,23 @@ def make_config(method, max_new, temperature, top_p, gamma, branches, epsilon, d
         if not math.isfinite(x) or x != int(x):
             raise SpecBranchError(f"{name} must be a whole number, got {value!r:.40}")
         return int(x)
-    return GenerationConfig(method=method, max_new_tokens=number(max_new, "max new tokens", int),
-                            temperature=number(temperature, "temperature", float),
-                            top_p=number(top_p, "top-p", float), gamma=number(gamma, "γ", int),
-                            branches=number(branches, "branches k", int), epsilon=number(epsilon, "ε", float),
-                            draft_stop=number(draft_stop, "draft stop", float),
-                            feed_stop=number(feed_stop, "feed stop", float),
-                            head_start=number(head_start, "head start", float), hold=number(hold, "hold", float),
-                            hold_branches=bool(hold_branches), hrad=bool(hrad),
-                            seed=number(seed, "seed", int)).validate()
+
+    return GenerationConfig(
+        method=method,
+        max_new_tokens=number(max_new, "max new tokens", int),
+        temperature=number(temperature, "temperature", float),
+        top_p=number(top_p, "top-p", float),
+        gamma=number(gamma, "γ", int),
+        branches=number(branches, "branches k", int),
+        epsilon=number(epsilon, "ε", float),
+        draft_stop=number(draft_stop, "draft stop", float),
+        feed_stop=number(feed_stop, "feed stop", float),
+        head_start=number(head_start, "head start", float),
+        hold=number(hold, "hold", float),
+        hold_branches=bool(hold_branches),
+        hrad=bool(hrad),
+        seed=number(seed, "seed", int),
+    ).validate()
 
 
 def count_setting(value: str | int | None, default: int, name: str) -> int:

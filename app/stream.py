@@ -8,6 +8,7 @@ On a ZeroGPU Space (the `spaces` package is importable) CUDA exists only inside 
 `spaces.GPU`, which runs it in a forked process and sends each yielded event back pickled: events are plain frozen
 dataclasses of CPU values, so they cross unchanged. The GPU is held at most `duration` seconds a call, computed per
 request from the tokens asked for (gpu_seconds)."""
+
 from __future__ import annotations
 
 import queue

@@ -8,14 +8,24 @@ label, each leaf gets its own row and a parent sits midway between its first and
 
 Token text is model output (or an imported file's): it is HTML-escaped wherever it becomes markup.
 """
+
 from __future__ import annotations
 
 import html
 import unicodedata
 from dataclasses import dataclass, field
 
-from engine.events import (BranchResolved, DraftProposed, Event, Rollback, RunStarted, StepStarted, TimingSpan,
-                           TokensEmitted, Verified)
+from engine.events import (
+    BranchResolved,
+    DraftProposed,
+    Event,
+    Rollback,
+    RunStarted,
+    StepStarted,
+    TimingSpan,
+    TokensEmitted,
+    Verified,
+)
 
 # Verdicts a node can have, with (fill, stroke, text colour, dashed border).
 STYLE = {
@@ -28,9 +38,16 @@ STYLE = {
     "target": ("#eeeeee", "#616161", "#1b1b1b", False),
     "unverified": ("#ffffff", "#9e9e9e", "#616161", True),
 }
-VERDICT_TEXT = {"prefix": "committed prefix", "accepted": "accepted draft token", "rescued": "rescued by a branch",
-                "rejected": "rejected draft token", "correction": "target's correction", "bonus": "target's bonus",
-                "target": "target token", "unverified": "never verified"}
+VERDICT_TEXT = {
+    "prefix": "committed prefix",
+    "accepted": "accepted draft token",
+    "rescued": "rescued by a branch",
+    "rejected": "rejected draft token",
+    "correction": "target's correction",
+    "bonus": "target's bonus",
+    "target": "target token",
+    "unverified": "never verified",
+}
 SURVIVOR = "#ff8f00"  # the survivor's highlight: border and edges
 
 # Sized to be read from the back of a room on a projected 1280x720 page: 20 px labels, thick survivor edges
@@ -62,6 +79,7 @@ class Node:
 @dataclass(frozen=True)
 class Box:
     """A node placed on the canvas: its label's box is (x, y, w, h), y the top edge."""
+
     node: Node
     label: str
     depth: int
@@ -72,6 +90,7 @@ class Box:
 
 
 # -- token text as a label ---------------------------------------------------------------------------
+
 
 def visible(text: str) -> str:
     """Whitespace and control characters made visible (a space is a real token difference)."""
@@ -126,6 +145,7 @@ def label_of(node: Node) -> str:
 
 # -- the tree of a step, from its events ---------------------------------------------------------------
 
+
 def ratio(p: float, q: float) -> str:
     return f"{p / q:.3f}" if q else "∞"
 
@@ -159,6 +179,7 @@ def first(events: list[Event], kind: type):
 @dataclass
 class StepFacts:
     """What one step's events say, gathered once."""
+
     start: int | None  # committed length when the step began
     verdict: Verified | None
     fork: BranchResolved | None
@@ -172,13 +193,16 @@ class StepFacts:
     def of(cls, step_events: list[Event]) -> "StepFacts":
         started = first(step_events, StepStarted)
         emitted = [e for e in step_events if isinstance(e, TokensEmitted)]
-        return cls(started.position if started else None,
-                   next((e for e in step_events if isinstance(e, Verified) and e.branch == 0), None),
-                   first(step_events, BranchResolved),
-                   [e for e in step_events if isinstance(e, DraftProposed)],
-                   [p for e in emitted for p in e.pieces], [k for e in emitted for k in e.kinds],
-                   sum(len(e.tokens) for e in step_events if isinstance(e, Rollback) and e.model == "draft"),
-                   next((e for e in step_events if isinstance(e, Verified) and e.branch == 1), None))
+        return cls(
+            started.position if started else None,
+            next((e for e in step_events if isinstance(e, Verified) and e.branch == 0), None),
+            first(step_events, BranchResolved),
+            [e for e in step_events if isinstance(e, DraftProposed)],
+            [p for e in emitted for p in e.pieces],
+            [k for e in emitted for k in e.kinds],
+            sum(len(e.tokens) for e in step_events if isinstance(e, Rollback) and e.model == "draft"),
+            next((e for e in step_events if isinstance(e, Verified) and e.branch == 1), None),
+        )
 
     def index(self, parent_position: int) -> int | None:
         """A drafted token's place after the committed prefix (0: the first speculative position)."""
@@ -215,16 +239,24 @@ def add_path(root: Node, facts: StepFacts) -> tuple[list[Node], bool]:
         p = v.p[i] if v and i < len(v.p) else None
         u = v.u[i] if v and i < len(v.u) else None
         if i < accepted:
-            node = Node(piece, "accepted", hover(piece, f"accepted draft token {i + 1}", pqu(p, q, u)),
-                        survivor=i < committed)
+            node = Node(
+                piece, "accepted", hover(piece, f"accepted draft token {i + 1}", pqu(p, q, u)), survivor=i < committed
+            )
         elif rejected and i == accepted:
             node = Node(piece, "rejected", hover(piece, "rejected by the target", pqu(p, q, u)))
         elif rejected:
-            node = Node(piece, "unverified", hover(piece, "drafted after a rejection: thrown away, never verified",
-                                                   pqu(None, q)))
+            node = Node(
+                piece,
+                "unverified",
+                hover(piece, "drafted after a rejection: thrown away, never verified", pqu(None, q)),
+            )
         else:
-            node = Node(piece, "unverified", hover(piece, "still speculative: verified in a later step",
-                                                   pqu(None, q)), survivor=True)
+            node = Node(
+                piece,
+                "unverified",
+                hover(piece, "still speculative: verified in a later step", pqu(None, q)),
+                survivor=True,
+            )
         nodes.append(parent.add(node))
         parent = node
     return nodes, rejected
@@ -240,10 +272,14 @@ def add_target_token(parent: Node, facts: StepFacts) -> None:
 
 def add_target_node(parent: Node, piece: str, v: Verified) -> None:
     kind = v.next_kind if v.next_kind in ("correction", "bonus") else "correction"
-    what = ("correction: drawn from the residual max(0, p - q)" if kind == "correction"
-            else "bonus: every draft token was accepted")
-    parent.add(Node(piece, kind, hover(piece, f"target's {what}", f"drawn with probability {v.next_p:.3f}"),
-                    survivor=True))
+    what = (
+        "correction: drawn from the residual max(0, p - q)"
+        if kind == "correction"
+        else "bonus: every draft token was accepted"
+    )
+    parent.add(
+        Node(piece, kind, hover(piece, f"target's {what}", f"drawn with probability {v.next_p:.3f}"), survivor=True)
+    )
 
 
 def branch_q(facts: StepFacts, branch: int, fork_at: int | None) -> dict[int, float]:
@@ -273,8 +309,11 @@ def add_resolved_fork(parent: Node, facts: StepFacts) -> None:
         u = f.u[b] if b < tried else None
         name = f"candidate {b + 1} of {len(f.candidates)} ({f.scheme})"
         if b == f.survivor:
-            verdict, what = ("rescued", f"{name}: survived, rescuing a rejection") if f.rescued else \
-                ("accepted", f"{name}: survived")
+            verdict, what = (
+                ("rescued", f"{name}: survived, rescuing a rejection")
+                if f.rescued
+                else ("accepted", f"{name}: survived")
+            )
         elif b < tried:
             verdict, what = "rejected", f"{name}: rejected"
         else:
@@ -284,13 +323,22 @@ def add_resolved_fork(parent: Node, facts: StepFacts) -> None:
         judged = facts.branch_verdict if b == f.survivor == 0 else None  # the first branch, fed to the target
         candidate = node
         for j, token_piece in enumerate(f.branch_pieces[b] if b < len(f.branch_pieces) else []):
-            verdict, what, numbers = "unverified", ("its branch: the next path, verified in a later step"
-                                                    if b == f.survivor else
-                                                    "on a losing branch: rolled back, never verified"), pqu(None, qs.get(j))
+            verdict, what, numbers = (
+                "unverified",
+                (
+                    "its branch: the next path, verified in a later step"
+                    if b == f.survivor
+                    else "on a losing branch: rolled back, never verified"
+                ),
+                pqu(None, qs.get(j)),
+            )
             if judged is not None and j < judged.drafted:
                 numbers = pqu(judged.p[j], judged.q[j], judged.u[j])
-                verdict, what = (("accepted", "its branch, verified in this step along with the path")
-                                 if j < judged.accepted else ("rejected", "its branch: rejected in this step"))
+                verdict, what = (
+                    ("accepted", "its branch, verified in this step along with the path")
+                    if j < judged.accepted
+                    else ("rejected", "its branch: rejected in this step")
+                )
             elif judged is not None and judged.accepted < judged.drafted:
                 what = "its branch, drafted after a rejection: rolled back, never verified"
             survives = b == f.survivor and (judged is None or j < judged.accepted or judged.accepted == judged.drafted)
@@ -315,13 +363,28 @@ def add_pending_fork(path: list[Node], root: Node, facts: StepFacts, rejected: b
     parent = path[at - 1] if at is not None and 0 < at <= len(path) else (path[-1] if path else root)
     what = "thrown away with the rejected path" if rejected else "a branch point still speculative"
     for b, (piece, q) in enumerate(zip(cands.pieces, cands.q)):
-        node = parent.add(Node(piece, "unverified", hover(piece, f"candidate {b + 1} of {len(cands.tokens)}: {what}",
-                                                          pqu(None, q)), survivor=not rejected))
-        tokens = sorted((d.parent_position, d.pieces[0], d.q[0]) for d in facts.proposals
-                        if d.kind == "branch" and d.branch == b + 1 and d.pieces)
+        node = parent.add(
+            Node(
+                piece,
+                "unverified",
+                hover(piece, f"candidate {b + 1} of {len(cands.tokens)}: {what}", pqu(None, q)),
+                survivor=not rejected,
+            )
+        )
+        tokens = sorted(
+            (d.parent_position, d.pieces[0], d.q[0])
+            for d in facts.proposals
+            if d.kind == "branch" and d.branch == b + 1 and d.pieces
+        )
         for _, token_piece, tq in tokens:
-            node = node.add(Node(token_piece, "unverified", hover(token_piece, f"its branch: {what}", pqu(None, tq)),
-                                 survivor=not rejected))
+            node = node.add(
+                Node(
+                    token_piece,
+                    "unverified",
+                    hover(token_piece, f"its branch: {what}", pqu(None, tq)),
+                    survivor=not rejected,
+                )
+            )
 
 
 def add_unseen_rollback(path: list[Node], root: Node, facts: StepFacts) -> None:
@@ -330,21 +393,35 @@ def add_unseen_rollback(path: list[Node], root: Node, facts: StepFacts) -> None:
     shown = sum(1 for n in root.walk() if n.verdict in ("rejected", "unverified") and not n.survivor)
     missing = facts.dropped - shown
     if missing > 0:
-        (path[-1] if path else root).add(Node(f"+{missing}", "unverified",
-                                              f"{missing} more drafted tokens (drafted in an earlier step) "
-                                              "rolled back, never verified"))
+        (path[-1] if path else root).add(
+            Node(
+                f"+{missing}",
+                "unverified",
+                f"{missing} more drafted tokens (drafted in an earlier step) rolled back, never verified",
+            )
+        )
 
 
 def build_tree(step_events: list[Event], prefix: str = "") -> Node:
     """One step as a tree of nodes. `prefix`: the committed text before the step (the root's label)."""
     facts = StepFacts.of(step_events)
-    root = Node(prefix, "prefix", f"committed prefix{'' if facts.start is None else f' ({facts.start} tokens)'}: "
-                f"…{visible(prefix[-200:])}", survivor=True)
+    root = Node(
+        prefix,
+        "prefix",
+        f"committed prefix{'' if facts.start is None else f' ({facts.start} tokens)'}: …{visible(prefix[-200:])}",
+        survivor=True,
+    )
     if facts.verdict is None and facts.fork is None:  # AR, a prefill, or a target-only step: the target's tokens
         parent = root
         for piece, kind in zip(facts.emitted_pieces, facts.emitted_kinds):
-            parent = parent.add(Node(piece, kind if kind in STYLE else "target",
-                                     hover(piece, VERDICT_TEXT.get(kind, kind)), survivor=True))
+            parent = parent.add(
+                Node(
+                    piece,
+                    kind if kind in STYLE else "target",
+                    hover(piece, VERDICT_TEXT.get(kind, kind)),
+                    survivor=True,
+                )
+            )
         return root
     path, rejected = add_path(root, facts)
     accepted = facts.verdict.accepted if facts.verdict else 0
@@ -361,6 +438,7 @@ def build_tree(step_events: list[Event], prefix: str = "") -> Node:
 
 
 # -- layout ----------------------------------------------------------------------------------------------
+
 
 def layout(root: Node) -> list[Box]:
     """Place every node: column = depth (as wide as its widest label), row = tidy-tree leaf order."""
@@ -389,8 +467,18 @@ def layout(root: Node) -> list[Box]:
     for d in sorted(widths):
         lefts[d] = x
         x += widths[d] + COL_GAP
-    return [Box(n, labels[id(n)], depth_of[id(n)], lefts[depth_of[id(n)]],
-                MARGIN + rows[id(n)] * ROW_H, widths[depth_of[id(n)]], NODE_H) for n in nodes]
+    return [
+        Box(
+            n,
+            labels[id(n)],
+            depth_of[id(n)],
+            lefts[depth_of[id(n)]],
+            MARGIN + rows[id(n)] * ROW_H,
+            widths[depth_of[id(n)]],
+            NODE_H,
+        )
+        for n in nodes
+    ]
 
 
 def boxes_overlap(a: Box, b: Box) -> bool:
@@ -399,29 +487,38 @@ def boxes_overlap(a: Box, b: Box) -> bool:
 
 # -- SVG ---------------------------------------------------------------------------------------------------
 
+
 def edge_svg(a: Box, b: Box) -> str:
     x1, y1, x2, y2 = a.x + a.w, a.y + a.h / 2, b.x, b.y + b.h / 2
     mid = (x1 + x2) / 2
     survivor = a.node.survivor and b.node.survivor
-    style = f'stroke="{SURVIVOR}" stroke-width="{SURVIVOR_W}"' if survivor else \
-        f'stroke="#9e9e9e" stroke-width="{EDGE_W}"'
-    return (f'<path class="edge{" survivor" if survivor else ""}" d="M{x1:.1f},{y1:.1f} C{mid:.1f},{y1:.1f} '
-            f'{mid:.1f},{y2:.1f} {x2:.1f},{y2:.1f}" fill="none" {style}/>')
+    style = (
+        f'stroke="{SURVIVOR}" stroke-width="{SURVIVOR_W}"' if survivor else f'stroke="#9e9e9e" stroke-width="{EDGE_W}"'
+    )
+    return (
+        f'<path class="edge{" survivor" if survivor else ""}" d="M{x1:.1f},{y1:.1f} C{mid:.1f},{y1:.1f} '
+        f'{mid:.1f},{y2:.1f} {x2:.1f},{y2:.1f}" fill="none" {style}/>'
+    )
 
 
 def node_svg(box: Box) -> str:
     n = box.node
     fill, stroke, ink, dashed = STYLE.get(n.verdict, STYLE["unverified"])
-    border = f'stroke="{SURVIVOR}" stroke-width="{SURVIVOR_W}"' if n.survivor else \
-        f'stroke="{stroke}" stroke-width="{EDGE_W}"'
+    border = (
+        f'stroke="{SURVIVOR}" stroke-width="{SURVIVOR_W}"'
+        if n.survivor
+        else f'stroke="{stroke}" stroke-width="{EDGE_W}"'
+    )
     dash = ' stroke-dasharray="6 4"' if dashed and not n.survivor else ""
     text_w = cells(box.label) * CELL_PX
     fit = f' textLength="{text_w:.1f}" lengthAdjust="spacingAndGlyphs"' if cells(box.label) > 1 else ""
     classes = f"node v-{html.escape(n.verdict)}" + (" survivor" if n.survivor else "")
-    return (f'<g class="{classes}" data-depth="{box.depth}"><title>{html.escape(n.hover)}</title>'
-            f'<rect x="{box.x:.1f}" y="{box.y:.1f}" width="{box.w:.1f}" height="{box.h:.1f}" rx="4" fill="{fill}" '
-            f'{border}{dash}/><text x="{box.x + box.w / 2:.1f}" y="{box.y + box.h / 2:.1f}" fill="{ink}" '
-            f'text-anchor="middle" dominant-baseline="central"{fit}>{html.escape(box.label)}</text></g>')
+    return (
+        f'<g class="{classes}" data-depth="{box.depth}"><title>{html.escape(n.hover)}</title>'
+        f'<rect x="{box.x:.1f}" y="{box.y:.1f}" width="{box.w:.1f}" height="{box.h:.1f}" rx="4" fill="{fill}" '
+        f'{border}{dash}/><text x="{box.x + box.w / 2:.1f}" y="{box.y + box.h / 2:.1f}" fill="{ink}" '
+        f'text-anchor="middle" dominant-baseline="central"{fit}>{html.escape(box.label)}</text></g>'
+    )
 
 
 def tree_svg(step_events: list[Event], prefix: str = "") -> str:
@@ -432,12 +529,15 @@ def tree_svg(step_events: list[Event], prefix: str = "") -> str:
     edges.sort(key=lambda e: "survivor" in e)  # the highlighted path is drawn last, on top
     width = max(b.x + b.w for b in boxes) + MARGIN
     height = max(b.y + b.h for b in boxes) + MARGIN
-    return (f'<svg class="branch-tree" xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
-            f'viewBox="0 0 {width:.0f} {height:.0f}" font-family="DejaVu Sans Mono, ui-monospace, monospace" '
-            f'font-size="{FONT_PX}">{"".join(edges)}{"".join(node_svg(b) for b in boxes)}</svg>')
+    return (
+        f'<svg class="branch-tree" xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
+        f'viewBox="0 0 {width:.0f} {height:.0f}" font-family="DejaVu Sans Mono, ui-monospace, monospace" '
+        f'font-size="{FONT_PX}">{"".join(edges)}{"".join(node_svg(b) for b in boxes)}</svg>'
+    )
 
 
 # -- a step of a stream ----------------------------------------------------------------------------------
+
 
 def step_events(events: list[Event], step: int) -> list[Event]:
     """The events that belong to one step (every event that carries a step number)."""
@@ -451,11 +551,14 @@ def prefix_before(events: list[Event], step: int) -> str:
     return (start.prompt_text if start else "") + text
 
 
-TREE_LEGEND = "".join(
-    f'<span class="tree-key" style="background:{STYLE[v][0]};border:1px {"dashed" if STYLE[v][3] else "solid"} '
-    f'{STYLE[v][1]};color:{STYLE[v][2]}">{html.escape(VERDICT_TEXT[v])}</span>'
-    for v in ("accepted", "rescued", "rejected", "correction", "bonus", "target", "unverified")) + \
-    f'<span class="tree-key" style="border:3px solid {SURVIVOR}">survives the step</span>'
+TREE_LEGEND = (
+    "".join(
+        f'<span class="tree-key" style="background:{STYLE[v][0]};border:1px {"dashed" if STYLE[v][3] else "solid"} '
+        f'{STYLE[v][1]};color:{STYLE[v][2]}">{html.escape(VERDICT_TEXT[v])}</span>'
+        for v in ("accepted", "rescued", "rejected", "correction", "bonus", "target", "unverified")
+    )
+    + f'<span class="tree-key" style="border:3px solid {SURVIVOR}">survives the step</span>'
+)
 
 
 def fork_reason(facts: StepFacts) -> str:
@@ -489,20 +592,29 @@ def step_caption(step_events_: list[Event], step: int, previous: list[Event] = (
         parts.append(f"{v.accepted} of {len(v.tokens)} drafted tokens accepted")
     if facts.fork is not None:
         f = facts.fork
-        parts.append(f"fork of {len(f.candidates)}{fork_reason(facts)}: "
-                     + (f"candidate {f.survivor + 1} survived" + (" (rescued)" if f.rescued else "")
-                        if f.survivor >= 0 else "every candidate lost"))
+        parts.append(
+            f"fork of {len(f.candidates)}{fork_reason(facts)}: "
+            + (
+                f"candidate {f.survivor + 1} survived" + (" (rescued)" if f.rescued else "")
+                if f.survivor >= 0
+                else "every candidate lost"
+            )
+        )
     if followed(step_events_, previous):
         parts.append("after the hold, the target's pass started without waiting on a draft step")
     holds = [d for d in facts.proposals if d.kind == "held"]
     path_hold = next((d for d in holds if d.branch == 0), None)
     if path_hold is not None:  # SpecBranch's hold: nothing was drafted where it would likely be rolled back
-        parts.append(f"the draft held back (acceptance odds {path_hold.odds:.2f}, draft confidence "
-                     f"{path_hold.confidence:.2f}): the target takes that token itself")
+        parts.append(
+            f"the draft held back (acceptance odds {path_hold.odds:.2f}, draft confidence "
+            f"{path_hold.confidence:.2f}): the target takes that token itself"
+        )
     branch_hold = next((d for d in holds if d.branch > 0), None)
     if branch_hold is not None:  # ... and on a fork's branches: no branch token past where the line would likely fail
-        parts.append(f"the branches held back (odds that the first branch's line holds up with one more token "
-                     f"{branch_hold.odds:.2f}): no branch token until the target's verdict")
+        parts.append(
+            f"the branches held back (odds that the first branch's line holds up with one more token "
+            f"{branch_hold.odds:.2f}): no branch token until the target's verdict"
+        )
     parts.append(f"{len(facts.emitted_pieces)} token(s) committed, {facts.dropped} rolled back")
     return f"Step {step}: " + "; ".join(parts)
 
@@ -514,25 +626,30 @@ def step_headline(step_events_: list[Event]) -> str:
     if facts.fork is not None:
         f = facts.fork
         if f.survivor < 0:
-            return (f'<div class="tree-headline">Fork of {len(f.candidates)}: every branch lost; the target '
-                    f'wrote {chip(visible(facts.emitted_pieces[-1]) if facts.emitted_pieces else "?", "correction")}'
-                    '</div>')
+            return (
+                f'<div class="tree-headline">Fork of {len(f.candidates)}: every branch lost; the target '
+                f"wrote {chip(visible(facts.emitted_pieces[-1]) if facts.emitted_pieces else '?', 'correction')}"
+                "</div>"
+            )
         verdict = "rescued" if f.rescued else "accepted"
         won = f"branch {f.survivor + 1} of {len(f.candidates)} won"
-        return (f'<div class="tree-headline">Fork: {won} {chip(visible(f.pieces[f.survivor]), verdict)}'
-                + (' <span class="tree-rescue">a rescue: not the draft\'s first choice</span>' if f.rescued else "")
-                + "</div>")
+        return (
+            f'<div class="tree-headline">Fork: {won} {chip(visible(f.pieces[f.survivor]), verdict)}'
+            + (' <span class="tree-rescue">a rescue: not the draft\'s first choice</span>' if f.rescued else "")
+            + "</div>"
+        )
     if facts.verdict is not None and facts.verdict.tokens:
         v = facts.verdict
-        return (f'<div class="tree-headline">{v.accepted} of {len(v.tokens)} drafted tokens accepted, no fork'
-                '</div>')
+        return f'<div class="tree-headline">{v.accepted} of {len(v.tokens)} drafted tokens accepted, no fork</div>'
     return ""
 
 
 def chip(text: str, verdict: str) -> str:
     fill, stroke, ink, _ = STYLE[verdict]
-    return (f'<span class="tree-chip" style="background:{fill};border:3px solid {SURVIVOR};color:{ink}">'
-            f'{html.escape(text)}</span>')
+    return (
+        f'<span class="tree-chip" style="background:{fill};border:3px solid {SURVIVOR};color:{ink}">'
+        f"{html.escape(text)}</span>"
+    )
 
 
 def tree_html(events: list[Event], step: int | None) -> str:
@@ -541,6 +658,8 @@ def tree_html(events: list[Event], step: int | None) -> str:
         return '<div class="tree-view"><p>No steps yet.</p></div>'
     mine = step_events(events, step)
     caption = step_caption(mine, step, step_events(events, step - 1))
-    return (f'<div class="tree-view" data-step="{int(step)}">{step_headline(mine)}<div class="tree-caption">'
-            f'{html.escape(caption)}</div><div class="tree-legend">{TREE_LEGEND}</div>'
-            f'<div class="tree-scroll">{tree_svg(mine, prefix_before(events, step))}</div></div>')
+    return (
+        f'<div class="tree-view" data-step="{int(step)}">{step_headline(mine)}<div class="tree-caption">'
+        f'{html.escape(caption)}</div><div class="tree-legend">{TREE_LEGEND}</div>'
+        f'<div class="tree-scroll">{tree_svg(mine, prefix_before(events, step))}</div></div>'
+    )

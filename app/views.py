@@ -1,5 +1,6 @@
 """Pure functions from the event stream to what the page shows. Token text is model output and a replayed
 run may come from an imported file, so every string from an event is HTML-escaped here, in one place."""
+
 from __future__ import annotations
 
 import html
@@ -10,8 +11,13 @@ from engine.measure.metrics import FORMULAS, metrics_of
 from sessions.replay import run_label
 
 WALL_SPLIT = ("overlap", "target_alone_fraction", "draft_alone_fraction", "neither_fraction")  # metric_panel's order
-KIND_LABEL = {"accepted": "accepted draft token", "correction": "target correction", "bonus": "bonus token",
-              "target": "target token", "rescued": "rescued by a branch"}
+KIND_LABEL = {
+    "accepted": "accepted draft token",
+    "correction": "target correction",
+    "bonus": "bonus token",
+    "target": "target token",
+    "rescued": "rescued by a branch",
+}
 
 
 def token_title(kind: str, i: int, v: Verified | None) -> str:
@@ -30,10 +36,15 @@ def rollback_marker(step: int, rollbacks: list[Rollback], show: bool) -> str:
     """A step's rolled-back draft text behind a small marker that expands on click (open: show all)."""
     count = sum(len(r.tokens) for r in rollbacks)
     why = ", ".join(dict.fromkeys(r.reason for r in rollbacks))
-    dropped = "".join(f'<span class="tok tok-rollback" title="rolled back ({html.escape(r.reason)})">'
-                      f'{html.escape("".join(r.pieces))}</span>' for r in rollbacks)
-    return (f'<details class="rb"{" open" if show else ""}><summary title="step {step}: {count} drafted token(s) '
-            f'rolled back ({html.escape(why)}); click to show">↶{count}</summary>{dropped}</details>')
+    dropped = "".join(
+        f'<span class="tok tok-rollback" title="rolled back ({html.escape(r.reason)})">'
+        f"{html.escape(''.join(r.pieces))}</span>"
+        for r in rollbacks
+    )
+    return (
+        f'<details class="rb"{" open" if show else ""}><summary title="step {step}: {count} drafted token(s) '
+        f'rolled back ({html.escape(why)}); click to show">↶{count}</summary>{dropped}</details>'
+    )
 
 
 def token_view(events: list[Event], show_rollbacks: bool = False) -> str:
@@ -46,12 +57,16 @@ def token_view(events: list[Event], show_rollbacks: bool = False) -> str:
             parts = steps.setdefault(e.step, ([], []))[0]
             for i, (piece, kind) in enumerate(zip(e.pieces, e.kinds)):
                 title = token_title(kind, i, verdicts.get(e.step))
-                parts.append(f'<span class="tok tok-{html.escape(kind)}" title="{html.escape(title)}">'
-                             f'{html.escape(piece)}</span>')
+                parts.append(
+                    f'<span class="tok tok-{html.escape(kind)}" title="{html.escape(title)}">'
+                    f"{html.escape(piece)}</span>"
+                )
         elif isinstance(e, Rollback) and e.tokens and e.model == "draft":  # the target's copy names the same tokens
             steps.setdefault(e.step, ([], []))[1].append(e)
-    out = [("".join(parts) + (rollback_marker(step, rbs, show_rollbacks) if rbs else ""))
-           for step, (parts, rbs) in steps.items()]
+    out = [
+        ("".join(parts) + (rollback_marker(step, rbs, show_rollbacks) if rbs else ""))
+        for step, (parts, rbs) in steps.items()
+    ]
     return f'<div class="token-view">{"".join(out)}</div>'
 
 
@@ -60,12 +75,20 @@ def one_token_step_s(events: list[Event]) -> tuple[float, str] | None:
     forwards (AR's decode steps, a verify pass of one token, a token a hold leaves to the target), else the step the
     engine measured before the run, which its RunStarted event carries (a speculative run's passes feed several
     tokens each), else None."""
-    one = sorted(e.end - e.start for e in events if isinstance(e, TimingSpan) and e.worker == "target"
-                 and e.kind in (DECODE, VERIFY) and e.tokens == 1 and e.end > e.start)
+    one = sorted(
+        e.end - e.start
+        for e in events
+        if isinstance(e, TimingSpan)
+        and e.worker == "target"
+        and e.kind in (DECODE, VERIFY)
+        and e.tokens == 1
+        and e.end > e.start
+    )
     if one:
         mid = len(one) // 2
-        return (one[mid] if len(one) % 2 else (one[mid - 1] + one[mid]) / 2), \
-            f"the median of the target's {len(one)} one-token forwards in this run"
+        return (
+            one[mid] if len(one) % 2 else (one[mid - 1] + one[mid]) / 2
+        ), f"the median of the target's {len(one)} one-token forwards in this run"
     start = next((e for e in events if isinstance(e, RunStarted)), None)
     ms = getattr(start, "target_step_ms", -1.0)
     if isinstance(ms, (int, float)) and not isinstance(ms, bool) and math.isfinite(ms) and ms > 0:
@@ -82,25 +105,39 @@ def glance_html(events: list[Event], ar_tokens_per_s: float | None = None) -> st
     speed = float(speed) if isinstance(speed, (int, float)) and not isinstance(speed, bool) and speed > 0 else None
     items = []
     if ar_tokens_per_s and speed and run_label(events) != "ar":
-        items.append(("vs AR on this prompt", f"{speed / ar_tokens_per_s:.2f}×",
-                      f"({fmt(speed)} vs {fmt(float(ar_tokens_per_s))} tokens/s)",
-                      "this run's tokens/s over an AR run of the same prompt, both measured"))
+        items.append(
+            (
+                "vs AR on this prompt",
+                f"{speed / ar_tokens_per_s:.2f}×",
+                f"({fmt(speed)} vs {fmt(float(ar_tokens_per_s))} tokens/s)",
+                "this run's tokens/s over an AR run of the same prompt, both measured",
+            )
+        )
     elif speed and (step := one_token_step_s(events)) is not None:
         step_s, where = step
-        items.append(("speed", f"≈ {speed * step_s:.2f}× the target's one-token step",
-                      f"({fmt(speed)} tokens/s; one step {1000 * step_s:.1f} ms)",
-                      f"this run's tokens/s times {where}: what plain decoding would make at best. Run ar on this "
-                      "prompt for a measured comparison"))
-    items += [("tokens per target forward", fmt(m.get("mean_accepted_length")), "", ""),
-              ("α (acceptance rate)", fmt(m.get("acceptance_rate")), "", "")]
+        items.append(
+            (
+                "speed",
+                f"≈ {speed * step_s:.2f}× the target's one-token step",
+                f"({fmt(speed)} tokens/s; one step {1000 * step_s:.1f} ms)",
+                f"this run's tokens/s times {where}: what plain decoding would make at best. Run ar on this "
+                "prompt for a measured comparison",
+            )
+        )
+    items += [
+        ("tokens per target forward", fmt(m.get("mean_accepted_length")), "", ""),
+        ("α (acceptance rate)", fmt(m.get("acceptance_rate")), "", ""),
+    ]
     cells = "".join(glance_item(*item, big=i == 0 and len(items) == 3) for i, item in enumerate(items))
     return f'<div class="glance">{cells}</div>'
 
 
 def glance_item(label: str, value: str, note: str, why: str, big: bool = False) -> str:
     title = f' title="{html.escape(why)}"' if why else ""
-    return (f'<span class="glance-item{" glance-speed" if big else ""}"{title}><span class="glance-label">'
-            f'{html.escape(label)}</span> <b>{html.escape(value)}</b>{" " + html.escape(note) if note else ""}</span>')
+    return (
+        f'<span class="glance-item{" glance-speed" if big else ""}"{title}><span class="glance-label">'
+        f"{html.escape(label)}</span> <b>{html.escape(value)}</b>{' ' + html.escape(note) if note else ''}</span>"
+    )
 
 
 def metric_panel(events: list[Event]) -> str:
@@ -116,8 +153,10 @@ def metric_panel(events: list[Event]) -> str:
             value = ", ".join(fmt(x) for x in value)
         else:
             value = fmt(value)
-        rows.append(f"<tr><td>{key.replace('_', ' ')}</td><td class='num'>{html.escape(value)}</td>"
-                    f"<td class='formula'>{html.escape(formula)}</td></tr>")
+        rows.append(
+            f"<tr><td>{key.replace('_', ' ')}</td><td class='num'>{html.escape(value)}</td>"
+            f"<td class='formula'>{html.escape(formula)}</td></tr>"
+        )
     return f'<table class="metric-panel">{"".join(rows)}</table>'
 
 

@@ -1,4 +1,5 @@
 """`python -m engine`: the command line (engine/cli.py)."""
+
 import sys
 
 from engine.cli import main

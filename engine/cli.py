@@ -1,13 +1,23 @@
 """The command line, `python -m engine generate | bench | summarize | costs | distill | train-hrad`: every
 argument is defined here, once (docs/cli.md)."""
+
 from __future__ import annotations
 
 import argparse
 import json
 import sys
 
-from engine.config import (DRAFT_FORWARDS, DRAFT_MATMULS, DRAFT_WORKERS, METHODS, TARGET_FORWARDS, GenerationConfig,
-                           SpecBranchError, config_from, writable_file)
+from engine.config import (
+    DRAFT_FORWARDS,
+    DRAFT_MATMULS,
+    DRAFT_WORKERS,
+    METHODS,
+    TARGET_FORWARDS,
+    GenerationConfig,
+    SpecBranchError,
+    config_from,
+    writable_file,
+)
 
 
 MAX_THREADS = 1024
@@ -27,37 +37,60 @@ def thread_count(text: str) -> int:
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="embedded", help="embedded | PATH.gguf | DIR | hub id")
-    p.add_argument("--draft", default=None,
-                   help="embedded | embedded-weak | self | self-skip:I,J,... | truncated:N | PATH.gguf | DIR | hub id "
-                        "(default: the fastest this machine supports, engine/presets.py default_draft: self on a CPU "
-                        "with the int4 kernel, else embedded). The draft's preset sets every generation setting not "
-                        "given as a flag")
+    p.add_argument(
+        "--draft",
+        default=None,
+        help="embedded | embedded-weak | self | self-skip:I,J,... | truncated:N | PATH.gguf | DIR | hub id "
+        "(default: the fastest this machine supports, engine/presets.py default_draft: self on a CPU "
+        "with the int4 kernel, else embedded). The draft's preset sets every generation setting not "
+        "given as a flag",
+    )
     p.add_argument("--device", default=None, help="cuda, cuda:0, cpu (default: cuda when present)")
     p.add_argument("--draft-device", default=None)
     p.add_argument("--dtype", default=None, help="float32 (CPU default) | bfloat16 (CUDA default) | float16")
-    p.add_argument("--draft-matmul", default="auto", choices=DRAFT_MATMULS,
-                   help="how the draft's matmuls read its weights: bfloat16 (half float32's memory traffic), int4 "
-                        "(an eighth; with --draft self, the target's own weights as a cheap draft) or float32; "
-                        "auto: int4 for --draft self on a CPU, else bfloat16 where the CPU runs it natively. Output "
-                        "stays exact: only the target decides it")
-    p.add_argument("--draft-forward", default=None, choices=DRAFT_FORWARDS,
-                   help="lean: a Llama draft on the CPU runs engine/lean.py (fused matmuls, a KV cache that rolls "
-                        "back by a pointer); lean-compiled: that, with its one-token steps through torch.compile "
-                        "(compiled at load: ~40 s the first time, a C++ compiler needed, else eager with a note); "
-                        "transformers: the model's own forward (default: lean-compiled, or $SPECBRANCH_DRAFT_FORWARD)")
-    p.add_argument("--target-forward", default="static", choices=TARGET_FORWARDS,
-                   help="static: a Llama target on the CPU runs engine/static_forward.py (transformers' ops, with "
-                        "q/k/v and gate/up each one stacked matmul, over a KV cache written in place: the same bits, "
-                        "checked at load, and a faster step); transformers: the model's own forward")
-    p.add_argument("--draft-worker", default="process", choices=DRAFT_WORKERS,
-                   help="process: a draft on the CPU runs its forwards in a child process of its own (the models no "
-                        "longer take turns at one Python interpreter; the child loads the same draft and its logits "
-                        "are checked bit for bit at start); thread: on a thread of this process")
+    p.add_argument(
+        "--draft-matmul",
+        default="auto",
+        choices=DRAFT_MATMULS,
+        help="how the draft's matmuls read its weights: bfloat16 (half float32's memory traffic), int4 "
+        "(an eighth; with --draft self, the target's own weights as a cheap draft) or float32; "
+        "auto: int4 for --draft self on a CPU, else bfloat16 where the CPU runs it natively. Output "
+        "stays exact: only the target decides it",
+    )
+    p.add_argument(
+        "--draft-forward",
+        default=None,
+        choices=DRAFT_FORWARDS,
+        help="lean: a Llama draft on the CPU runs engine/lean.py (fused matmuls, a KV cache that rolls "
+        "back by a pointer); lean-compiled: that, with its one-token steps through torch.compile "
+        "(compiled at load: ~40 s the first time, a C++ compiler needed, else eager with a note); "
+        "transformers: the model's own forward (default: lean-compiled, or $SPECBRANCH_DRAFT_FORWARD)",
+    )
+    p.add_argument(
+        "--target-forward",
+        default="static",
+        choices=TARGET_FORWARDS,
+        help="static: a Llama target on the CPU runs engine/static_forward.py (transformers' ops, with "
+        "q/k/v and gate/up each one stacked matmul, over a KV cache written in place: the same bits, "
+        "checked at load, and a faster step); transformers: the model's own forward",
+    )
+    p.add_argument(
+        "--draft-worker",
+        default="process",
+        choices=DRAFT_WORKERS,
+        help="process: a draft on the CPU runs its forwards in a child process of its own (the models no "
+        "longer take turns at one Python interpreter; the child loads the same draft and its logits "
+        "are checked bit for bit at start); thread: on a thread of this process",
+    )
     p.add_argument("--threads", type=thread_count, default=1, help="torch threads per model worker")
-    p.add_argument("--solo-threads", type=thread_count, default=None,
-                   help="torch threads for a draft step the target waits on (SD's draft block, a parallel method's "
-                        "head start), when the draft has the cores to itself (default: the cores available, at most 2; "
-                        "1 turns it off)")
+    p.add_argument(
+        "--solo-threads",
+        type=thread_count,
+        default=None,
+        help="torch threads for a draft step the target waits on (SD's draft block, a parallel method's "
+        "head start), when the draft has the cores to itself (default: the cores available, at most 2; "
+        "1 turns it off)",
+    )
     p.add_argument("--trust-remote-code", action="store_true")
 
 
@@ -67,40 +100,81 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--gamma", type=int, default=None,
-                   help="draft block length (sd); depth cap of the speculation (pearl, specbranch: the draft drafts "
-                        "until the target's verdict lands or the cap is reached)")
-    p.add_argument("--draft-stop", type=float, default=None,
-                   help="pearl, specbranch: end a round's drafting after a token drawn with confidence below this")
-    p.add_argument("--feed-stop", type=float, default=None,
-                   help="pearl, specbranch: feed the target drafted tokens only while the odds that all are "
-                        "accepted stay at least this (0 = up to γ; the next token is judged anyway)")
-    p.add_argument("--head-start", type=float, default=None,
-                   help="pearl, specbranch: before a target pass on a block shorter than γ (after a rejection), let "
-                        "the draft step first while its odds that the whole block is accepted stay >= this (0 = off)")
+    p.add_argument(
+        "--gamma",
+        type=int,
+        default=None,
+        help="draft block length (sd); depth cap of the speculation (pearl, specbranch: the draft drafts "
+        "until the target's verdict lands or the cap is reached)",
+    )
+    p.add_argument(
+        "--draft-stop",
+        type=float,
+        default=None,
+        help="pearl, specbranch: end a round's drafting after a token drawn with confidence below this",
+    )
+    p.add_argument(
+        "--feed-stop",
+        type=float,
+        default=None,
+        help="pearl, specbranch: feed the target drafted tokens only while the odds that all are "
+        "accepted stay at least this (0 = up to γ; the next token is judged anyway)",
+    )
+    p.add_argument(
+        "--head-start",
+        type=float,
+        default=None,
+        help="pearl, specbranch: before a target pass on a block shorter than γ (after a rejection), let "
+        "the draft step first while its odds that the whole block is accepted stay >= this (0 = off)",
+    )
     p.add_argument("--branches", type=int, default=3, help="specbranch: most candidates at a branch point")
     p.add_argument("--epsilon", type=float, default=None, help="specbranch: confidence threshold for branching, [0, 1]")
-    p.add_argument("--hrad", dest="hrad", action="store_true", default=None,
-                   help="specbranch: let H-RAD place branch points (off by default: on held-out prompts it did not "
-                        "beat confidence only, docs/methods.md)")
+    p.add_argument(
+        "--hrad",
+        dest="hrad",
+        action="store_true",
+        default=None,
+        help="specbranch: let H-RAD place branch points (off by default: on held-out prompts it did not "
+        "beat confidence only, docs/methods.md)",
+    )
     p.add_argument("--no-hrad", dest="hrad", action="store_false", help="specbranch: confidence only (the default)")
-    p.add_argument("--branch-costs", action="store_true",
-                   help="specbranch: fork only where the measured forward costs say a fork pays (measured once "
-                        "per engine: a draft step on 1..k rows, a target step beside k draft rows): a rescue saves "
-                        "drafting the surviving branch, a fork costs its steps on k rows")
-    p.add_argument("--calibrate", dest="calibrate", action="store_true", default=True,
-                   help="specbranch: compare with ε, and size k by, the acceptance the engine measured at the draft's "
-                        "confidence (engine/calibration.py; the default)")
-    p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
-                   help="specbranch: the draft's confidence as is (the paper's rule)")
-    p.add_argument("--hold", type=float, default=None,
-                   help="specbranch: draft nothing where the odds that it is accepted (read as for ε) fall below "
-                        "this, and leave that position to the target: no token is drafted only to be rolled back "
-                        "(0 = off)")
-    p.add_argument("--hold-branches", action="store_true", default=None,
-                   help="specbranch, with --hold: also keep nothing of a branch step where the first branch's odds "
-                        "with the token it would add fall below the hold (fewer branch tokens rolled back; costs τ "
-                        "where branch tokens are often accepted, docs/methods.md)")
+    p.add_argument(
+        "--branch-costs",
+        action="store_true",
+        help="specbranch: fork only where the measured forward costs say a fork pays (measured once "
+        "per engine: a draft step on 1..k rows, a target step beside k draft rows): a rescue saves "
+        "drafting the surviving branch, a fork costs its steps on k rows",
+    )
+    p.add_argument(
+        "--calibrate",
+        dest="calibrate",
+        action="store_true",
+        default=True,
+        help="specbranch: compare with ε, and size k by, the acceptance the engine measured at the draft's "
+        "confidence (engine/calibration.py; the default)",
+    )
+    p.add_argument(
+        "--no-calibrate",
+        dest="calibrate",
+        action="store_false",
+        help="specbranch: the draft's confidence as is (the paper's rule)",
+    )
+    p.add_argument(
+        "--hold",
+        type=float,
+        default=None,
+        help="specbranch: draft nothing where the odds that it is accepted (read as for ε) fall below "
+        "this, and leave that position to the target: no token is drafted only to be rolled back "
+        "(0 = off)",
+    )
+    p.add_argument(
+        "--hold-branches",
+        action="store_true",
+        default=None,
+        help="specbranch, with --hold: also keep nothing of a branch step where the first branch's odds "
+        "with the token it would add fall below the hold (fewer branch tokens rolled back; costs τ "
+        "where branch tokens are often accepted, docs/methods.md)",
+    )
 
 
 # the settings a draft's preset gives where no flag does (engine/presets.py Preset's fields)
@@ -147,21 +221,36 @@ def add_distill_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--corpus", action="append", help="JSONL rows with prompt_ids and response_ids (repeatable)")
     p.add_argument("--prompts", help="JSONL prompts (field 'prompt', optional 'chat') to generate responses for")
     p.add_argument("--limit", type=int, default=0, help="use only the first N prompts")
-    p.add_argument("--self-prompts", type=int, default=0,
-                   help="let the target write N user questions of its own (Magpie) and answer them")
+    p.add_argument(
+        "--self-prompts",
+        type=int,
+        default=0,
+        help="let the target write N user questions of its own (Magpie) and answer them",
+    )
     p.add_argument("--generate-only", action="store_true", help="stop after generating responses")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--gen-batch-size", type=int, default=16)
     p.add_argument("--gen-temperature", type=float, default=0.0)
     p.add_argument("--max-tokens", type=int, default=0, help="cap on response tokens used (0 = all)")
-    p.add_argument("--kind", choices=("standalone", "head"), default="standalone",
-                   help="standalone: the target's first N layers as a small LM; head: a feature-conditioned "
-                        "draft head over the target's last hidden state (EAGLE-style)")
+    p.add_argument(
+        "--kind",
+        choices=("standalone", "head"),
+        default="standalone",
+        help="standalone: the target's first N layers as a small LM; head: a feature-conditioned "
+        "draft head over the target's last hidden state (EAGLE-style)",
+    )
     p.add_argument("--layers", type=int, default=4, help="decoder layers (standalone draft or head)")
-    p.add_argument("--init", help="standalone: go on training this saved draft (its layers; --layers is ignored) "
-                                  "instead of starting from the target's first layers")
-    p.add_argument("--unroll", type=int, default=3,
-                   help="head: training-time-test steps (drafting depths trained on the head's own predictions)")
+    p.add_argument(
+        "--init",
+        help="standalone: go on training this saved draft (its layers; --layers is ignored) "
+        "instead of starting from the target's first layers",
+    )
+    p.add_argument(
+        "--unroll",
+        type=int,
+        default=3,
+        help="head: training-time-test steps (drafting depths trained on the head's own predictions)",
+    )
     p.add_argument("--vocab", type=int, default=8192, help="reduced LM-head size (FR-Spec); >= vocab means full")
     p.add_argument("--epochs", type=float, default=3)
     p.add_argument("--lr", type=float, default=5e-4)
@@ -179,8 +268,12 @@ def add_distill_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_hrad_arguments(p: argparse.ArgumentParser) -> None:
     """`train-hrad`'s own arguments (besides the model and sampling arguments)."""
-    p.add_argument("--corpus", action="append", help="training prompts (prompt_ids), repeatable (default: "
-                   "data/teacher_smollm2_135m.jsonl.gz, data/self_smollm2_135m.jsonl.gz, data/self2_smollm2_135m.jsonl.gz)")
+    p.add_argument(
+        "--corpus",
+        action="append",
+        help="training prompts (prompt_ids), repeatable (default: "
+        "data/teacher_smollm2_135m.jsonl.gz, data/self_smollm2_135m.jsonl.gz, data/self2_smollm2_135m.jsonl.gz)",
+    )
     p.add_argument("--limit", type=int, default=600, help="training prompts (with the target's greedy answer) to read")
     p.add_argument("--held-out-limit", type=int, default=4, help="benchmark prompts per dataset for accuracy")
     p.add_argument("--horizon", type=int, default=4, help="accepted run at which a block counts as all accepted")
@@ -190,8 +283,11 @@ def add_hrad_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hidden", type=int, default=64, help="MLP width")
     p.add_argument("--dropout", type=float, default=0.2)
     p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--samples", default="runs/hrad/samples.pt",
-                   help="collected samples, reused when collected for the same weights and settings")
+    p.add_argument(
+        "--samples",
+        default="runs/hrad/samples.pt",
+        help="collected samples, reused when collected for the same weights and settings",
+    )
     p.add_argument("--out", required=True, help="path of the .safetensors to write (a .json goes beside it)")
 
 
@@ -203,6 +299,7 @@ class SessionLog:
         self.enabled, self.args, self.engine, self.store = bool(args.record), args, engine, None
         if self.enabled:
             from sessions import SessionStoreError, Store
+
             try:
                 self.store = Store(args.db)
             except SessionStoreError as exc:
@@ -212,10 +309,12 @@ class SessionLog:
         if self.store is None:
             return None
         from sessions import SessionStoreError
+
         pair = self.engine.pair
         try:
-            sid = self.store.start_session("cli", prompt, pair.target.name, pair.draft.name if pair.draft else None,
-                                           cfg, shared=self.args.share)
+            sid = self.store.start_session(
+                "cli", prompt, pair.target.name, pair.draft.name if pair.draft else None, cfg, shared=self.args.share
+            )
         except SessionStoreError as exc:
             print(f"warning: not recording: {exc}", file=sys.stderr)
             return None
@@ -244,10 +343,18 @@ def build_engine(args, need_draft: bool):
         ddev = pick_device(args.draft_device or args.device)
         draft_matmul_kind(args.draft_matmul, ddev, pick_dtype(args.dtype, ddev), is_self_draft(args.draft))
     torch.set_num_threads(max(1, args.threads))
-    pair = load_pair(args.target, args.draft if need_draft else None, device=args.device,
-                     draft_device=args.draft_device, dtype=args.dtype, trust_remote_code=args.trust_remote_code,
-                     draft_matmul=args.draft_matmul, draft_forward=args.draft_forward,
-                     target_forward=args.target_forward, draft_worker=args.draft_worker)
+    pair = load_pair(
+        args.target,
+        args.draft if need_draft else None,
+        device=args.device,
+        draft_device=args.draft_device,
+        dtype=args.dtype,
+        trust_remote_code=args.trust_remote_code,
+        draft_matmul=args.draft_matmul,
+        draft_forward=args.draft_forward,
+        target_forward=args.target_forward,
+        draft_worker=args.draft_worker,
+    )
     if pair.draft_worker_why:
         print(f"note: the draft runs in this process: {pair.draft_worker_why}", file=sys.stderr)
     if pair.draft is not None and pair.draft.compile_why:
@@ -262,7 +369,9 @@ def cmd_generate(args) -> None:
     cfg = config_from(args, args.method)
     if args.prompt is None and args.prompt_file is None:
         raise SpecBranchError("give --prompt TEXT or --prompt-file F.jsonl")
-    prompts = [args.prompt] if args.prompt is not None else [r.get("prompt", "") for r in read_jsonl(Path(args.prompt_file))]
+    prompts = (
+        [args.prompt] if args.prompt is not None else [r.get("prompt", "") for r in read_jsonl(Path(args.prompt_file))]
+    )
     engine = build_engine(args, need_draft=args.method != "ar")
     log = SessionLog(args, engine)
     for prompt in prompts:
@@ -275,16 +384,24 @@ def cmd_generate(args) -> None:
         for e in result.events:
             if e.type == "notice":
                 print(f"{e.level}: {e.message}", file=sys.stderr)
-        record = {"method": result.method, "token_ids": result.token_ids, "text": result.text,
-                  "finish_reason": result.finish_reason, "metrics": result.metrics}
+        record = {
+            "method": result.method,
+            "token_ids": result.token_ids,
+            "text": result.text,
+            "finish_reason": result.finish_reason,
+            "metrics": result.metrics,
+        }
         if args.json:
             print(json.dumps(record), flush=True)
         else:
             print(result.text)
             m = result.metrics
-            print(f"[{result.method}] {m['new_tokens']} tokens, {m['tokens_per_s']} tok/s, "
-                  f"acceptance {m['acceptance_rate']}, tokens/target forward {m['mean_accepted_length']}, "
-                  f"path rollback {m['path_rollback_rate']}, wasted draft {m['wasted_draft_rate']}", file=sys.stderr)
+            print(
+                f"[{result.method}] {m['new_tokens']} tokens, {m['tokens_per_s']} tok/s, "
+                f"acceptance {m['acceptance_rate']}, tokens/target forward {m['mean_accepted_length']}, "
+                f"path rollback {m['path_rollback_rate']}, wasted draft {m['wasted_draft_rate']}",
+                file=sys.stderr,
+            )
 
 
 def parse_bench_methods(spec: str) -> list[tuple[str, str, str | None]]:
@@ -295,8 +412,10 @@ def parse_bench_methods(spec: str) -> list[tuple[str, str, str | None]]:
             continue
         method, sep, draft = item.partition("@")
         if method not in METHODS:
-            raise SpecBranchError(f"unknown method {method!r} in --methods; choose from {', '.join(METHODS)} "
-                                  f"(METHOD@DRAFT runs a method with another draft)")
+            raise SpecBranchError(
+                f"unknown method {method!r} in --methods; choose from {', '.join(METHODS)} "
+                f"(METHOD@DRAFT runs a method with another draft)"
+            )
         if sep and not draft:
             raise SpecBranchError(f"--methods: {item!r} names no draft after '@'")
         out.append((item, method, draft or None))
@@ -320,10 +439,18 @@ def cmd_bench(args) -> None:
     engines = {None: engine}
     t = engine.pair.target
     for draft in sorted({d for _, _, d in entries if d is not None}):  # other drafts share the loaded target
-        engines[draft] = Engine(with_draft(t, draft, trust_remote_code=args.trust_remote_code,
-                                           draft_matmul=args.draft_matmul, draft_forward=args.draft_forward,
-                                           draft_worker=args.draft_worker),
-                                threads=max(1, args.threads), solo_threads=args.solo_threads)
+        engines[draft] = Engine(
+            with_draft(
+                t,
+                draft,
+                trust_remote_code=args.trust_remote_code,
+                draft_matmul=args.draft_matmul,
+                draft_forward=args.draft_forward,
+                draft_worker=args.draft_worker,
+            ),
+            threads=max(1, args.threads),
+            solo_threads=args.solo_threads,
+        )
     run_bench([(label, engines[d], configs[label]) for label, _, d in entries], args, SessionLog(args, engine))
 
 
@@ -367,8 +494,9 @@ def cmd_gpu_check(args) -> None:
     sections = tuple(s.strip() for s in args.sections.split(",") if s.strip())
     unknown = [s for s in sections if s not in SECTIONS]
     if unknown or not sections:
-        raise SpecBranchError(f"--sections: unknown {', '.join(unknown) or '(none given)'}; "
-                              f"choose from {', '.join(SECTIONS)}")
+        raise SpecBranchError(
+            f"--sections: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(SECTIONS)}"
+        )
     out = Path(args.out)
     writable_file(str(out / "results.json"), "the device check's results")
     results = run_check(out, args.dry_run, sections)
@@ -394,11 +522,17 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="compare methods on a dataset")
     add_model_arguments(b)
     add_sampling_arguments(b)
-    b.add_argument("--methods", default="ar,sd,pearl,specbranch",
-                   help="comma-separated; METHOD@DRAFT runs that method with another draft on the same target "
-                        "(e.g. ar,specbranch,specbranch@embedded,hf-assisted@embedded)")
-    b.add_argument("--dataset", default="mt_bench",
-                   help="mt_bench | gsm8k | humaneval | all (the three) | PATH.jsonl; benchmark split only")
+    b.add_argument(
+        "--methods",
+        default="ar,sd,pearl,specbranch",
+        help="comma-separated; METHOD@DRAFT runs that method with another draft on the same target "
+        "(e.g. ar,specbranch,specbranch@embedded,hf-assisted@embedded)",
+    )
+    b.add_argument(
+        "--dataset",
+        default="mt_bench",
+        help="mt_bench | gsm8k | humaneval | all (the three) | PATH.jsonl; benchmark split only",
+    )
     b.add_argument("--limit", type=int, default=10, help="prompts per dataset")
     b.add_argument("--json", dest="json_out", help="write the results to this JSON file")
     b.add_argument("--warmup", type=int, default=1, help="untimed warm-up generations per method")
@@ -418,8 +552,11 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("costs", help="measure forward costs; model each benchmarked method's limit")
     add_model_arguments(c)
     c.add_argument("--bench", help="a bench JSON: add measured vs modelled speedup per method")
-    c.add_argument("--model-only", action="store_true",
-                   help="only model the --bench JSON: no model loads and no forward is measured")
+    c.add_argument(
+        "--model-only",
+        action="store_true",
+        help="only model the --bench JSON: no model loads and no forward is measured",
+    )
     c.add_argument("--context", type=int, default=200, help="tokens already in the cache")
     c.add_argument("--max-tokens", type=int, default=8, help="target forwards of 1..N tokens")
     c.add_argument("--max-rows", type=int, default=4, help="draft steps on 1..N rows")
@@ -453,4 +590,3 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     return 0
-

@@ -1,4 +1,5 @@
 """Generation settings and their validation. Bad input raises SpecBranchError with a plain message."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,8 +33,16 @@ def writable_file(path: str | None, what: str) -> None:
     writable_dir(Path(path).resolve().parent, what)
 
 
-METHODS = ("ar", "sd", "pearl", "specbranch", "specbranch-no-branch", "specbranch-no-hrad", "specbranch-fixed",
-           "hf-assisted")
+METHODS = (
+    "ar",
+    "sd",
+    "pearl",
+    "specbranch",
+    "specbranch-no-branch",
+    "specbranch-no-hrad",
+    "specbranch-fixed",
+    "hf-assisted",
+)
 # how a draft's matmuls read its weights (models.draft_matmul_kind)
 DRAFT_MATMULS = ("auto", "float32", "bfloat16", "int4")
 # how a draft's forward runs: engine/lean.py where the draft fits it (else transformers'), or always transformers'
@@ -46,7 +55,7 @@ DRAFT_WORKERS = ("process", "thread")
 TARGET_FORWARDS = ("static", "transformers")
 
 
-SEED_LIMIT = 2 ** 62  # torch seeds are 64-bit, and the draft's generator is seeded with the seed plus a little
+SEED_LIMIT = 2**62  # torch seeds are 64-bit, and the draft's generator is seeded with the seed plus a little
 
 
 @dataclass(frozen=True)
@@ -116,8 +125,22 @@ class GenerationConfig:
 
 def config_from(args, method: str) -> GenerationConfig:
     """The generation settings of parsed CLI arguments (engine/cli.py) for `method`, validated."""
-    return GenerationConfig(method=method, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                            top_k=args.top_k, top_p=args.top_p, seed=args.seed, gamma=args.gamma, draft_stop=args.draft_stop,
-                            feed_stop=args.feed_stop, head_start=args.head_start, branches=args.branches,
-                            epsilon=args.epsilon, hrad=args.hrad, branch_costs=args.branch_costs,
-                            calibrate=args.calibrate, hold=args.hold, hold_branches=args.hold_branches).validate()
+    return GenerationConfig(
+        method=method,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        gamma=args.gamma,
+        draft_stop=args.draft_stop,
+        feed_stop=args.feed_stop,
+        head_start=args.head_start,
+        branches=args.branches,
+        epsilon=args.epsilon,
+        hrad=args.hrad,
+        branch_costs=args.branch_costs,
+        calibrate=args.calibrate,
+        hold=args.hold,
+        hold_branches=args.hold_branches,
+    ).validate()

@@ -1,5 +1,6 @@
 """The Engine: a loaded model pair, one worker thread per model, and `generate`, an async generator
 of events for any method. Generations on one engine are serialised by a lock (they queue)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -27,8 +28,15 @@ from engine.runtime import PerProcess, Worker, default_solo_threads, new_event_l
 from engine.methods.parallel import BranchCosts, Policy, parallel_decode
 from engine.methods.sd import speculative_decode
 
-NEEDS_DRAFT = {"sd", "pearl", "specbranch", "specbranch-no-branch", "specbranch-no-hrad", "specbranch-fixed",
-               "hf-assisted"}
+NEEDS_DRAFT = {
+    "sd",
+    "pearl",
+    "specbranch",
+    "specbranch-no-branch",
+    "specbranch-no-hrad",
+    "specbranch-fixed",
+    "hf-assisted",
+}
 
 
 @dataclass
@@ -42,8 +50,9 @@ class Result:
 
 
 class Engine:
-    def __init__(self, pair: ModelPair, threads: int = 1, solo_threads: int | None = None,
-                 measure_target_step: bool = False):
+    def __init__(
+        self, pair: ModelPair, threads: int = 1, solo_threads: int | None = None, measure_target_step: bool = False
+    ):
         """threads: torch threads per worker. solo_threads: the draft's, for a step the target waits on (SD's block,
         a parallel method's head start), when it has the cores to itself (None: runtime.default_solo_threads()).
         The target always keeps `threads`: on this CPU its 1-token step rounds differently on 2 threads, and the
@@ -54,8 +63,12 @@ class Engine:
         self.pair = pair
         self.measure_target_step = measure_target_step
         self.target_worker = Worker("target", threads, pair.target.device)
-        self.draft_worker = Worker("draft", threads, pair.draft.device if pair.draft is not None else None,
-                                   solo_threads or max(threads, default_solo_threads()))
+        self.draft_worker = Worker(
+            "draft",
+            threads,
+            pair.draft.device if pair.draft is not None else None,
+            solo_threads or max(threads, default_solo_threads()),
+        )
         # one generation at a time per engine; others queue (any event loop). Waits for the lock happen on their own
         # thread, one at a time (so in order), never on a loop's own executor: see _take_busy. Both are this
         # process's (PerProcess): a forked child, as on ZeroGPU, has neither the parent's threads nor its runs
@@ -78,7 +91,9 @@ class Engine:
         tok = self.pair.tokenizer
         if chat:
             if not getattr(tok, "chat_template", None):
-                raise SpecBranchError("chat mode needs a tokenizer with a chat template, and this one has none: use raw text")
+                raise SpecBranchError(
+                    "chat mode needs a tokenizer with a chat template, and this one has none: use raw text"
+                )
             messages = list(history or []) + [{"role": "user", "content": prompt}]
             ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
             ids = ids["input_ids"] if isinstance(ids, dict) else ids
@@ -91,18 +106,23 @@ class Engine:
             raise SpecBranchError("the prompt is empty")
         limit = self.pair.target.context_length
         if len(prompt_ids) >= limit:
-            raise SpecBranchError(f"the prompt is {len(prompt_ids)} tokens; the model's context holds {limit}, "
-                                  f"with room for at least one new token")
+            raise SpecBranchError(
+                f"the prompt is {len(prompt_ids)} tokens; the model's context holds {limit}, "
+                f"with room for at least one new token"
+            )
 
-    async def generate(self, prompt_ids: list[int], cfg: GenerationConfig, prompt_text: str = "",
-                       collect_hrad: list | None = None) -> AsyncIterator[Event]:
+    async def generate(
+        self, prompt_ids: list[int], cfg: GenerationConfig, prompt_text: str = "", collect_hrad: list | None = None
+    ) -> AsyncIterator[Event]:
         cfg.validate()
         self.check_prompt(prompt_ids)
         if cfg.method in NEEDS_DRAFT and self.pair.draft is None:
             raise SpecBranchError(f"method {cfg.method!r} needs a draft model")
         if cfg.method == "hf-assisted" and getattr(self.pair.draft, "reads_target_features", False):
-            raise SpecBranchError("hf-assisted cannot take a feature-conditioned draft head: transformers' assisted "
-                                  "generation needs a standalone causal LM as its assistant (use --draft embedded)")
+            raise SpecBranchError(
+                "hf-assisted cannot take a feature-conditioned draft head: transformers' assisted "
+                "generation needs a standalone causal LM as its assistant (use --draft embedded)"
+            )
         await self._take_busy()
         try:  # aclosing: a consumer that stops early closes every generator below, freeing both workers
             async with aclosing(self._generate(prompt_ids, cfg, prompt_text, collect_hrad)) as stream:
@@ -146,12 +166,22 @@ class Engine:
             self.pair.draft = take()
         # measured before the run's clock starts; the run's RunStarted carries it (AR's own steps are one-token)
         step_ms = self.target_step_ms() if self.measure_target_step and cfg.method != "ar" else -1.0
-        state = RunState(self.pair, cfg, self.target_worker, self.draft_worker, list(prompt_ids),
-                         len(prompt_ids), self.pair.eos_ids)
-        events: list[Event] = [RunStarted(cfg.method, self.pair.target.name,
-                                          self.pair.draft.name if self.pair.draft else None, list(prompt_ids),
-                                          prompt_text, cfg.to_dict(), str(self.pair.target.device), time.time(),
-                                          step_ms)]
+        state = RunState(
+            self.pair, cfg, self.target_worker, self.draft_worker, list(prompt_ids), len(prompt_ids), self.pair.eos_ids
+        )
+        events: list[Event] = [
+            RunStarted(
+                cfg.method,
+                self.pair.target.name,
+                self.pair.draft.name if self.pair.draft else None,
+                list(prompt_ids),
+                prompt_text,
+                cfg.to_dict(),
+                str(self.pair.target.device),
+                time.time(),
+                step_ms,
+            )
+        ]
         yield events[0]
         state.hrad_samples = collect_hrad
         if cfg.method == "specbranch" and cfg.hrad and self.hrad is None:
@@ -179,8 +209,9 @@ class Engine:
                         events.append(notice)
                         yield notice
         decode_s = state.now() - state.decode_start
-        done = Finished(state.finish_reason or "length", round(state.prefill_s, 6), round(decode_s, 6),
-                        state.emitted, {})
+        done = Finished(
+            state.finish_reason or "length", round(state.prefill_s, 6), round(decode_s, 6), state.emitted, {}
+        )
         events.append(done)
         metrics = compute_metrics(events)
         yield Finished(done.reason, done.prefill_s, done.decode_s, done.new_tokens, metrics)
@@ -190,17 +221,29 @@ class Engine:
         SpecBranch drop one part each and keep its rollback-aware hold (cfg.hold)."""
         if cfg.method == "pearl":
             return Policy(max_branches=1)
-        measured = dict(calibration=self.calibration(cfg), rescues=self.calibration(cfg, "rescue")) \
-            if cfg.calibrate else {}
+        measured = (
+            dict(calibration=self.calibration(cfg), rescues=self.calibration(cfg, "rescue")) if cfg.calibrate else {}
+        )
         if cfg.method == "specbranch-no-branch":
             return Policy(max_branches=1, hold=cfg.hold, **measured)
         if cfg.method == "specbranch-fixed":
-            return Policy(max_branches=cfg.branches, fixed_at=max(0, cfg.gamma // 2 - 1), hold=cfg.hold,
-                          hold_branches=cfg.hold_branches, **measured)
+            return Policy(
+                max_branches=cfg.branches,
+                fixed_at=max(0, cfg.gamma // 2 - 1),
+                hold=cfg.hold,
+                hold_branches=cfg.hold_branches,
+                **measured,
+            )
         use_hrad = cfg.hrad and cfg.method == "specbranch"
-        return Policy(max_branches=cfg.branches, epsilon=cfg.epsilon, hrad=self.hrad if use_hrad else None,
-                      costs=self.branch_costs(cfg.branches) if cfg.branch_costs and cfg.branches > 1 else None,
-                      hold=cfg.hold, hold_branches=cfg.hold_branches, **measured)
+        return Policy(
+            max_branches=cfg.branches,
+            epsilon=cfg.epsilon,
+            hrad=self.hrad if use_hrad else None,
+            costs=self.branch_costs(cfg.branches) if cfg.branch_costs and cfg.branches > 1 else None,
+            hold=cfg.hold,
+            hold_branches=cfg.hold_branches,
+            **measured,
+        )
 
     def calibration(self, cfg: GenerationConfig, table: str = "acceptance") -> AcceptanceCalibration:
         """What this engine's SpecBranch runs measured (engine/calibration.py), kept across runs, one table per
@@ -211,8 +254,11 @@ class Engine:
         key = (table, cfg.method, cfg.temperature, cfg.top_k, cfg.top_p)
         if key not in self._calibration:  # the draft's mass on its alternatives is a weaker guess than its confidence
             # (a far-off draft spreads it where the target never goes): let a few rescues, in any bin, outweigh it
-            self._calibration[key] = AcceptanceCalibration(RESCUE_PRIOR_WEIGHT, RESCUE_BINS, pooled=True) \
-                if table == "rescue" else AcceptanceCalibration(PRIOR_WEIGHT)
+            self._calibration[key] = (
+                AcceptanceCalibration(RESCUE_PRIOR_WEIGHT, RESCUE_BINS, pooled=True)
+                if table == "rescue"
+                else AcceptanceCalibration(PRIOR_WEIGHT)
+            )
         return self._calibration[key]
 
     def branch_costs(self, max_rows: int, rounds: int = 3) -> BranchCosts:
@@ -232,9 +278,19 @@ class Engine:
                 busy = {k: [] for k in widths}
                 for _ in range(rounds):
                     for k in widths:
-                        busy[k].append(await target_beside_draft(self.target_worker, self.pair.target,
-                                                                 self.draft_worker, self.pair.draft, context, k, feats))
+                        busy[k].append(
+                            await target_beside_draft(
+                                self.target_worker,
+                                self.pair.target,
+                                self.draft_worker,
+                                self.pair.draft,
+                                context,
+                                k,
+                                feats,
+                            )
+                        )
                 return BranchCosts(draft, {k: statistics.median(v) for k, v in busy.items()})
+
             self._branch_costs = run_apart(measure)  # a run may ask for it from inside its event loop
         return self._branch_costs
 
@@ -249,6 +305,7 @@ class Engine:
 
             async def measure():
                 return (await forward_costs(self.target_worker, self.pair.target, context, [1], False, 5))[1]
+
             self._target_step_ms = round(run_apart(measure), 3)  # a run asks for it from inside its event loop
         return self._target_step_ms
 
@@ -267,10 +324,17 @@ class Engine:
             return assisted_decode(state)
         return parallel_decode(state, self.policy(state.cfg))
 
-    def run(self, prompt_ids: list[int], cfg: GenerationConfig, prompt_text: str = "",
-            collect_hrad: list | None = None, on_event=None) -> Result:
+    def run(
+        self,
+        prompt_ids: list[int],
+        cfg: GenerationConfig,
+        prompt_text: str = "",
+        collect_hrad: list | None = None,
+        on_event=None,
+    ) -> Result:
         """Synchronous helper: run one generation to the end and collect its events
         (each also handed to on_event as it happens, e.g. a session recorder)."""
+
         async def collect():
             events = []
             async for e in self.generate(prompt_ids, cfg, prompt_text, collect_hrad):
@@ -301,8 +365,11 @@ def compile_notice(draft) -> Notice | None:
     status = getattr(draft, "compile_status", None)
     if status is None or status()[0] not in ("waiting", "compiling"):
         return None
-    return Notice("info", "the draft's one-token step is still compiling in the background: this run drafts with "
-                          "the eager step (the same output, slower drafting)")
+    return Notice(
+        "info",
+        "the draft's one-token step is still compiling in the background: this run drafts with "
+        "the eager step (the same output, slower drafting)",
+    )
 
 
 def slow_draft_notice(events: list[Event]) -> Notice | None:
@@ -317,8 +384,11 @@ def slow_draft_notice(events: list[Event]) -> Notice | None:
     d, t = statistics.median(draft), statistics.median(target)
     if d <= t:
         return None
-    return Notice("warning", f"the draft is slower than the target ({1000 * d:.1f} ms vs {1000 * t:.1f} ms a "
-                             f"forward): speculation cannot pay off with this pair")
+    return Notice(
+        "warning",
+        f"the draft is slower than the target ({1000 * d:.1f} ms vs {1000 * t:.1f} ms a "
+        f"forward): speculation cannot pay off with this pair",
+    )
 
 
 def result_from_events(events: list[Event], tokenizer=None) -> Result:
@@ -328,5 +398,3 @@ def result_from_events(events: list[Event], tokenizer=None) -> Result:
     text = "".join(e.text for e in events if isinstance(e, TokensEmitted))
     metrics = finished.metrics if finished and finished.metrics else compute_metrics(events)
     return Result(start.method, ids, text, metrics, events, finished.reason if finished else "partial")
-
-

@@ -4,6 +4,7 @@ Every event is a small frozen dataclass of JSON-friendly fields (ints, floats, s
 `to_dict` / `from_dict` round-trip exactly, so a stored run replays exactly what live did.
 Times are seconds since the run's clock started (RunStarted is t=0).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -52,6 +53,7 @@ class StepStarted(Event):
 @dataclass(frozen=True)
 class DraftProposed(Event):
     """A block (or one branch) of draft tokens with the exact q each was sampled from."""
+
     type: ClassVar[str] = "draft_proposed"
     step: int
     tokens: list[int]
@@ -73,6 +75,7 @@ class DraftProposed(Event):
 @dataclass(frozen=True)
 class Verified(Event):
     """The target's verdict on a drafted block."""
+
     type: ClassVar[str] = "verified"
     step: int
     drafted: int  # tokens the target verified
@@ -91,6 +94,7 @@ class Verified(Event):
 @dataclass(frozen=True)
 class BranchResolved(Event):
     """The target's verdict at a branch point: which of the k candidates (if any) survived."""
+
     type: ClassVar[str] = "branch_resolved"
     step: int
     position: int  # committed length at the branch point
@@ -111,6 +115,7 @@ class BranchResolved(Event):
 @dataclass(frozen=True)
 class Rollback(Event):
     """Tokens thrown away: drafted but rejected, or drafted after a rejection, or on a losing branch."""
+
     type: ClassVar[str] = "rollback"
     step: int
     model: str  # "draft" or "target"
@@ -132,6 +137,7 @@ class TokensEmitted(Event):
 @dataclass(frozen=True)
 class TimingSpan(Event):
     """One forward pass on one worker."""
+
     type: ClassVar[str] = "timing_span"
     worker: str  # "draft" or "target"
     kind: str  # "prefill", "draft", "branch_draft", "verify", "decode"
@@ -160,7 +166,18 @@ class Finished(Event):
 
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.type: cls
-    for cls in (RunStarted, StepStarted, DraftProposed, Verified, BranchResolved, Rollback, TokensEmitted, TimingSpan, Notice, Finished)
+    for cls in (
+        RunStarted,
+        StepStarted,
+        DraftProposed,
+        Verified,
+        BranchResolved,
+        Rollback,
+        TokensEmitted,
+        TimingSpan,
+        Notice,
+        Finished,
+    )
 }
 
 

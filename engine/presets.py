@@ -4,6 +4,7 @@ The CLI (`generate`, `bench`, `costs`, `train-hrad`), the bench and the app read
 every app control still overrides its preset. The figures behind each choice are in docs/results/README.md
 ("Which draft to pick") and docs/methods.md; the tuning runs used the tuning prompts, never the benchmark split.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,6 +27,7 @@ def draft_forward() -> str:
 @dataclass(frozen=True)
 class Preset:
     """A draft's settings, named as GenerationConfig's fields (engine/config.py says what each does)."""
+
     gamma: int
     epsilon: float
     draft_stop: float
@@ -41,16 +43,18 @@ class Preset:
 
 # A distilled draft (embedded, embedded-head, a draft directory; right 35-45 % of the time): short blocks, stop
 # drafting at a doubtful token, and hold where the odds are poor (docs/methods.md "Hold").
-DISTILLED = Preset(gamma=3, epsilon=0.5, draft_stop=0.3, feed_stop=0.0, head_start=0.3, hold=0.5,
-                   hold_branches=False, hrad=False)
+DISTILLED = Preset(
+    gamma=3, epsilon=0.5, draft_stop=0.3, feed_stop=0.0, head_start=0.3, hold=0.5, hold_branches=False, hrad=False
+)
 # A draft wrong often (embedded-weak, self-skip:...): the same, with the hold applied to a fork's branches too, which
 # cut path rollback at the same speed (docs/methods.md "Hold").
 OFTEN_WRONG = dataclasses.replace(DISTILLED, hold_branches=True)
 # The target read in 4 bits (self; right about 99 % of the time): long blocks without stopping, fork only where it is
 # very unsure, a small head start (γ 6 / 8 / 10 gave 2.49 / 2.63 / 2.72x ar at T=0 and 2.30 / 2.60 / 2.38x at T=1 on
 # the tuning prompts: docs/results/README.md); the hold only slowed it.
-SELF = Preset(gamma=8, epsilon=0.1, draft_stop=0.0, feed_stop=0.0, head_start=0.02, hold=0.0, hold_branches=False,
-              hrad=False)
+SELF = Preset(
+    gamma=8, epsilon=0.1, draft_stop=0.0, feed_stop=0.0, head_start=0.02, hold=0.0, hold_branches=False, hrad=False
+)
 
 
 def preset_for(draft: str | None) -> Preset:
@@ -75,6 +79,7 @@ def default_draft(device: str | None = None) -> str:
 @dataclass(frozen=True)
 class Scenario:
     """What the app's scenario picker sets together: a draft, a method and its settings."""
+
     key: str
     label: str
     draft: str
@@ -88,15 +93,35 @@ class Scenario:
 # self-skip candidates that forked in at least half the steps and rescued on every prompt, the fastest by the median
 # of its per-prompt ratios (docs/results/json/scenarios-tuning-2.json); while other work loads the 2-core machine a
 # parallel method slows 3-10x and ar hardly at all (the median keeps the prompts measured then from deciding).
-SCENARIOS: dict[str, Scenario] = {s.key: s for s in (
-    Scenario("fastest", "Fastest", "self", "specbranch", SELF,
-             "the target in 4 bits drafts for itself: long accepted blocks, few forks; 1.9× ar on the tuning "
-             "prompts, with the CPU shared"),
-    Scenario("rescue", "Watch branches rescue", "self-skip:3,4,5,25", "specbranch",
-             dataclasses.replace(OFTEN_WRONG, epsilon=0.65, hold=0.0, hold_branches=False),
-             "the target without 4 of its layers: forks in 6 of 10 steps, 7 rescues a chat; 1.2× ar (median "
-             "of the tuning prompts), far slower on a busy CPU"),
-    Scenario("weak", "A poorly aligned draft", "embedded-weak", "specbranch", OFTEN_WRONG,
-             "a draft right about 10 % of the time: rejections, rollbacks and holds to watch; 0.7× ar, with the CPU "
-             "shared"),
-)}
+SCENARIOS: dict[str, Scenario] = {
+    s.key: s
+    for s in (
+        Scenario(
+            "fastest",
+            "Fastest",
+            "self",
+            "specbranch",
+            SELF,
+            "the target in 4 bits drafts for itself: long accepted blocks, few forks; 1.9× ar on the tuning "
+            "prompts, with the CPU shared",
+        ),
+        Scenario(
+            "rescue",
+            "Watch branches rescue",
+            "self-skip:3,4,5,25",
+            "specbranch",
+            dataclasses.replace(OFTEN_WRONG, epsilon=0.65, hold=0.0, hold_branches=False),
+            "the target without 4 of its layers: forks in 6 of 10 steps, 7 rescues a chat; 1.2× ar (median "
+            "of the tuning prompts), far slower on a busy CPU",
+        ),
+        Scenario(
+            "weak",
+            "A poorly aligned draft",
+            "embedded-weak",
+            "specbranch",
+            OFTEN_WRONG,
+            "a draft right about 10 % of the time: rejections, rollbacks and holds to watch; 0.7× ar, with the CPU "
+            "shared",
+        ),
+    )
+}

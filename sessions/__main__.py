@@ -4,6 +4,7 @@
   python -m sessions import FILE.json [--owner ID] [--shared] [--db PATH]
   python -m sessions delete SESSION_ID [--db PATH]
 Errors print `error: ...` to stderr and exit 2. The CLI is the local admin: it sees every owner's sessions."""
+
 from __future__ import annotations
 
 import argparse
@@ -18,8 +19,9 @@ from .store import SessionStoreError, Store, default_db_path
 
 def build_parser() -> argparse.ArgumentParser:
     db = argparse.ArgumentParser(add_help=False)
-    db.add_argument("--db", type=Path, default=None,
-                    help=f"session database (default: $SPECBRANCH_DB or {default_db_path()})")
+    db.add_argument(
+        "--db", type=Path, default=None, help=f"session database (default: $SPECBRANCH_DB or {default_db_path()})"
+    )
     parser = argparse.ArgumentParser(prog="python -m sessions", description="Recorded SpecBranch sessions.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("list", parents=[db], help="list sessions, newest first")

@@ -4,6 +4,7 @@ schema, transactions, and turning sqlite3/OS errors into a SessionStoreError wit
 One file holds everything (WAL mode, so readers never wait for the writer). Tables: sessions (one
 prompt each), runs (one per method generated on it), events (one row per event, `event.to_dict()`).
 """
+
 from __future__ import annotations
 
 import json
@@ -95,8 +96,13 @@ def connect(path: Path, readonly: bool = False) -> sqlite3.Connection:
     """A raw connection. Autocommit mode: every write goes through `transaction`, nothing is left open.
     (Tests replace this function to simulate a full disk.)"""
     if readonly:
-        return sqlite3.connect(Path(path).absolute().as_uri() + "?mode=ro", uri=True, isolation_level=None,
-                               check_same_thread=False, timeout=BUSY_TIMEOUT_S)
+        return sqlite3.connect(
+            Path(path).absolute().as_uri() + "?mode=ro",
+            uri=True,
+            isolation_level=None,
+            check_same_thread=False,
+            timeout=BUSY_TIMEOUT_S,
+        )
     return sqlite3.connect(str(path), isolation_level=None, check_same_thread=False, timeout=BUSY_TIMEOUT_S)
 
 
@@ -139,8 +145,10 @@ def make_folder(folder: Path) -> None:
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise SessionStoreError(f"cannot create the folder {folder} for the session database: "
-                                f"{exc.strerror or exc}; set SPECBRANCH_DB to a writable file") from None
+        raise SessionStoreError(
+            f"cannot create the folder {folder} for the session database: "
+            f"{exc.strerror or exc}; set SPECBRANCH_DB to a writable file"
+        ) from None
 
 
 def check_schema(db: sqlite_utils.Database, path: Path, readonly: bool) -> None:
@@ -152,12 +160,15 @@ def check_schema(db: sqlite_utils.Database, path: Path, readonly: bool) -> None:
         return
     if app_id != APPLICATION_ID:
         tables = ", ".join(db.table_names()) or "none"
-        raise SessionStoreError(f"{path} is not a SpecBranch session database (it is some other SQLite file, "
-                                f"tables: {tables}); point SPECBRANCH_DB at another file")
+        raise SessionStoreError(
+            f"{path} is not a SpecBranch session database (it is some other SQLite file, "
+            f"tables: {tables}); point SPECBRANCH_DB at another file"
+        )
     version = db.execute("PRAGMA user_version").fetchone()[0]
     if version > SCHEMA_VERSION:
-        raise SessionStoreError(f"{path} was written by a newer SpecBranch (schema {version}; this one reads "
-                                f"up to {SCHEMA_VERSION})")
+        raise SessionStoreError(
+            f"{path} was written by a newer SpecBranch (schema {version}; this one reads up to {SCHEMA_VERSION})"
+        )
 
 
 def create_schema(db: sqlite_utils.Database, path: Path) -> None:
@@ -167,16 +178,46 @@ def create_schema(db: sqlite_utils.Database, path: Path) -> None:
             return
         if db.table_names():
             raise SessionStoreError(f"{path} is not a SpecBranch session database (it has other tables)")
-        db["sessions"].create({"id": str, "created": float, "owner": str, "shared": int, "title": str,
-                               "prompt": str, "target": str, "draft": str, "config": str, "versions": str,
-                               "status": str}, pk="id", not_null={"created", "owner", "shared", "prompt", "status"})
-        db["runs"].create({"id": str, "session_id": str, "ord": int, "method": str, "started": float,
-                           "finished": float, "status": str, "reason": str, "metrics": str, "token_count": int},
-                          pk="id", foreign_keys=[("session_id", "sessions", "id")],
-                          not_null={"session_id", "ord", "method", "status", "token_count"})
-        db["events"].create({"run_id": str, "seq": int, "type": str, "step": int, "data": str},
-                            pk=("run_id", "seq"), foreign_keys=[("run_id", "runs", "id")],
-                            not_null={"run_id", "seq", "type", "data"})
+        db["sessions"].create(
+            {
+                "id": str,
+                "created": float,
+                "owner": str,
+                "shared": int,
+                "title": str,
+                "prompt": str,
+                "target": str,
+                "draft": str,
+                "config": str,
+                "versions": str,
+                "status": str,
+            },
+            pk="id",
+            not_null={"created", "owner", "shared", "prompt", "status"},
+        )
+        db["runs"].create(
+            {
+                "id": str,
+                "session_id": str,
+                "ord": int,
+                "method": str,
+                "started": float,
+                "finished": float,
+                "status": str,
+                "reason": str,
+                "metrics": str,
+                "token_count": int,
+            },
+            pk="id",
+            foreign_keys=[("session_id", "sessions", "id")],
+            not_null={"session_id", "ord", "method", "status", "token_count"},
+        )
+        db["events"].create(
+            {"run_id": str, "seq": int, "type": str, "step": int, "data": str},
+            pk=("run_id", "seq"),
+            foreign_keys=[("run_id", "runs", "id")],
+            not_null={"run_id", "seq", "type", "data"},
+        )
         db["sessions"].create_index(["owner", "created"])
         db["sessions"].create_index(["created"])
         db["runs"].create_index(["session_id", "ord"])
@@ -187,13 +228,19 @@ def create_schema(db: sqlite_utils.Database, path: Path) -> None:
 @lru_cache(maxsize=1)
 def software_versions() -> dict[str, str]:
     """Versions that produced a run, read without importing torch (cheap)."""
+
     def version(pkg):
         try:
             return metadata.version(pkg)
         except metadata.PackageNotFoundError:
             return "not installed"
-    return {"python": platform.python_version(), "torch": version("torch"),
-            "transformers": version("transformers"), "specbranch": code_version()}
+
+    return {
+        "python": platform.python_version(),
+        "torch": version("torch"),
+        "transformers": version("transformers"),
+        "specbranch": code_version(),
+    }
 
 
 def code_version() -> str:
@@ -222,21 +269,33 @@ def loads(text: str | None) -> Any:
 
 
 def event_row(run_id: str, seq: int, event: Event) -> dict:
-    return {"run_id": run_id, "seq": seq, "type": event.type, "step": getattr(event, "step", None),
-            "data": dumps(event.to_dict())}
+    return {
+        "run_id": run_id,
+        "seq": seq,
+        "type": event.type,
+        "step": getattr(event, "step", None),
+        "data": dumps(event.to_dict()),
+    }
 
 
 def run_finish_fields(start: RunStarted, done: Finished) -> dict:
     """Run columns that a Finished event decides (derived from events, so an import reproduces them)."""
-    return {"status": "complete", "reason": done.reason, "metrics": dumps(done.metrics),
-            "finished": round(start.wall_clock + done.prefill_s + done.decode_s, 6)}
+    return {
+        "status": "complete",
+        "reason": done.reason,
+        "metrics": dumps(done.metrics),
+        "finished": round(start.wall_clock + done.prefill_s + done.decode_s, 6),
+    }
 
 
 def refresh_session_status(db: sqlite_utils.Database, session_id: str) -> None:
     """A session is partial while any of its runs is (live, stopped or crashed), complete when all are."""
-    db.execute("UPDATE sessions SET status = (SELECT CASE WHEN count(*) = 0 THEN 'empty' "
-               "WHEN sum(status != 'complete') > 0 THEN 'partial' ELSE 'complete' END "
-               "FROM runs WHERE session_id = ?) WHERE id = ?", [session_id, session_id])
+    db.execute(
+        "UPDATE sessions SET status = (SELECT CASE WHEN count(*) = 0 THEN 'empty' "
+        "WHEN sum(status != 'complete') > 0 THEN 'partial' ELSE 'complete' END "
+        "FROM runs WHERE session_id = ?) WHERE id = ?",
+        [session_id, session_id],
+    )
 
 
 def like_pattern(text: str) -> str:
@@ -256,11 +315,19 @@ def session_dict(row: dict, owner: str | None) -> dict:
 
 
 def run_dict(row: dict) -> dict:
-    return {"id": row["id"], "session_id": row["session_id"], "method": row["method"], "started": row["started"],
-            "finished": row["finished"], "status": row["status"], "reason": row["reason"],
-            "metrics": loads(row["metrics"]), "token_count": row["token_count"]}
+    return {
+        "id": row["id"],
+        "session_id": row["session_id"],
+        "method": row["method"],
+        "started": row["started"],
+        "finished": row["finished"],
+        "status": row["status"],
+        "reason": row["reason"],
+        "metrics": loads(row["metrics"]),
+        "token_count": row["token_count"],
+    }
 
 
 def make_title(prompt_text: str, width: int = 80) -> str:
     line = next((ln.strip() for ln in (prompt_text or "").splitlines() if ln.strip()), "")
-    return line if len(line) <= width else line[:width - 1] + "…"
+    return line if len(line) <= width else line[: width - 1] + "…"

@@ -5,6 +5,7 @@ as stored; export -> import -> export gives the same bytes (sorted keys; json's 
 Browser owner ids are never exported (the importer chooses the owner). An import is checked in full
 before anything is written: a bad file is refused with a SessionStoreError that says why.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,8 +16,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
-from engine.events import (EVENT_TYPES, BranchResolved, Event, Finished, RunStarted, TimingSpan, TokensEmitted,
-                           from_dict)
+from engine.events import EVENT_TYPES, BranchResolved, Event, Finished, RunStarted, TimingSpan, TokensEmitted, from_dict
 
 from .db import SessionStoreError, check_id, run_finish_fields
 from .replay import run_label
@@ -24,38 +24,84 @@ from .store import Store
 
 FORMAT = "specbranch-session"
 FORMAT_VERSION = 1
-MAX_IMPORT_BYTES = 64 * 2 ** 20  # a session of 2,048-token runs of every method exports to a few MB
+MAX_IMPORT_BYTES = 64 * 2**20  # a session of 2,048-token runs of every method exports to a few MB
 MAX_DEPTH = 32  # a session file nests about 9 deep (runs, a run, its events, an event, its metrics, a list of lists)
-INT_RANGE = (-2 ** 63, 2 ** 63 - 1)  # what SQLite's INTEGER holds
-SESSION_FIELDS = {"id": str, "created": float, "title": str, "prompt": str, "target": str, "draft": str | None,
-                  "config": dict, "versions": dict}
-RUN_FIELDS = {"id": str, "method": str, "started": float, "finished": float | None, "status": str,
-              "reason": str | None, "metrics": dict | None, "token_count": int, "events": list}
+INT_RANGE = (-(2**63), 2**63 - 1)  # what SQLite's INTEGER holds
+SESSION_FIELDS = {
+    "id": str,
+    "created": float,
+    "title": str,
+    "prompt": str,
+    "target": str,
+    "draft": str | None,
+    "config": dict,
+    "versions": dict,
+}
+RUN_FIELDS = {
+    "id": str,
+    "method": str,
+    "started": float,
+    "finished": float | None,
+    "status": str,
+    "reason": str | None,
+    "metrics": dict | None,
+    "token_count": int,
+    "events": list,
+}
 # an event's fields that run in step, one entry per token (the page reads one by another's index); what the engine
 # writes always agrees (a Verified's tokens may be longer than its p: those past a rejection; u of a fork may be short)
-SAME_LENGTH = {"draft_proposed": [("tokens", "pieces", "q")], "verified": [("p", "q", "u"), ("tokens", "pieces")],
-               "branch_resolved": [("candidates", "pieces", "q", "branches", "branch_pieces")],
-               "rollback": [("tokens", "pieces")], "tokens_emitted": [("tokens", "pieces", "kinds")]}
+SAME_LENGTH = {
+    "draft_proposed": [("tokens", "pieces", "q")],
+    "verified": [("p", "q", "u"), ("tokens", "pieces")],
+    "branch_resolved": [("candidates", "pieces", "q", "branches", "branch_pieces")],
+    "rollback": [("tokens", "pieces")],
+    "tokens_emitted": [("tokens", "pieces", "kinds")],
+}
 # engine.measure.metrics.compute_metrics' keys and types: imported metrics reach the page, so each is checked
-METRIC_FIELDS = {"new_tokens": int, "tokens_per_s": float, "prefill_s": float, "decode_s": float,
-                 "acceptance_rate": float | None, "mean_accepted_length": float | None,
-                 "wasted_draft_rate": float | None, "path_rollback_rate": float | None,
-                 "drafted_tokens": int, "wasted_draft_tokens": int, "path_drafted_tokens": int,
-                 "path_rolled_back_tokens": int, "verified_tokens": int, "accepted_tokens": int,
-                 "target_forwards": int, "draft_forwards": int, "per_position_acceptance": list[float | None],
-                 "per_position_counts": list[list[int]],
-                 "accepted_length_histogram": dict[str, int], "target_idle_fraction": float,
-                 "draft_idle_fraction": float | None, "overlap": float, "target_alone_fraction": float,
-                 "draft_alone_fraction": float, "neither_fraction": float, "host_overhead_ms_per_step": float | None,
-                 "branch_points": int, "branch_rescues": int, "rescue_rate": float | None,
-                 "rescues_by_k": dict[str, list[int]], "rescues_by_depth": list[list[int]],
-                 "target_forward_ms": float | None, "draft_forward_ms": float | None,
-                 "pace": str | None, "no_waste_headroom": float | None,
-                 # written by earlier versions (one rollback figure); replay recomputes both figures from events
-                 "rollback_rate": float | None, "rolled_back_tokens": int}
+METRIC_FIELDS = {
+    "new_tokens": int,
+    "tokens_per_s": float,
+    "prefill_s": float,
+    "decode_s": float,
+    "acceptance_rate": float | None,
+    "mean_accepted_length": float | None,
+    "wasted_draft_rate": float | None,
+    "path_rollback_rate": float | None,
+    "drafted_tokens": int,
+    "wasted_draft_tokens": int,
+    "path_drafted_tokens": int,
+    "path_rolled_back_tokens": int,
+    "verified_tokens": int,
+    "accepted_tokens": int,
+    "target_forwards": int,
+    "draft_forwards": int,
+    "per_position_acceptance": list[float | None],
+    "per_position_counts": list[list[int]],
+    "accepted_length_histogram": dict[str, int],
+    "target_idle_fraction": float,
+    "draft_idle_fraction": float | None,
+    "overlap": float,
+    "target_alone_fraction": float,
+    "draft_alone_fraction": float,
+    "neither_fraction": float,
+    "host_overhead_ms_per_step": float | None,
+    "branch_points": int,
+    "branch_rescues": int,
+    "rescue_rate": float | None,
+    "rescues_by_k": dict[str, list[int]],
+    "rescues_by_depth": list[list[int]],
+    "target_forward_ms": float | None,
+    "draft_forward_ms": float | None,
+    "pace": str | None,
+    "no_waste_headroom": float | None,
+    # written by earlier versions (one rollback figure); replay recomputes both figures from events
+    "rollback_rate": float | None,
+    "rolled_back_tokens": int,
+}
 
 
 # -- export ----------------------------------------------------------------------------------------
+
 
 def export_session(store: Store, session_id: str, owner: str | None = None) -> dict:
     """The session as a JSON-ready dict (owner: restrict to that owner's or shared sessions)."""
@@ -65,8 +111,12 @@ def export_session(store: Store, session_id: str, owner: str | None = None) -> d
         fields = {k: run[k] for k in RUN_FIELDS if k != "events"}
         fields["events"] = [e.to_dict() for e in store.load_run_events(run["id"])]
         runs.append(fields)
-    return {"format": FORMAT, "version": FORMAT_VERSION,
-            "session": {k: session[k] for k in SESSION_FIELDS}, "runs": runs}
+    return {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "session": {k: session[k] for k in SESSION_FIELDS},
+        "runs": runs,
+    }
 
 
 def dump_export(doc: dict) -> str:
@@ -93,9 +143,12 @@ def _write_text(path: Path, text: str) -> Path:
 
 # -- import ----------------------------------------------------------------------------------------
 
+
 def too_large(size: int) -> SessionStoreError:
-    return SessionStoreError(f"the file is too large to import: {size / 2 ** 20:.1f} MB; a session file is at most "
-                             f"{MAX_IMPORT_BYTES / 2 ** 20:.0f} MB")
+    return SessionStoreError(
+        f"the file is too large to import: {size / 2**20:.1f} MB; a session file is at most "
+        f"{MAX_IMPORT_BYTES / 2**20:.0f} MB"
+    )
 
 
 def import_json(store: Store, text: str | bytes, owner: str, shared: bool = False) -> str:
@@ -129,8 +182,9 @@ def parse_json(text: str | bytes):
     except NotANumber as exc:
         raise SessionStoreError(f"not a session file: {exc}") from None
     except RecursionError:
-        raise SessionStoreError(f"not a session file: nested too deeply (a session file nests at most {MAX_DEPTH} "
-                                f"levels)") from None
+        raise SessionStoreError(
+            f"not a session file: nested too deeply (a session file nests at most {MAX_DEPTH} levels)"
+        ) from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise SessionStoreError(f"not a session file: not valid JSON ({exc})") from None
     return doc
@@ -143,8 +197,9 @@ def check_values(doc) -> None:
     while stack:
         value, depth = stack.pop()
         if depth > MAX_DEPTH:
-            raise SessionStoreError(f"not a session file: nested too deeply (a session file nests at most "
-                                    f"{MAX_DEPTH} levels)")
+            raise SessionStoreError(
+                f"not a session file: nested too deeply (a session file nests at most {MAX_DEPTH} levels)"
+            )
         if isinstance(value, dict):
             stack.extend((k, depth + 1) for k in value)
             stack.extend((v, depth + 1) for v in value.values())
@@ -153,14 +208,16 @@ def check_values(doc) -> None:
         elif isinstance(value, float) and not math.isfinite(value):
             raise SessionStoreError(f"not a session file: {value!r} is not a number a session file may hold")
         elif isinstance(value, int) and not isinstance(value, bool) and not INT_RANGE[0] <= value <= INT_RANGE[1]:
-            raise SessionStoreError(f"not a session file: {value!r:.40} is not a number a session file may hold "
-                                    f"(it is out of range)")
+            raise SessionStoreError(
+                f"not a session file: {value!r:.40} is not a number a session file may hold (it is out of range)"
+            )
         elif isinstance(value, str):
             try:
                 value.encode("utf-8")
             except UnicodeEncodeError:
-                raise SessionStoreError(f"not a session file: {value!r:.40} is not valid text (a lone surrogate)") \
-                    from None
+                raise SessionStoreError(
+                    f"not a session file: {value!r:.40} is not valid text (a lone surrogate)"
+                ) from None
 
 
 def read_import(store: Store, path: Path | str, owner: str, shared: bool = False) -> str:
@@ -186,14 +243,16 @@ def parse_export(doc: Any) -> tuple[dict, list[dict]]:
     """(session fields, runs with their events rebuilt as Event objects), or SessionStoreError saying why."""
     check_values(doc)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise SessionStoreError(f"not a session file: expected a JSON object with \"format\": \"{FORMAT}\"")
+        raise SessionStoreError(f'not a session file: expected a JSON object with "format": "{FORMAT}"')
     if doc.get("version") != FORMAT_VERSION:
-        raise SessionStoreError(f"session file version {doc.get('version')!r} is not supported "
-                                f"(this SpecBranch reads version {FORMAT_VERSION})")
+        raise SessionStoreError(
+            f"session file version {doc.get('version')!r} is not supported "
+            f"(this SpecBranch reads version {FORMAT_VERSION})"
+        )
     session = check_fields(doc.get("session"), SESSION_FIELDS, "session")
     check_id(session["id"], "session: id")
     if not isinstance(doc.get("runs"), list):
-        raise SessionStoreError("session file: \"runs\" must be a list")
+        raise SessionStoreError('session file: "runs" must be a list')
     runs = [parse_run(run, i + 1) for i, run in enumerate(doc["runs"])]
     ids = [r["id"] for r in runs]
     if len(set(ids)) != len(ids):
@@ -239,8 +298,14 @@ def derived_run_fields(events: list[Event]) -> dict:
     """Run fields that follow from its events (as the Recorder writes them)."""
     start = events[0]
     done = next((e for e in events if isinstance(e, Finished)), None)
-    fields = {"method": start.method, "started": start.wall_clock, "status": "partial", "reason": None,
-              "finished": None, "token_count": sum(len(e.tokens) for e in events if isinstance(e, TokensEmitted))}
+    fields = {
+        "method": start.method,
+        "started": start.wall_clock,
+        "status": "partial",
+        "reason": None,
+        "finished": None,
+        "token_count": sum(len(e.tokens) for e in events if isinstance(e, TokensEmitted)),
+    }
     if done is not None:
         fields.update(run_finish_fields(start, done))
         fields["metrics"] = done.metrics  # stored as JSON text by the store, compared as a dict here
@@ -260,20 +325,26 @@ def parse_event(raw: Any, where: str) -> Event:
     for name, hint in event_hints(type(event)).items():
         value = getattr(event, name)
         if not fits(value, hint):
-            raise SessionStoreError(f"{where}: {event.type} field {name!r} should be {type_name(hint)}, "
-                                    f"got {value!r:.60}")
+            raise SessionStoreError(
+                f"{where}: {event.type} field {name!r} should be {type_name(hint)}, got {value!r:.60}"
+            )
     if isinstance(event, Finished):
         check_fields(event.metrics, METRIC_FIELDS, f"{where}: finished metrics", optional=True)
     for names in SAME_LENGTH.get(event.type, ()):
         lengths = [len(getattr(event, name)) for name in names]
         if len(set(lengths)) > 1:
-            raise SessionStoreError(f"{where}: {event.type} fields {', '.join(names)} hold one entry per token and "
-                                    f"should be as long as each other, got {', '.join(map(str, lengths))}")
+            raise SessionStoreError(
+                f"{where}: {event.type} fields {', '.join(names)} hold one entry per token and "
+                f"should be as long as each other, got {', '.join(map(str, lengths))}"
+            )
     if isinstance(event, BranchResolved):
-        if len(event.p) > len(event.candidates) or any(len(a) != len(b) for a, b in zip(event.branches,
-                                                                                        event.branch_pieces)):
-            raise SessionStoreError(f"{where}: branch_resolved has more p than candidates, or a branch whose tokens "
-                                    f"and pieces differ in length")
+        if len(event.p) > len(event.candidates) or any(
+            len(a) != len(b) for a, b in zip(event.branches, event.branch_pieces)
+        ):
+            raise SessionStoreError(
+                f"{where}: branch_resolved has more p than candidates, or a branch whose tokens "
+                f"and pieces differ in length"
+            )
     return event
 
 
@@ -297,8 +368,11 @@ def fits(value: Any, hint: Any) -> bool:
         return isinstance(value, list) and (not args or all(fits(v, args[0]) for v in value))
     if hint is dict or origin is dict:
         args = get_args(hint)
-        return (isinstance(value, dict) and all(isinstance(k, str) for k in value)
-                and (not args or all(fits(v, args[1]) for v in value.values())))
+        return (
+            isinstance(value, dict)
+            and all(isinstance(k, str) for k in value)
+            and (not args or all(fits(v, args[1]) for v in value.values()))
+        )
     if hint is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if hint is int:
@@ -341,9 +415,18 @@ def run_trace_events(events: list[Event], pid: int, process: str) -> list[dict]:
         out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": worker}})
         out.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": tid}})
     for span in spans:
-        out.append({"ph": "X", "name": span.kind, "cat": span.worker, "pid": pid, "tid": lanes[span.worker],
-                    "ts": round(span.start * 1e6, 3), "dur": round((span.end - span.start) * 1e6, 3),
-                    "args": {"step": span.step, "tokens": span.tokens}})
+        out.append(
+            {
+                "ph": "X",
+                "name": span.kind,
+                "cat": span.worker,
+                "pid": pid,
+                "tid": lanes[span.worker],
+                "ts": round(span.start * 1e6, 3),
+                "dur": round((span.end - span.start) * 1e6, 3),
+                "args": {"step": span.step, "tokens": span.tokens},
+            }
+        )
     return out
 
 

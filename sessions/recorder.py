@@ -3,6 +3,7 @@
 `add(event)` only puts the event on a queue; a background thread writes batches and commits. A store
 problem sets `error` (a plain message) and later events are dropped: generation goes on, unrecorded.
 """
+
 from __future__ import annotations
 
 import queue
@@ -16,8 +17,17 @@ import sqlite_utils
 from engine.events import Event, Finished, RunStarted, TokensEmitted
 from engine.measure.metrics import compute_metrics
 
-from .db import (SessionStoreError, dumps, event_row, new_id, open_db, refresh_session_status, run_finish_fields,
-                 store_errors, transaction)
+from .db import (
+    SessionStoreError,
+    dumps,
+    event_row,
+    new_id,
+    open_db,
+    refresh_session_status,
+    run_finish_fields,
+    store_errors,
+    transaction,
+)
 
 _STOP = object()
 
@@ -29,8 +39,9 @@ class Recorder:
     written, so a cancelled or killed run is kept, marked partial. Any store problem sets `error`
     (a plain message), after which events are dropped: generation goes on, unrecorded."""
 
-    def __init__(self, path: Path | str, session_id: str, batch_size: int = 50, interval: float = 0.2,
-                 owns_session: bool = False):
+    def __init__(
+        self, path: Path | str, session_id: str, batch_size: int = 50, interval: float = 0.2, owns_session: bool = False
+    ):
         self.path = Path(path)
         self.session_id = session_id
         self.owns_session = owns_session  # the session was started for this run: no run, no session
@@ -150,12 +161,24 @@ class Recorder:
             raise SessionStoreError(f"a run must begin with a run_started event, got {first.type!r}")
         if not db.execute("SELECT 1 FROM sessions WHERE id = ?", [self.session_id]).fetchone():
             raise SessionStoreError(f"no session {self.session_id!r} in {self.path}")
-        ord_ = db.execute("SELECT coalesce(max(ord), -1) + 1 FROM runs WHERE session_id = ?",
-                          [self.session_id]).fetchone()[0]
+        ord_ = db.execute(
+            "SELECT coalesce(max(ord), -1) + 1 FROM runs WHERE session_id = ?", [self.session_id]
+        ).fetchone()[0]
         self._start = first
-        db["runs"].insert({"id": self.run_id, "session_id": self.session_id, "ord": ord_, "method": first.method,
-                           "started": first.wall_clock, "finished": None, "status": "partial", "reason": None,
-                           "metrics": None, "token_count": 0})
+        db["runs"].insert(
+            {
+                "id": self.run_id,
+                "session_id": self.session_id,
+                "ord": ord_,
+                "method": first.method,
+                "started": first.wall_clock,
+                "finished": None,
+                "status": "partial",
+                "reason": None,
+                "metrics": None,
+                "token_count": 0,
+            }
+        )
         refresh_session_status(db, self.session_id)
 
     def _drop_empty_session(self) -> None:
@@ -165,8 +188,10 @@ class Recorder:
             return
         try:
             with store_errors(self.path), transaction(self._db) as db:
-                db.execute("DELETE FROM sessions WHERE id = ? AND NOT EXISTS "
-                           "(SELECT 1 FROM runs WHERE session_id = ?)", [self.session_id, self.session_id])
+                db.execute(
+                    "DELETE FROM sessions WHERE id = ? AND NOT EXISTS (SELECT 1 FROM runs WHERE session_id = ?)",
+                    [self.session_id, self.session_id],
+                )
         except SessionStoreError as exc:
             self.error = str(exc)
 

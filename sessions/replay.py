@@ -3,6 +3,7 @@
 Steps are the decoder's rounds (StepStarted events); step 0 is the prefill and its first token.
 Times are seconds on each run's own clock (RunStarted is t=0), so runs align from their starts.
 """
+
 from __future__ import annotations
 
 from bisect import bisect_right
@@ -21,7 +22,7 @@ def events_up_to_step(events: list[Event], step: int) -> list[Event]:
     plus any late event that still belongs to a step <= `step`. Past the last step: all events."""
     cut = next((i for i, e in enumerate(events) if isinstance(e, StepStarted) and e.step > step), len(events))
     late = [i for i, e in enumerate(events[cut:], cut) if getattr(e, "step", None) is not None and e.step <= step]
-    return list(events[:max([cut] + [i + 1 for i in late])])
+    return list(events[: max([cut] + [i + 1 for i in late])])
 
 
 def run_label(events: list[Event]) -> str:
@@ -81,8 +82,11 @@ def _is_number(x) -> bool:
 
 def metric_diffs(base: dict, other: dict) -> dict:
     """other - base for every numeric metric (None where either run lacks the number)."""
-    return {k: (round(other[k] - v, 6) if _is_number(v) and _is_number(other.get(k)) else None)
-            for k, v in base.items() if _is_number(v) or v is None}
+    return {
+        k: (round(other[k] - v, 6) if _is_number(v) and _is_number(other.get(k)) else None)
+        for k, v in base.items()
+        if _is_number(v) or v is None
+    }
 
 
 def unique_labels(labels: list[str]) -> list[str]:
@@ -133,8 +137,10 @@ def compare_runs(runs: list[list[Event]]) -> dict:
         "labels": unique_labels([run_label(events) for events in runs]),
         "metrics": metrics,
         "diffs": [metric_diffs(base, m) for m in metrics],
-        "speedup": [round(m["tokens_per_s"] / base_speed, 6) if base_speed and _is_number(m.get("tokens_per_s"))
-                    else None for m in metrics],
+        "speedup": [
+            round(m["tokens_per_s"] / base_speed, 6) if base_speed and _is_number(m.get("tokens_per_s")) else None
+            for m in metrics
+        ],
         "by_step": align_by_step(runs),
         "by_time": align_by_time(runs),
     }

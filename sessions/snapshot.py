@@ -9,6 +9,7 @@ exit. A copy is made with SQLite's online backup (sqlite3.Connection.backup: con
 temporary file in the bucket, then renamed over the snapshot, so a snapshot is never half written. A bucket that
 cannot be read or written is reported (`last_error`) and never stops recording.
 """
+
 from __future__ import annotations
 
 import os

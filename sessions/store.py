@@ -4,6 +4,7 @@ A session is one prompt; it has one run per method generated on it; a run is the
 Recording a run goes through a Recorder (recorder.py) so that writes never block the token stream.
 Every database problem surfaces as a SessionStoreError whose message says what is wrong.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,22 @@ import sqlite_utils
 
 from engine.events import Event, from_dict
 
-from .db import (SessionStoreError, default_db_path, dumps, event_row, like_pattern, make_title, new_id, open_db,
-                 refresh_session_status, run_dict, session_dict, software_versions, store_errors, transaction)
+from .db import (
+    SessionStoreError,
+    default_db_path,
+    dumps,
+    event_row,
+    like_pattern,
+    make_title,
+    new_id,
+    open_db,
+    refresh_session_status,
+    run_dict,
+    session_dict,
+    software_versions,
+    store_errors,
+    transaction,
+)
 from .recorder import Recorder
 
 __all__ = ["Store", "Recorder", "SessionStoreError", "default_db_path"]
@@ -54,21 +69,39 @@ class Store:
 
     # -- writing -----------------------------------------------------------------------------------
 
-    def start_session(self, owner: str, prompt_text: str, target: str, draft: str | None, config: Any,
-                      shared: bool = False, title: str | None = None) -> str:
+    def start_session(
+        self,
+        owner: str,
+        prompt_text: str,
+        target: str,
+        draft: str | None,
+        config: Any,
+        shared: bool = False,
+        title: str | None = None,
+    ) -> str:
         """A new session (one prompt; its runs come from recorders). Returns its id."""
         config = config.to_dict() if hasattr(config, "to_dict") else dict(config or {})
         session_id = new_id()
-        row = {"id": session_id, "created": round(time.time(), 6), "owner": owner, "shared": int(bool(shared)),
-               "title": title if title is not None else make_title(prompt_text), "prompt": prompt_text,
-               "target": target, "draft": draft, "config": dumps(config), "versions": dumps(software_versions()),
-               "status": "empty"}
+        row = {
+            "id": session_id,
+            "created": round(time.time(), 6),
+            "owner": owner,
+            "shared": int(bool(shared)),
+            "title": title if title is not None else make_title(prompt_text),
+            "prompt": prompt_text,
+            "target": target,
+            "draft": draft,
+            "config": dumps(config),
+            "versions": dumps(software_versions()),
+            "status": "empty",
+        }
         with self._write() as db:
             db["sessions"].insert(row)
         return session_id
 
-    def recorder(self, session_id: str, batch_size: int = 50, interval: float = 0.2,
-                 owns_session: bool = False) -> "Recorder":
+    def recorder(
+        self, session_id: str, batch_size: int = 50, interval: float = 0.2, owns_session: bool = False
+    ) -> "Recorder":
         """A Recorder for one new run of this session (never raises: a problem shows in `recorder.error`).
         owns_session: the session was started for this run, and goes if the run records nothing."""
         if self.readonly:
@@ -84,14 +117,31 @@ class Store:
             for run in runs:
                 if db.execute("SELECT 1 FROM runs WHERE id = ?", [run["id"]]).fetchone():
                     raise SessionStoreError(f"run {run['id']!r} is already in {self.path}")
-            db["sessions"].insert({**{k: session[k] for k in ("id", "created", "title", "prompt", "target", "draft")},
-                                   "owner": owner, "shared": int(bool(shared)), "config": dumps(session["config"]),
-                                   "versions": dumps(session["versions"]), "status": "empty"})
+            db["sessions"].insert(
+                {
+                    **{k: session[k] for k in ("id", "created", "title", "prompt", "target", "draft")},
+                    "owner": owner,
+                    "shared": int(bool(shared)),
+                    "config": dumps(session["config"]),
+                    "versions": dumps(session["versions"]),
+                    "status": "empty",
+                }
+            )
             for ord_, run in enumerate(runs):
-                db["runs"].insert({"id": run["id"], "session_id": session["id"], "ord": ord_, "method": run["method"],
-                                   "started": run["started"], "finished": run["finished"], "status": run["status"],
-                                   "reason": run["reason"], "token_count": run["token_count"],
-                                   "metrics": None if run["metrics"] is None else dumps(run["metrics"])})
+                db["runs"].insert(
+                    {
+                        "id": run["id"],
+                        "session_id": session["id"],
+                        "ord": ord_,
+                        "method": run["method"],
+                        "started": run["started"],
+                        "finished": run["finished"],
+                        "status": run["status"],
+                        "reason": run["reason"],
+                        "token_count": run["token_count"],
+                        "metrics": None if run["metrics"] is None else dumps(run["metrics"]),
+                    }
+                )
                 db["events"].insert_all(event_row(run["id"], seq, e) for seq, e in enumerate(run["events"]))
             refresh_session_status(db, session["id"])
 
@@ -117,9 +167,16 @@ class Store:
 
     # -- reading -----------------------------------------------------------------------------------
 
-    def list_sessions(self, owner: str | None = None, search: str | None = None, method: str | None = None,
-                      since: float | None = None, pair: tuple[str, str | None] | None = None,
-                      include_shared: bool = True, limit: int | None = 100) -> list[dict]:
+    def list_sessions(
+        self,
+        owner: str | None = None,
+        search: str | None = None,
+        method: str | None = None,
+        since: float | None = None,
+        pair: tuple[str, str | None] | None = None,
+        include_shared: bool = True,
+        limit: int | None = 100,
+    ) -> list[dict]:
         """Newest first. owner=None lists everyone's (local admin/CLI); otherwise that owner's sessions
         plus shared ones. search: literal substring of the title or prompt (ASCII case-insensitive);
         method: has a run of that method; since: created at or after this unix time; pair: (target, draft)."""
@@ -140,8 +197,9 @@ class Store:
             where.append("target = ? AND draft IS ?")
             params += [pair[0], pair[1]]
         sql = "SELECT * FROM sessions" + (" WHERE " + " AND ".join(where) if where else "")
-        rows = self._query(sql + " ORDER BY created DESC, rowid DESC LIMIT ?",
-                           params + [-1 if limit is None else int(limit)])
+        rows = self._query(
+            sql + " ORDER BY created DESC, rowid DESC LIMIT ?", params + [-1 if limit is None else int(limit)]
+        )
         runs = self._runs_of([r["id"] for r in rows])
         out = []
         for row in rows:

@@ -1,4 +1,5 @@
 """Shared fixtures: tiny random-weight Llama models (fast, small vocabulary) and the embedded pair."""
+
 from __future__ import annotations
 
 import os
@@ -12,6 +13,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # eager, as they did before that default, and test_lean.py compiles it where compiling is the point
 os.environ["SPECBRANCH_DRAFT_FORWARD"] = "lean"
 torch.set_num_threads(1)
+
 
 class VerdictAt:
     """Stands in for the target's job where the draft asks whether the verdict has landed (parallel.draft_until_verdict):
@@ -31,6 +33,7 @@ def schedule_draft(monkeypatch, looks) -> None:
     once per round. A test whose figures depend on how far the draft drafts then gives the same figures on any
     machine, however busy. Patched through the module, so a test holds it for its own runs only (monkeypatch)."""
     from engine.methods import parallel
+
     real = parallel.draft_until_verdict
 
     async def draft_until_verdict(state, spec, ds, policy, target_job, events):
@@ -55,8 +58,13 @@ def serve_app(engine, store, drafts: list[tuple[str, str]] | None = None, max_qu
 
     demo = build_app(engine if drafts else lambda draft=None: engine, lambda: (store, ""), drafts=drafts)
     port = free_port()
-    bounded_queue(demo, max_queue).launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True,
-                                          quiet=True, **{"show_error": SHOW_ERROR, **launch})
+    bounded_queue(demo, max_queue).launch(
+        server_name="127.0.0.1",
+        server_port=port,
+        prevent_thread_lock=True,
+        quiet=True,
+        **{"show_error": SHOW_ERROR, **launch},
+    )
     return demo, f"http://127.0.0.1:{port}/"
 
 
@@ -82,18 +90,37 @@ def tiny_tokenizer(words=TINY_WORDS):
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
 
 
-def make_tiny_model(path: Path, seed: int, vocab: int = len(TINY_WORDS), layers: int = 2, init: float = 0.3,
-                    context: int = 64, words=TINY_WORDS, eos: int | None = None, perturb: float = 0.0,
-                    perturb_seed: int = 0) -> Path:
+def make_tiny_model(
+    path: Path,
+    seed: int,
+    vocab: int = len(TINY_WORDS),
+    layers: int = 2,
+    init: float = 0.3,
+    context: int = 64,
+    words=TINY_WORDS,
+    eos: int | None = None,
+    perturb: float = 0.0,
+    perturb_seed: int = 0,
+) -> Path:
     """A random-weight Llama saved as a transformers directory (loads like any local model).
     A large init makes its next-token distributions peaky enough for statistical tests to have power."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
-                         initializer_range=init, tie_word_embeddings=False, eos_token_id=eos, bos_token_id=None,
-                         pad_token_id=None)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=context,
+        initializer_range=init,
+        tie_word_embeddings=False,
+        eos_token_id=eos,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
     model = LlamaForCausalLM(config).eval()
     if perturb:  # a draft that resembles the target: same init, plus noise
         g = torch.Generator().manual_seed(perturb_seed)
@@ -141,9 +168,12 @@ def embedded_target():
 # since transformers' generate() takes ~6 s a prompt here
 GREEDY_PROMPTS = [
     ("Explain why the sky is blue in two sentences.", True),
-    ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
-     "How many clips did Natalia sell altogether in April and May?", True),
-    ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", False),
+    (
+        "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+        "How many clips did Natalia sell altogether in April and May?",
+        True,
+    ),
+    ('def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n', False),
 ]
 GREEDY_NEW = 128
 
@@ -156,9 +186,8 @@ def greedy_references(embedded_target):
     for text, chat in GREEDY_PROMPTS:
         ids = engine.encode(text, chat)
         with torch.inference_mode():
-            out = embedded_target.target.model.generate(torch.tensor([ids]), max_new_tokens=GREEDY_NEW,
-                                                        do_sample=False)
-        refs.append((ids, out[0, len(ids):].tolist()))
+            out = embedded_target.target.model.generate(torch.tensor([ids]), max_new_tokens=GREEDY_NEW, do_sample=False)
+        refs.append((ids, out[0, len(ids) :].tolist()))
     return refs
 
 

@@ -6,6 +6,7 @@ each time with a `Script` that fixes every draw, and yields each result with its
 product of the probabilities of the outcomes taken), so a test enumerates the engine's own function in
 float64 instead of rebuilding its rule.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Iterator, TypeVar

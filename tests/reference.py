@@ -1,6 +1,7 @@
 """An independent reference for the sampled tests: the target's exact distribution computed from transformers' own
 forward of the model and a float64 softmax with temperature, top-k and top-p written here, never the engine's
 sampling.logits_to_probs (a bug there would otherwise hide in both)."""
+
 from __future__ import annotations
 
 import itertools
@@ -42,7 +43,7 @@ def exact_joint(model, prompt, length, cfg, vocab):
     with torch.inference_mode():
         logits = model(input_ids=torch.tensor([prompt + list(s) for s in seqs])).logits
     out = {}
-    for seq, rows in zip(seqs, logits[:, len(prompt) - 1:-1].double().numpy()):
+    for seq, rows in zip(seqs, logits[:, len(prompt) - 1 : -1].double().numpy()):
         p = processed(rows, cfg.temperature, cfg.top_k, cfg.top_p)
         out[seq] = float(np.prod([p[i, t] for i, t in enumerate(seq)]))
     return out

@@ -1,5 +1,6 @@
 """The app through its HTTP API (gradio_client) on a launched server with tiny models: a streamed
 generation returns tokens and the figures' data; bad input gets a message; token text is escaped."""
+
 from __future__ import annotations
 
 import re
@@ -21,10 +22,40 @@ def client(tiny_engine, app_store):
     demo.close()
 
 
-ARGS = dict(history=[], method="specbranch", max_new=24, temperature=0, top_p=1, gamma=3, branches=3, epsilon=1.0,
-            draft_stop=0.0, feed_stop=0.0, head_start=0.0, hold=0.0, hold_branches=False, hrad=True, seed=0, chat=False)
-CONTROLS = ("max_new", "temperature", "top_p", "gamma", "branches", "epsilon", "draft_stop", "feed_stop", "head_start",
-            "hold", "hold_branches", "hrad", "seed", "chat")
+ARGS = dict(
+    history=[],
+    method="specbranch",
+    max_new=24,
+    temperature=0,
+    top_p=1,
+    gamma=3,
+    branches=3,
+    epsilon=1.0,
+    draft_stop=0.0,
+    feed_stop=0.0,
+    head_start=0.0,
+    hold=0.0,
+    hold_branches=False,
+    hrad=True,
+    seed=0,
+    chat=False,
+)
+CONTROLS = (
+    "max_new",
+    "temperature",
+    "top_p",
+    "gamma",
+    "branches",
+    "epsilon",
+    "draft_stop",
+    "feed_stop",
+    "head_start",
+    "hold",
+    "hold_branches",
+    "hrad",
+    "seed",
+    "chat",
+)
 
 
 def controls(a: dict) -> list:
@@ -64,17 +95,23 @@ def test_streamed_generation_returns_tokens_and_figures(client, tiny_engine):
     assert "verify" in timeline["plot"] and "draft" in timeline["plot"]
     # same tokens as the engine gives directly
     from engine.config import GenerationConfig
-    want = tiny_engine.run(tiny_engine.encode("a b c", False), GenerationConfig(
-        method="specbranch", max_new_tokens=24, gamma=3, epsilon=1.0)).text
+
+    want = tiny_engine.run(
+        tiny_engine.encode("a b c", False),
+        GenerationConfig(method="specbranch", max_new_tokens=24, gamma=3, epsilon=1.0),
+    ).text
     assert content(history[-1]) == want
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (dict(temperature=-1), "Value -1 is less than minimum value 0."),
-    (dict(top_p=0), "Value 0 is less than minimum value 0.01."),
-    (dict(max_new=0), "Value 0 is less than minimum value 1."),
-    (dict(gamma=99), "Value 99 is greater than maximum value 16."),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(temperature=-1), "Value -1 is less than minimum value 0."),
+        (dict(top_p=0), "Value 0 is less than minimum value 0.01."),
+        (dict(max_new=0), "Value 0 is less than minimum value 1."),
+        (dict(gamma=99), "Value 99 is greater than maximum value 16."),
+    ],
+)
 def test_out_of_range_controls_are_refused_and_the_app_keeps_serving(client, overrides, message):
     """gradio refuses a slider's value out of its range, by name, before the handler runs."""
     from gradio_client.exceptions import AppError
@@ -87,27 +124,44 @@ def test_out_of_range_controls_are_refused_and_the_app_keeps_serving(client, ove
     assert content(final[0][-1])
 
 
-@pytest.mark.parametrize("args, message", [
-    (dict(temperature="-1"), "temperature must be >= 0"),
-    (dict(top_p="1.5"), "top-p must be in (0, 1]"),
-    (dict(max_new="zero"), "max new tokens must be a number"),
-    (dict(epsilon="2"), "epsilon must be in [0, 1]"),
-    (dict(branches="0"), "branches must be an integer >= 1"),
-    (dict(draft_stop="1.5"), "draft-stop must be in [0, 1]"),
-    (dict(feed_stop="-0.1"), "feed-stop must be in [0, 1]"),
-    (dict(feed_stop="x"), "feed stop must be a number"),
-    (dict(head_start="1.2"), "head-start must be in [0, 1]"),
-    (dict(head_start="soon"), "head start must be a number"),
-    (dict(hold="-1"), "hold must be in [0, 1]"),
-    (dict(hold="much"), "hold must be a number"),
-    (dict(hold_branches=True), "hold-branches needs a hold above 0"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (dict(temperature="-1"), "temperature must be >= 0"),
+        (dict(top_p="1.5"), "top-p must be in (0, 1]"),
+        (dict(max_new="zero"), "max new tokens must be a number"),
+        (dict(epsilon="2"), "epsilon must be in [0, 1]"),
+        (dict(branches="0"), "branches must be an integer >= 1"),
+        (dict(draft_stop="1.5"), "draft-stop must be in [0, 1]"),
+        (dict(feed_stop="-0.1"), "feed-stop must be in [0, 1]"),
+        (dict(feed_stop="x"), "feed stop must be a number"),
+        (dict(head_start="1.2"), "head-start must be in [0, 1]"),
+        (dict(head_start="soon"), "head start must be a number"),
+        (dict(hold="-1"), "hold must be in [0, 1]"),
+        (dict(hold="much"), "hold must be a number"),
+        (dict(hold_branches=True), "hold-branches needs a hold above 0"),
+    ],
+)
 def test_settings_validation_messages(args, message):
     from app.settings import make_config
     from engine.config import SpecBranchError
 
-    base = dict(method="specbranch", max_new=8, temperature=0, top_p=1, gamma=3, branches=3, epsilon=0.5,
-                draft_stop=0.0, feed_stop=0.0, head_start=0.0, hold=0.0, hold_branches=False, hrad=True, seed=0)
+    base = dict(
+        method="specbranch",
+        max_new=8,
+        temperature=0,
+        top_p=1,
+        gamma=3,
+        branches=3,
+        epsilon=0.5,
+        draft_stop=0.0,
+        feed_stop=0.0,
+        head_start=0.0,
+        hold=0.0,
+        hold_branches=False,
+        hrad=True,
+        seed=0,
+    )
     with pytest.raises(SpecBranchError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         make_config(**{**base, **args})
 
@@ -128,19 +182,24 @@ def test_holding_the_branches_reaches_the_engine_settings(client):
 
 def test_token_text_is_escaped():
     hostile = ["<script>alert(1)</script>", '<img src=x onerror="alert(2)">']
-    events = [TokensEmitted(1, [5, 6], hostile, ["accepted", "correction"], "".join(hostile)),
-              Rollback(1, "draft", [7], ["<b onmouseover=alert(3)>"], "rejected")]
+    events = [
+        TokensEmitted(1, [5, 6], hostile, ["accepted", "correction"], "".join(hostile)),
+        Rollback(1, "draft", [7], ["<b onmouseover=alert(3)>"], "rejected"),
+    ]
     for out in (token_view(events), token_view(events, show_rollbacks=True)):
         assert "<script>" not in out and "<img" not in out and "<b " not in out
         assert "&lt;script&gt;" in out and "&lt;img" in out
 
 
 def test_rolled_back_text_sits_behind_a_per_step_marker():
-    events = [Rollback(1, "draft", [7, 8], ["x", "y"], "rejected"), TokensEmitted(1, [5], ["a"], ["correction"], "a"),
-              Rollback(1, "target", [7], ["x"], "unverified positions"),  # the target's copy: not counted again
-              TokensEmitted(2, [6], ["b"], ["bonus"], "b")]
+    events = [
+        Rollback(1, "draft", [7, 8], ["x", "y"], "rejected"),
+        TokensEmitted(1, [5], ["a"], ["correction"], "a"),
+        Rollback(1, "target", [7], ["x"], "unverified positions"),  # the target's copy: not counted again
+        TokensEmitted(2, [6], ["b"], ["bonus"], "b"),
+    ]
     closed, opened = token_view(events), token_view(events, show_rollbacks=True)
-    assert closed.count("<details") == 1 and "↶2</summary>" in closed and "<details class=\"rb\">" in closed
+    assert closed.count("<details") == 1 and "↶2</summary>" in closed and '<details class="rb">' in closed
     assert closed.index(">a</span>") < closed.index("<details") < closed.index(">b</span>")  # after its step's tokens
     assert '<details class="rb" open>' in opened
 
@@ -194,15 +253,20 @@ def test_two_browser_sessions_each_see_their_own_stream(client, tiny_engine):
 
     other = Client(client.src, verbose=False)
     a = ARGS | {"max_new": 16}
-    jobs = [c.submit(p, [], a["method"], *controls(a | {"chat": False}), api_name="/generate")
-            for c, p in ((client, "a b a b"), (other, "h g f e"))]
+    jobs = [
+        c.submit(p, [], a["method"], *controls(a | {"chat": False}), api_name="/generate")
+        for c, p in ((client, "a b a b"), (other, "h g f e"))
+    ]
     finals = [job.result() for job in jobs]
     assert [m["role"] for m in finals[0][0]] == ["user", "assistant"]  # only its own turn
     assert content(finals[0][0][0]) == "a b a b" and content(finals[1][0][0]) == "h g f e"
     from engine.config import GenerationConfig
-    for (prompt, final) in zip(("a b a b", "h g f e"), finals):
-        want = tiny_engine.run(tiny_engine.encode(prompt, False), GenerationConfig(
-            method="specbranch", max_new_tokens=16, gamma=3, epsilon=1.0)).text
+
+    for prompt, final in zip(("a b a b", "h g f e"), finals):
+        want = tiny_engine.run(
+            tiny_engine.encode(prompt, False),
+            GenerationConfig(method="specbranch", max_new_tokens=16, gamma=3, epsilon=1.0),
+        ).text
         assert content(final[0][-1]) == want
 
 
@@ -290,7 +354,10 @@ def test_a_visitor_picks_a_draft_from_the_offered_ones_only(tiny_engine, app_sto
     demo, url = serve_app(get_engine, app_store, drafts=[(f"the {spec} draft", spec) for spec in engines])
     try:
         menu = next(c["props"] for c in demo.config["components"] if c["props"].get("elem_id") == "draft")
-        assert [list(c) for c in menu["choices"]] == [["the tiny-draft draft", "tiny-draft"], ["the self draft", "self"]]
+        assert [list(c) for c in menu["choices"]] == [
+            ["the tiny-draft draft", "tiny-draft"],
+            ["the self draft", "self"],
+        ]
         assert menu["value"] == "tiny-draft"  # the app's own draft first
         client = Client(url, verbose=False)
         a = {**ARGS, "method": "sd"}
@@ -310,9 +377,12 @@ def test_a_visitor_picks_a_draft_from_the_offered_ones_only(tiny_engine, app_sto
         assert [u["value"] for u in slider_defaults("self")] == [SELF.settings()[k] for k in SLIDER_KEYS]
         # ... into the sliders of those names, in that order
         ids = {c["id"]: c["props"].get("elem_id") for c in demo.config["components"]}
-        picked = next(d for d in demo.config["dependencies"]
-                      if any(ids.get(target) == "draft" and event == "input" for target, event in d["targets"])
-                      and d["api_name"] == "slider_defaults")
+        picked = next(
+            d
+            for d in demo.config["dependencies"]
+            if any(ids.get(target) == "draft" and event == "input" for target, event in d["targets"])
+            and d["api_name"] == "slider_defaults"
+        )
         assert [ids[o] for o in picked["outputs"]] == [key.replace("_", "-") for key in SLIDER_KEYS]
     finally:
         demo.close()

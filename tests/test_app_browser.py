@@ -5,6 +5,7 @@ columns before the end with the identity check, and Replay re-rendering and raci
 Saves screenshots to artifacts/. Fails (never skips) when the browser is missing, in CI or not: `make test` installs
 it (as root). Each test asks for the runs it reads (the live_run and raced fixtures: whichever test comes first makes
 them) and opens its own tab, so none depends on the order the tests run in."""
+
 from __future__ import annotations
 
 import re
@@ -52,9 +53,18 @@ def page(app_url):
 
     ARTIFACTS.mkdir(exist_ok=True)
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync"])
+        browser = pw.chromium.launch(
+            executable_path=CHROMIUM,
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-quic",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+            ],
+        )
         page = browser.new_page(viewport={"width": 1400, "height": 2200})
         page.goto(app_url, wait_until="load")
         page.wait_for_selector("#prompt textarea", timeout=60_000)
@@ -101,16 +111,16 @@ def shown_step(page, root: str) -> int | None:
 
 
 def wait_for_step(page, root: str, step: int) -> None:
-    page.wait_for_function(f"document.querySelector('{root} .tree-view')?.dataset.step === '{step}'",
-                           timeout=30_000)
+    page.wait_for_function(f"document.querySelector('{root} .tree-view')?.dataset.step === '{step}'", timeout=30_000)
 
 
 def watch_race(page, root: str, start) -> list[dict]:
     """Every state the race in `root` showed, from start() (which starts it) until it was over."""
     page.evaluate(RACE_JS, root)
     start()
-    page.wait_for_function("window.raceStates.length > 0 && window.raceStates[window.raceStates.length - 1].done",
-                           timeout=120_000)
+    page.wait_for_function(
+        "window.raceStates.length > 0 && window.raceStates[window.raceStates.length - 1].done", timeout=120_000
+    )
     return page.evaluate("window.raceStates")
 
 
@@ -175,8 +185,10 @@ def test_tree_and_step_navigator_in_chromium(page, app_store, live_run):
         assert winner.count() >= 1
     assert page.locator("#step-slider input[type=number]").input_value() == str(step)
     assert page.locator(f'#step-strip .step-mark.selected[data-step="{step}"]').count() == 1
-    page.wait_for_function(f"[...document.querySelectorAll('#timeline-plot .annotation-text')]"
-                           f".some(a => a.textContent === 'step {step}')", timeout=30_000)  # the timeline follows
+    page.wait_for_function(
+        f"[...document.querySelectorAll('#timeline-plot .annotation-text')].some(a => a.textContent === 'step {step}')",
+        timeout=30_000,
+    )  # the timeline follows
     page.locator("#step-next").click()
     wait_for_step(page, "#tree-view", step + 1)
     page.locator("#step-prev").click()
@@ -199,8 +211,7 @@ def test_race_in_chromium(page, raced):
     methods = page.locator("#compare-methods")
     methods.get_by_label("specbranch").uncheck()
     page.locator("#compare").click()  # one method: no race
-    page.wait_for_function("document.querySelector('#compare-notice').innerText.includes('needs two')",
-                           timeout=30_000)
+    page.wait_for_function("document.querySelector('#compare-notice').innerText.includes('needs two')", timeout=30_000)
     methods.get_by_label("specbranch").check()
 
 
@@ -208,8 +219,7 @@ def test_replay_in_chromium(page, raced):
     page.get_by_role("tab", name="Replay").click()
     page.locator("#replay-search textarea, #replay-search input").first.fill("Explain how a hash map")
     page.locator("#replay-find").click()
-    page.wait_for_function("document.querySelector('#replay-status').innerText.includes('1 session')",
-                           timeout=30_000)
+    page.wait_for_function("document.querySelector('#replay-status').innerText.includes('1 session')", timeout=30_000)
     page.locator("#replay-open").click()
     page.wait_for_selector("#replay-tree-view svg.branch-tree", timeout=60_000)
     page.wait_for_selector("#replay-step-strip .step-mark", timeout=30_000)

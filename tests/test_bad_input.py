@@ -1,4 +1,5 @@
 """Bad input gets a clear one-line error from the CLI (exit code 2), never a traceback."""
+
 from __future__ import annotations
 
 import pytest
@@ -17,16 +18,19 @@ def tiny_args(tiny_dirs):
     return ["--target", str(tiny_dirs["target"]), "--draft", str(tiny_dirs["draft"]), "--device", "cpu"]
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--temperature", "-0.5"], "temperature must be >= 0"),
-    (["--top-p", "0"], "top-p must be in (0, 1]"),
-    (["--top-p", "1.5"], "top-p must be in (0, 1]"),
-    (["--max-new-tokens", "0"], "max-new-tokens must be a positive integer"),
-    (["--max-new-tokens", "-3"], "max-new-tokens must be a positive integer"),
-    (["--gamma", "0"], "gamma (draft length) must be an integer >= 1"),
-    (["--hold", "1.5"], "hold must be in [0, 1] (0 = off)"),
-    (["--hold", "0", "--hold-branches"], "hold-branches needs a hold above 0"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--temperature", "-0.5"], "temperature must be >= 0"),
+        (["--top-p", "0"], "top-p must be in (0, 1]"),
+        (["--top-p", "1.5"], "top-p must be in (0, 1]"),
+        (["--max-new-tokens", "0"], "max-new-tokens must be a positive integer"),
+        (["--max-new-tokens", "-3"], "max-new-tokens must be a positive integer"),
+        (["--gamma", "0"], "gamma (draft length) must be an integer >= 1"),
+        (["--hold", "1.5"], "hold must be in [0, 1] (0 = off)"),
+        (["--hold", "0", "--hold-branches"], "hold-branches needs a hold above 0"),
+    ],
+)
 def test_invalid_settings(capsys, tiny_args, extra, message):
     code, err = run_cli(capsys, "generate", *tiny_args, "--prompt", "a b", *extra)
     assert code == 2 and message in err and "Traceback" not in err
@@ -36,12 +40,15 @@ def test_unwritable_bench_output_is_refused_before_any_model_loads(capsys, tmp_p
     """A --json that could not be written fails at once, not after the whole bench ran (the model path here does
     not exist either: the output is checked first)."""
     (tmp_path / "a-file").write_text("")
-    for out, message in ((tmp_path / "a-file" / "x.json", "cannot write the bench results"),
-                         (tmp_path, "it is a folder")):
+    for out, message in (
+        (tmp_path / "a-file" / "x.json", "cannot write the bench results"),
+        (tmp_path, "it is a folder"),
+    ):
         code, err = run_cli(capsys, "bench", "--target", "/no/such/model", "--methods", "ar", "--json", str(out))
         assert code == 2 and message in err and "Traceback" not in err
-    code, err = run_cli(capsys, "bench", "--target", "/no/such/model", "--methods", "ar",
-                        "--json", str(tmp_path / "new" / "x.json"))
+    code, err = run_cli(
+        capsys, "bench", "--target", "/no/such/model", "--methods", "ar", "--json", str(tmp_path / "new" / "x.json")
+    )
     assert code == 2 and "model path not found" in err and (tmp_path / "new").is_dir()  # its folder is made
 
 
@@ -61,8 +68,18 @@ def test_missing_gguf(capsys):
 
 
 def test_incompatible_tokenizers(capsys, tiny_dirs):
-    code, err = run_cli(capsys, "generate", "--target", str(tiny_dirs["target"]), "--draft",
-                        str(tiny_dirs["other_vocab"]), "--prompt", "a b", "--device", "cpu")
+    code, err = run_cli(
+        capsys,
+        "generate",
+        "--target",
+        str(tiny_dirs["target"]),
+        "--draft",
+        str(tiny_dirs["other_vocab"]),
+        "--prompt",
+        "a b",
+        "--device",
+        "cpu",
+    )
     assert code == 2 and "incompatible tokenizers" in err
 
 

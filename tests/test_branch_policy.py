@@ -2,6 +2,7 @@
 still comes from the same row), the policy that forks only where the measured costs say it pays, and the
 acceptance it reads the draft's confidence as (engine/calibration.py), and the hold that drafts nothing where that
 acceptance is too low to pay."""
+
 from __future__ import annotations
 
 import torch
@@ -10,10 +11,29 @@ from app.tree import step_caption
 from engine.methods.calibration import PRIOR_WEIGHT, RESCUE_BINS, RESCUE_PRIOR_WEIGHT, AcceptanceCalibration
 from engine.config import GenerationConfig
 from engine.methods.decoding import RunState
-from engine.events import (ACCEPTED, BONUS, CORRECTION, RESCUED, VERIFY, BranchResolved, DraftProposed, TimingSpan,
-                           Verified)
-from engine.methods.parallel import (BranchCosts, Fork, Policy, Speculation, alternatives_share, feed_limit, judged_path,
-                             line_of, missed_rescue, resolve)
+from engine.events import (
+    ACCEPTED,
+    BONUS,
+    CORRECTION,
+    RESCUED,
+    VERIFY,
+    BranchResolved,
+    DraftProposed,
+    TimingSpan,
+    Verified,
+)
+from engine.methods.parallel import (
+    BranchCosts,
+    Fork,
+    Policy,
+    Speculation,
+    alternatives_share,
+    feed_limit,
+    judged_path,
+    line_of,
+    missed_rescue,
+    resolve,
+)
 from engine.methods.sampling import TOPK
 
 from .conftest import schedule_draft
@@ -29,8 +49,15 @@ def one_hot_rows(tokens: list[int]) -> torch.Tensor:
 
 
 def greedy_state(tiny_engine) -> RunState:
-    return RunState(tiny_engine.pair, GenerationConfig(method="specbranch", temperature=0.0), None, None,
-                    tokens=[2, 3], prompt_len=2, eos_ids=set())
+    return RunState(
+        tiny_engine.pair,
+        GenerationConfig(method="specbranch", temperature=0.0),
+        None,
+        None,
+        tokens=[2, 3],
+        prompt_len=2,
+        eos_ids=set(),
+    )
 
 
 def forked(path: list[int], candidates: list[int], branches: list[list[int]]) -> Speculation:
@@ -92,8 +119,12 @@ def test_feed_stop_shortens_verify_passes_and_stays_greedy(tiny_engine):
     want = tiny_engine.run(prompt, GenerationConfig(method="ar", max_new_tokens=40)).token_ids
     fed = {}
     for stop in (0.0, 0.6):
-        r = tiny_engine.run(prompt, GenerationConfig(method="specbranch", max_new_tokens=40, gamma=4, epsilon=0.7,
-                                                     feed_stop=stop, head_start=1e-9))
+        r = tiny_engine.run(
+            prompt,
+            GenerationConfig(
+                method="specbranch", max_new_tokens=40, gamma=4, epsilon=0.7, feed_stop=stop, head_start=1e-9
+            ),
+        )
         assert r.token_ids == want
         spans = [e for e in r.events if isinstance(e, TimingSpan) and e.kind == VERIFY]
         fed[stop] = sum(e.tokens for e in spans) / len(spans)
@@ -187,8 +218,15 @@ def test_a_fork_keeps_drafting_its_branches(tiny_engine):
 
     async def fork_and_draft():
         cfg = GenerationConfig(method="specbranch", gamma=3, draft_stop=0.3, epsilon=1.0)
-        state = RunState(tiny_engine.pair, cfg, tiny_engine.target_worker, tiny_engine.draft_worker,
-                         tokens=[2, 3, 4], prompt_len=3, eos_ids=set())
+        state = RunState(
+            tiny_engine.pair,
+            cfg,
+            tiny_engine.target_worker,
+            tiny_engine.draft_worker,
+            tokens=[2, 3, 4],
+            prompt_len=3,
+            eos_ids=set(),
+        )
         ds = DraftState(rows=[[]], confidence=0.01)  # the previous round ended on an unsure token
         spec, verdict_pending = Speculation(), asyncio.get_running_loop().create_future()
         await draft_until_verdict(state, spec, ds, Policy(max_branches=3, epsilon=1.0), verdict_pending, [])
@@ -211,11 +249,24 @@ def test_drafting_stops_at_the_token_budget(tiny_engine):
 
     async def draft_long():
         cfg = GenerationConfig(method="specbranch", gamma=4, max_new_tokens=3, epsilon=1.0)
-        state = RunState(tiny_engine.pair, cfg, tiny_engine.target_worker, tiny_engine.draft_worker,
-                         tokens=[2, 3, 4], prompt_len=3, eos_ids=set())
+        state = RunState(
+            tiny_engine.pair,
+            cfg,
+            tiny_engine.target_worker,
+            tiny_engine.draft_worker,
+            tokens=[2, 3, 4],
+            prompt_len=3,
+            eos_ids=set(),
+        )
         spec = Speculation()
-        await draft_until_verdict(state, spec, DraftState(rows=[[]]), Policy(max_branches=3, epsilon=1.0),
-                                  asyncio.get_running_loop().create_future(), [])
+        await draft_until_verdict(
+            state,
+            spec,
+            DraftState(rows=[[]]),
+            Policy(max_branches=3, epsilon=1.0),
+            asyncio.get_running_loop().create_future(),
+            [],
+        )
         return spec
 
     assert depth(asyncio.run(draft_long())) == 3  # the budget, not 2γ = 8
@@ -231,8 +282,10 @@ def test_calibration_starts_at_the_confidence_and_moves_to_the_measured_rate():
     assert abs(cal.acceptance(0.06) - (40 + PRIOR_WEIGHT * 0.06) / (40 + PRIOR_WEIGHT)) < 1e-12  # the same bin
     assert cal.acceptance(0.12) == 0.12  # another bin: no verdicts yet
     assert abs(cal.acceptance(0.92) - PRIOR_WEIGHT * 0.92 / (1 + PRIOR_WEIGHT)) < 1e-12
-    assert cal.table() == [{"confidence": [0.05, 0.1], "judged": 40, "accepted": 40, "rate": 1.0},
-                           {"confidence": [0.9, 0.95], "judged": 1, "accepted": 0, "rate": 0.0}]
+    assert cal.table() == [
+        {"confidence": [0.05, 0.1], "judged": 40, "accepted": 40, "rate": 1.0},
+        {"confidence": [0.9, 0.95], "judged": 1, "accepted": 0, "rate": 0.0},
+    ]
     assert cal.bin_of(0.0) == 0 and cal.bin_of(1.0) == cal.bin_of(0.999)
     wide = AcceptanceCalibration(2.0, 5)  # the rescue table's shape: 5 bins, a prior worth 2 verdicts
     wide.record(0.5, False)
@@ -277,8 +330,12 @@ def test_calibrated_policy_forks_where_the_draft_is_measured_wrong():
     assert Policy(max_branches=3, epsilon=0.5, calibration=cal).branch_width([0.8, 0.1, 0.05], False, None) == 3
     # with measured costs, the rescue odds are the measured miss rate times the candidates' share of the rest
     cheap = BranchCosts({1: 10.0, 2: 11.0, 3: 12.0}, target_busy_ms={1: 60.0, 2: 60.0, 3: 60.0})
-    assert Policy(max_branches=3, epsilon=0.5, costs=cheap, calibration=cal).branch_width(
-        [0.8, 0.1, 0.05], False, None, steps_left=5) == 3
+    assert (
+        Policy(max_branches=3, epsilon=0.5, costs=cheap, calibration=cal).branch_width(
+            [0.8, 0.1, 0.05], False, None, steps_left=5
+        )
+        == 3
+    )
 
 
 def test_resolve_reports_what_the_target_judged(tiny_engine):
@@ -323,8 +380,11 @@ def test_engine_learns_where_its_draft_is_right(tiny_dirs, monkeypatch):
                 cands = [e for e in r.events if isinstance(e, DraftProposed) and e.kind == "candidates"]
                 assert all(0 < e.confidence <= 1 and 0 <= e.odds < 0.6 for e in cands)
                 assert all(e.odds == e.confidence for e in cands) or calibrate
-                assert all(e.odds == -1 and e.confidence == -1 for e in r.events
-                           if isinstance(e, DraftProposed) and e.kind != "candidates")
+                assert all(
+                    e.odds == -1 and e.confidence == -1
+                    for e in r.events
+                    if isinstance(e, DraftProposed) and e.kind != "candidates"
+                )
                 for c in cands:  # the step's caption gives them where the fork is resolved in the same step
                     mine = [e for e in r.events if getattr(e, "step", None) == c.step]
                     if any(isinstance(e, BranchResolved) for e in mine):
@@ -335,8 +395,10 @@ def test_engine_learns_where_its_draft_is_right(tiny_dirs, monkeypatch):
         assert sum(b["judged"] for b in table) > 0 and all(b["rate"] == 1.0 for b in table)
         assert engine.policy(GenerationConfig(method="pearl")).calibration is None
         assert engine.policy(GenerationConfig(method="specbranch", calibrate=False)).calibration is None
-        assert engine.policy(GenerationConfig(method="specbranch", temperature=1.0)).calibration is not \
-            engine.policy(GenerationConfig(method="specbranch")).calibration  # a table per way of sampling
+        assert (
+            engine.policy(GenerationConfig(method="specbranch", temperature=1.0)).calibration
+            is not engine.policy(GenerationConfig(method="specbranch")).calibration
+        )  # a table per way of sampling
     finally:
         engine.close()
 
@@ -430,8 +492,7 @@ def test_hold_weighs_the_whole_path_and_the_forks_rescues():
     assert abs(policy.path_odds(spec) - policy.acceptance(0.9) ** 2 * own) < 1e-12  # a rescued token: its conf
     assert policy.path_odds(Speculation()) == 1.0
     # through a fork: the path's odds, the fork's (one candidate survives), and its first branch's tokens'
-    spec.fork = Fork(q, [7, 8], TOPK, 3, [[9], [2]], [[q], [q]], conf=[0.3, 0.2], branch_conf=[[0.9], [0.4]],
-                     odds=0.6)
+    spec.fork = Fork(q, [7, 8], TOPK, 3, [[9], [2]], [[q], [q]], conf=[0.3, 0.2], branch_conf=[[0.9], [0.4]], odds=0.6)
     assert abs(policy.line_odds(spec) - policy.path_odds(spec) * 0.6 * policy.acceptance(0.9)) < 1e-12
     assert not Policy(max_branches=3).held_back(0.0)  # hold 0: never
     # the forks it did not make are played for the rescue table only where a decision reads it
@@ -447,8 +508,7 @@ def test_held_positions_are_left_to_the_target_and_still_measured(tiny_dirs, mon
     from engine.models.loading import load_pair
 
     schedule_draft(monkeypatch, lambda state: 2 * state.cfg.gamma)
-    engine = Engine(load_pair(str(tiny_dirs["target"]), str(tiny_dirs["draft"]), device="cpu",
-                              draft_matmul="float32"))
+    engine = Engine(load_pair(str(tiny_dirs["target"]), str(tiny_dirs["draft"]), device="cpu", draft_matmul="float32"))
     try:
         prompt = [2, 3, 4, 5]
         want = engine.run(prompt, GenerationConfig(method="ar", max_new_tokens=30)).token_ids
@@ -469,8 +529,9 @@ def test_held_positions_are_left_to_the_target_and_still_measured(tiny_dirs, mon
         assert f"the draft held back (acceptance odds {held[0].odds:.2f}," in step_caption(mine, held[0].step)
         # a partial hold on the same engine: fewer tokens drafted than without it, output still AR's
         free = engine.run(prompt, GenerationConfig(method="specbranch", max_new_tokens=30, gamma=3, epsilon=0.5))
-        some = engine.run(prompt, GenerationConfig(method="specbranch", max_new_tokens=30, gamma=3, epsilon=0.5,
-                                                   hold=0.5))
+        some = engine.run(
+            prompt, GenerationConfig(method="specbranch", max_new_tokens=30, gamma=3, epsilon=0.5, hold=0.5)
+        )
         assert free.token_ids == some.token_ids == want
         assert some.metrics["drafted_tokens"] < free.metrics["drafted_tokens"]
         assert engine.policy(GenerationConfig(method="pearl", hold=0.5)).hold == 0  # PEARL never holds back
@@ -490,11 +551,20 @@ def test_a_draft_that_holds_again_after_a_hold_follows_the_target(tiny_engine):
     from engine.methods.parallel import DraftState, Outcome, draft_step, head_start, release_hold
 
     cfg = GenerationConfig(method="specbranch", gamma=3, epsilon=0.5, head_start=0.3, hold=0.5)
-    state = RunState(tiny_engine.pair, cfg, tiny_engine.target_worker, tiny_engine.draft_worker,
-                     tokens=[2, 3, 4], prompt_len=3, eos_ids=set())
+    state = RunState(
+        tiny_engine.pair,
+        cfg,
+        tiny_engine.target_worker,
+        tiny_engine.draft_worker,
+        tokens=[2, 3, 4],
+        prompt_len=3,
+        eos_ids=set(),
+    )
     q = torch.full((V,), 1.0 / V, dtype=torch.float64)
-    for outcome, released in ((Outcome([6], [CORRECTION], Speculation()), True),  # the target produced position 3
-                              (Outcome([], [], Speculation()), False)):  # nothing committed yet: the hold stays
+    for outcome, released in (
+        (Outcome([6], [CORRECTION], Speculation()), True),  # the target produced position 3
+        (Outcome([], [], Speculation()), False),
+    ):  # nothing committed yet: the hold stays
         ds = DraftState(rows=[[2, 3, 4]], held=q, held_top=0.1)
         release_hold(state, one_hot_rows([6]), outcome, ds, Policy(max_branches=3, hold=0.5))
         assert ds.after_hold is released and (ds.held is None) is released
@@ -504,11 +574,24 @@ def test_a_draft_that_holds_again_after_a_hold_follows_the_target(tiny_engine):
 
     def step(ds: DraftState, policy: Policy, lead: bool) -> list:
         """The draft's forwards at the start of a round (lead) or beside the pass, from a fresh cache."""
-        fresh, events = RunState(tiny_engine.pair, cfg, tiny_engine.target_worker, tiny_engine.draft_worker,
-                                 tokens=[2, 3, 4], prompt_len=3, eos_ids=set()), []
+        fresh, events = (
+            RunState(
+                tiny_engine.pair,
+                cfg,
+                tiny_engine.target_worker,
+                tiny_engine.draft_worker,
+                tokens=[2, 3, 4],
+                prompt_len=3,
+                eos_ids=set(),
+            ),
+            [],
+        )
         ds.rows, ds.held = [[]], None
-        asyncio.run(head_start(fresh, Speculation(), ds, policy, events) if lead else
-                    draft_step(fresh, Speculation(), ds, policy, events))
+        asyncio.run(
+            head_start(fresh, Speculation(), ds, policy, events)
+            if lead
+            else draft_step(fresh, Speculation(), ds, policy, events)
+        )
         return [e for e in events if isinstance(e, TimingSpan)]
 
     always, never = Policy(max_branches=3, hold=1.0), Policy(max_branches=3, hold=1e-9)  # hold again / draft on
@@ -538,8 +621,15 @@ def test_a_branch_step_below_the_hold_keeps_nothing(tiny_engine):
     from engine.methods.parallel import DraftState, draft_step, draft_until_verdict
 
     cfg = GenerationConfig(method="specbranch", gamma=3, epsilon=1.0, hold=0.5)
-    state = RunState(tiny_engine.pair, cfg, tiny_engine.target_worker, tiny_engine.draft_worker,
-                     tokens=[2, 3, 4], prompt_len=3, eos_ids=set())
+    state = RunState(
+        tiny_engine.pair,
+        cfg,
+        tiny_engine.target_worker,
+        tiny_engine.draft_worker,
+        tokens=[2, 3, 4],
+        prompt_len=3,
+        eos_ids=set(),
+    )
     ds, spec, events = DraftState(rows=[[]]), Speculation(), []
 
     def draft(hold: float = 0.0, strict: bool = False, until_verdict: bool = True) -> None:
@@ -550,6 +640,7 @@ def test_a_branch_step_below_the_hold_keeps_nothing(tiny_engine):
             if not until_verdict:
                 return await draft_step(state, spec, ds, policy, events)
             await draft_until_verdict(state, spec, ds, policy, asyncio.get_running_loop().create_future(), events)
+
         asyncio.run(go())
 
     draft(until_verdict=False)  # ε 1: the draft forks at its first step
@@ -582,7 +673,17 @@ def test_a_branch_step_below_the_hold_keeps_nothing(tiny_engine):
     prompt = [2, 3, 4, 5]
     want = tiny_engine.run(prompt, GenerationConfig(method="ar", max_new_tokens=40)).token_ids
     for strict in (True, False):
-        r = tiny_engine.run(prompt, GenerationConfig(method="specbranch", max_new_tokens=40, gamma=3, epsilon=1.0,
-                                                     hold=0.3, hold_branches=strict, head_start=1e-9))
+        r = tiny_engine.run(
+            prompt,
+            GenerationConfig(
+                method="specbranch",
+                max_new_tokens=40,
+                gamma=3,
+                epsilon=1.0,
+                hold=0.3,
+                hold_branches=strict,
+                head_start=1e-9,
+            ),
+        )
         assert r.token_ids == want
         assert any(isinstance(e, DraftProposed) and e.kind == "held" and e.branch == 1 for e in r.events) is strict

@@ -3,6 +3,7 @@ engine's own `engine.methods.sampling.verify_candidates`: for each way of drawin
 tuple is enumerated with its probability of being drawn, and verify_candidates' uniform and final-residual
 draws are enumerated exactly (tests/exact_draws.py). The emitted token must be distributed exactly as p.
 Negative controls: the three mistakes docs/specbranch.md lists, patched in, must each be badly biased."""
+
 from __future__ import annotations
 
 import itertools
@@ -11,8 +12,18 @@ import pytest
 import torch
 
 from engine.methods import sampling
-from engine.methods.sampling import (IID, NO_REPLACEMENT, TOPK, candidate_step, draw_candidates, draw_u, logits_to_probs,
-                             sample, sample_at, verify_candidates)
+from engine.methods.sampling import (
+    IID,
+    NO_REPLACEMENT,
+    TOPK,
+    candidate_step,
+    draw_candidates,
+    draw_u,
+    logits_to_probs,
+    sample,
+    sample_at,
+    verify_candidates,
+)
 
 from .exact_draws import outcomes
 
@@ -63,9 +74,11 @@ def test_rule_is_exact(scheme, k, seeds):
 @pytest.mark.parametrize("scheme", [TOPK, IID, NO_REPLACEMENT])
 def test_rule_is_exact_with_truncated_rows(scheme):
     """Zeros in q (top-k/top-p) and in p: still exact."""
+
     def row(seed, t, top_k, top_p):
         r = logits_to_probs(rand_dist(seed).log(), t, top_k, top_p).double()
         return r / r.sum()
+
     p, q = row(11, 0.8, 4, 0.95), row(12, 1.2, 0, 0.7)
     k = min(3, int((q > 0).sum()))
     assert float((output_distribution(p, q, k, scheme) - p).abs().max()) < 1e-9

@@ -1,5 +1,6 @@
 """Carrying the embedded target to a GPU machine (scripts/device_carry.py, scripts/device_side.py): the parts fit
 the calls, reassemble byte for byte, and slimming the tree for the carry calls is undone exactly."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -78,8 +79,11 @@ def test_parts_reassemble_byte_for_byte_and_a_damaged_part_is_refused(tmp_path, 
     out.mkdir()
     sizes = [4 * 2**20, 4 * 2**20, 2 * 2**20 + 123]
     parts = carry.split(wheel, sizes, out)
-    manifest = {"wheel": {"file": wheel.name, "bytes": wheel.stat().st_size, "sha256": carry.sha256(wheel)},
-                "parts": parts, "small": []}
+    manifest = {
+        "wheel": {"file": wheel.name, "bytes": wheel.stat().st_size, "sha256": carry.sha256(wheel)},
+        "parts": parts,
+        "small": [],
+    }
     (out / "manifest.json").write_text(json.dumps(manifest))
     home = tmp_path / "home"
     monkeypatch.setattr(side, "CARRY", out)

@@ -2,6 +2,7 @@
 order of stream operations (against fake streams and events, not a GPU), the CPU worker unchanged and free of
 device-wide syncs, unusable devices refused before any model loads, an out-of-memory forward ending only its
 own run, and the distill paths taking their device. Nothing here runs CUDA kernels."""
+
 from __future__ import annotations
 
 import asyncio
@@ -113,11 +114,16 @@ def test_cuda_worker_times_on_its_stream_and_orders_by_events(monkeypatch):
     spans = [runtime.settled(span) for _, span in results]  # read from the events only now
     assert [round(s.end - s.start, 6) for s in spans] == [0.005, 0.002, 0.005, 0.002]
     assert spans[1].start == spans[0].end and spans[3].start == spans[2].end  # back to back on the GPU clock
-    first_forward = [("record", "default", False),  # caller: what the loop queued before
-                     ("stream_sync", "worker"), ("record", "worker", True), ("event_sync",),  # the run's reference
-                     ("wait", "worker", False),  # the worker's stream waits on the caller's event
-                     ("record", "worker", True), ("record", "worker", True),  # start, end around fn
-                     ("wait", "default", True)]  # the caller's stream waits on the end event; the host does not
+    first_forward = [
+        ("record", "default", False),  # caller: what the loop queued before
+        ("stream_sync", "worker"),
+        ("record", "worker", True),
+        ("event_sync",),  # the run's reference
+        ("wait", "worker", False),  # the worker's stream waits on the caller's event
+        ("record", "worker", True),
+        ("record", "worker", True),  # start, end around fn
+        ("wait", "default", True),
+    ]  # the caller's stream waits on the end event; the host does not
     assert fake.log[: len(first_forward)] == first_forward
     assert fake.log.count(("stream_sync", "worker")) == 2  # one reference per run, not per forward
     assert fake.log[:queued].count(("event_sync",)) == 2  # while queuing: the two references' only
@@ -174,8 +180,11 @@ def test_tensors_in_a_cache_and_an_output_are_found(tiny_dirs, target_forward):
     cache = pair.target.new_cache()
     out = pair.target.forward(torch.tensor([[2, 3, 4]]), cache, True, True)
     found = {id(t) for t in runtime._tensors(cache)}
-    kv = [(layer.keys, layer.values) for layer in cache.layers] if target_forward == "transformers" \
+    kv = (
+        [(layer.keys, layer.values) for layer in cache.layers]
+        if target_forward == "transformers"
         else list(zip(cache.keys, cache.values))
+    )
     assert len(kv) == pair.target.model.config.num_hidden_layers
     for keys, values in kv:
         assert id(keys) in found and id(values) in found
@@ -185,16 +194,19 @@ def test_tensors_in_a_cache_and_an_output_are_found(tiny_dirs, target_forward):
 
 
 # ---------------------------------------------------------------- unusable devices, refused before loading
-@pytest.mark.parametrize("available, count, argv, message", [
-    (False, 0, ["--device", "cuda"], "CUDA is not available here"),
-    (False, 0, ["--device", "cuda:0"], "CUDA is not available here"),
-    (True, 1, ["--device", "cuda:1"], "'cuda:1': there is no such GPU; this machine has 1 (cuda:0)"),
-    (True, 2, ["--device", "cpu", "--draft-device", "cuda:2"], "'cuda:2': there is no such GPU"),
-    (False, 0, ["--draft-device", "cuda:0"], "CUDA is not available here"),
-    (True, 1, ["--device", "gpu"], "unknown device 'gpu'; use cpu, cuda or cuda:N"),
-    (True, 1, ["--device", "cuda:x"], "unknown device 'cuda:x'"),
-    (True, 1, ["--device", "meta"], "device 'meta' is not supported"),
-])
+@pytest.mark.parametrize(
+    "available, count, argv, message",
+    [
+        (False, 0, ["--device", "cuda"], "CUDA is not available here"),
+        (False, 0, ["--device", "cuda:0"], "CUDA is not available here"),
+        (True, 1, ["--device", "cuda:1"], "'cuda:1': there is no such GPU; this machine has 1 (cuda:0)"),
+        (True, 2, ["--device", "cpu", "--draft-device", "cuda:2"], "'cuda:2': there is no such GPU"),
+        (False, 0, ["--draft-device", "cuda:0"], "CUDA is not available here"),
+        (True, 1, ["--device", "gpu"], "unknown device 'gpu'; use cpu, cuda or cuda:N"),
+        (True, 1, ["--device", "cuda:x"], "unknown device 'cuda:x'"),
+        (True, 1, ["--device", "meta"], "device 'meta' is not supported"),
+    ],
+)
 def test_unusable_device_is_refused_before_loading(monkeypatch, capsys, tmp_path, available, count, argv, message):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
@@ -243,8 +255,10 @@ def fail_once(lm, monkeypatch, after: int = 0):
     return calls
 
 
-@pytest.mark.parametrize("method, model, after", [("sd", "target", 0), ("sd", "target", 3), ("pearl", "target", 2),
-                                                  ("specbranch", "draft", 4), ("ar", "target", 5)])
+@pytest.mark.parametrize(
+    "method, model, after",
+    [("sd", "target", 0), ("sd", "target", 3), ("pearl", "target", 2), ("specbranch", "draft", 4), ("ar", "target", 5)],
+)
 def test_out_of_memory_ends_the_run_and_the_next_run_works(own_engine, monkeypatch, method, model, after):
     cfg = GenerationConfig(method=method, max_new_tokens=24, gamma=3)
     want = own_engine.run([2, 3, 4], cfg).token_ids
@@ -271,8 +285,21 @@ def test_out_of_memory_from_the_cli_is_one_error_line(tmp_path, monkeypatch, cap
 
     monkeypatch.setattr(LM, "forward", forward)
     capsys.readouterr()  # the model writer's progress bar
-    code = main(["generate", "--target", str(target), "--method", "ar", "--prompt", "a b", "--device", "cpu",
-                 "--max-new-tokens", "8"])
+    code = main(
+        [
+            "generate",
+            "--target",
+            str(target),
+            "--method",
+            "ar",
+            "--prompt",
+            "a b",
+            "--device",
+            "cpu",
+            "--max-new-tokens",
+            "8",
+        ]
+    )
     err = capsys.readouterr().err.splitlines()  # after transformers' loading progress bar
     assert code == 2
     assert err[-1].startswith("error: out of memory on cpu in the target model's decode forward (1 token)")
@@ -301,11 +328,40 @@ def test_distill_head_with_device_cpu(tmp_path):
     """`distill --kind head --device cpu` runs every stage (features, feature batches, training, evaluation)."""
     target = make_tiny_model(tmp_path / "target", seed=5, layers=3, init=0.3, context=128)
     corpus = tmp_path / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"prompt_ids": [2 + i % 5, 3], "response_ids": [4, 5 + i % 4, 6, 7]}) + "\n"
-                              for i in range(24)))
-    code = main(["distill", "--kind", "head", "--target", str(target), "--corpus", str(corpus), "--layers", "1",
-                 "--unroll", "2", "--vocab", "8", "--epochs", "1", "--batch-size", "8", "--val-fraction", "0.2",
-                 "--work-dir", str(tmp_path / "work"), "--out", str(tmp_path / "head"), "--device", "cpu"])
+    corpus.write_text(
+        "".join(
+            json.dumps({"prompt_ids": [2 + i % 5, 3], "response_ids": [4, 5 + i % 4, 6, 7]}) + "\n" for i in range(24)
+        )
+    )
+    code = main(
+        [
+            "distill",
+            "--kind",
+            "head",
+            "--target",
+            str(target),
+            "--corpus",
+            str(corpus),
+            "--layers",
+            "1",
+            "--unroll",
+            "2",
+            "--vocab",
+            "8",
+            "--epochs",
+            "1",
+            "--batch-size",
+            "8",
+            "--val-fraction",
+            "0.2",
+            "--work-dir",
+            str(tmp_path / "work"),
+            "--out",
+            str(tmp_path / "head"),
+            "--device",
+            "cpu",
+        ]
+    )
     assert code == 0
     card = json.loads((tmp_path / "head" / "config.json").read_text())["specbranch_head"]
     assert card["unroll"] == 2 and len(card["val_agreement_by_depth"]) == 2

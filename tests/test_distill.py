@@ -1,6 +1,7 @@
 """`python -m engine distill` end to end on a tiny random target, in seconds: it generates the
 target's responses, labels them with the target's top-k distribution, trains a draft whose loss
 falls, and writes weights that load as a draft (reduced head included)."""
+
 from __future__ import annotations
 
 import json
@@ -20,13 +21,48 @@ from .conftest import make_tiny_model
 def test_distill_tiny_end_to_end(tmp_path):
     target = make_tiny_model(tmp_path / "target", seed=5, layers=3, init=0.3, context=128)
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": " ".join("abcdefgh"[(i * j) % 8] for j in range(1, 6)),
-                                           "chat": False}) + "\n" for i in range(40)))
+    prompts.write_text(
+        "".join(
+            json.dumps({"prompt": " ".join("abcdefgh"[(i * j) % 8] for j in range(1, 6)), "chat": False}) + "\n"
+            for i in range(40)
+        )
+    )
     out = tmp_path / "draft"
-    code = main(["distill", "--target", str(target), "--prompts", str(prompts), "--max-new-tokens", "24",
-                 "--gen-batch-size", "8", "--gen-temperature", "1.0", "--layers", "1", "--vocab", "8",
-                 "--epochs", "6", "--lr", "3e-3", "--batch-size", "8", "--top-k", "4", "--val-fraction", "0.1",
-                 "--work-dir", str(tmp_path / "work"), "--out", str(out), "--device", "cpu"])
+    code = main(
+        [
+            "distill",
+            "--target",
+            str(target),
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "24",
+            "--gen-batch-size",
+            "8",
+            "--gen-temperature",
+            "1.0",
+            "--layers",
+            "1",
+            "--vocab",
+            "8",
+            "--epochs",
+            "6",
+            "--lr",
+            "3e-3",
+            "--batch-size",
+            "8",
+            "--top-k",
+            "4",
+            "--val-fraction",
+            "0.1",
+            "--work-dir",
+            str(tmp_path / "work"),
+            "--out",
+            str(out),
+            "--device",
+            "cpu",
+        ]
+    )
     assert code == 0
     log = [json.loads(line) for line in (out / "training_log.jsonl").read_text().splitlines()]
     losses = [r["epoch_loss"] for r in log if "epoch_loss" in r]  # mean KL loss of each epoch
@@ -48,10 +84,35 @@ def test_distill_tiny_end_to_end(tmp_path):
     labels = sorted((tmp_path / "work").glob("labels_*.pt"))
     assert len(labels) == 1
     stamp = labels[0].stat().st_mtime_ns
-    code = main(["distill", "--target", str(target), "--prompts", str(prompts), "--max-new-tokens", "24",
-                 "--max-tokens", "100", "--layers", "1", "--vocab", "8", "--epochs", "1", "--top-k", "4",
-                 "--val-fraction", "0.1", "--work-dir", str(tmp_path / "work"), "--out", str(tmp_path / "small"),
-                 "--device", "cpu"])
+    code = main(
+        [
+            "distill",
+            "--target",
+            str(target),
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "24",
+            "--max-tokens",
+            "100",
+            "--layers",
+            "1",
+            "--vocab",
+            "8",
+            "--epochs",
+            "1",
+            "--top-k",
+            "4",
+            "--val-fraction",
+            "0.1",
+            "--work-dir",
+            str(tmp_path / "work"),
+            "--out",
+            str(tmp_path / "small"),
+            "--device",
+            "cpu",
+        ]
+    )
     small = json.loads((tmp_path / "small" / "config.json").read_text())["specbranch_draft"]
     assert code == 0 and small["held_out_rows"] == card["held_out_rows"]
     assert 100 <= small["train_response_tokens"] < 100 + 25 < card["train_response_tokens"]
@@ -62,10 +123,37 @@ def test_distill_tiny_end_to_end(tmp_path):
     saved = load_draft_dir(out, engine.pair.target.model, torch.float32, torch.device("cpu"))[0].state_dict()
     layer = "model.layers.0.mlp.down_proj.weight"
     assert torch.equal(start[layer], saved[layer]) and not torch.allclose(start[layer], fresh[layer])
-    code = main(["distill", "--target", str(target), "--prompts", str(prompts), "--max-new-tokens", "24",
-                 "--init", str(out), "--vocab", "8", "--epochs", "1", "--lr", "1e-3", "--batch-size", "8",
-                 "--top-k", "4", "--val-fraction", "0.1", "--work-dir", str(tmp_path / "work"),
-                 "--out", str(tmp_path / "more"), "--device", "cpu"])
+    code = main(
+        [
+            "distill",
+            "--target",
+            str(target),
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "24",
+            "--init",
+            str(out),
+            "--vocab",
+            "8",
+            "--epochs",
+            "1",
+            "--lr",
+            "1e-3",
+            "--batch-size",
+            "8",
+            "--top-k",
+            "4",
+            "--val-fraction",
+            "0.1",
+            "--work-dir",
+            str(tmp_path / "work"),
+            "--out",
+            str(tmp_path / "more"),
+            "--device",
+            "cpu",
+        ]
+    )
     more = json.loads((tmp_path / "more" / "config.json").read_text())["specbranch_draft"]
     first = json.loads((tmp_path / "more" / "training_log.jsonl").read_text().splitlines()[0])
     assert code == 0 and more["init"] == str(out) and more["layers"] == 1
@@ -86,8 +174,22 @@ def test_self_prompts_magpie_tiny(tmp_path, capsys):
     target = make_tiny_model(tmp_path / "target", seed=3, layers=2, init=0.3, context=128, eos=1)
     tok = AutoTokenizer.from_pretrained(target)
     # without a chat template there is nothing to prompt from: a clear error, exit 2
-    code = main(["distill", "--target", str(target), "--self-prompts", "4", "--generate-only",
-                 "--work-dir", str(tmp_path / "w0"), "--out", str(tmp_path / "d0"), "--device", "cpu"])
+    code = main(
+        [
+            "distill",
+            "--target",
+            str(target),
+            "--self-prompts",
+            "4",
+            "--generate-only",
+            "--work-dir",
+            str(tmp_path / "w0"),
+            "--out",
+            str(tmp_path / "d0"),
+            "--device",
+            "cpu",
+        ]
+    )
     assert code == 2 and "chat template" in capsys.readouterr().err
     tok.chat_template = TINY_CHAT
     tok.save_pretrained(target)
@@ -111,9 +213,26 @@ def test_self_prompts_magpie_tiny(tmp_path, capsys):
     kept = {r["prompt"] for r in read_jsonl(again)}
     assert len(kept) == 10 and not kept & long_ones
     # through the CLI: questions, then the target's answers to them
-    code = main(["distill", "--target", str(target), "--self-prompts", "12", "--generate-only", "--gen-batch-size", "8",
-                 "--max-new-tokens", "16", "--work-dir", str(tmp_path / "w1"), "--out", str(tmp_path / "d1"),
-                 "--device", "cpu"])
+    code = main(
+        [
+            "distill",
+            "--target",
+            str(target),
+            "--self-prompts",
+            "12",
+            "--generate-only",
+            "--gen-batch-size",
+            "8",
+            "--max-new-tokens",
+            "16",
+            "--work-dir",
+            str(tmp_path / "w1"),
+            "--out",
+            str(tmp_path / "d1"),
+            "--device",
+            "cpu",
+        ]
+    )
     assert code == 0
     answered = read_jsonl(tmp_path / "w1" / "self_generated.jsonl")
     questions = read_jsonl(tmp_path / "w1" / "self_prompts.jsonl")

@@ -2,6 +2,7 @@
 through a fork, a collapse, rollbacks and steps taken ahead; output through it stays exact (greedy equals the target's
 generate(), sampled follows the target's distribution); a draft that cannot go there stays here with the reason; a
 child that dies ends the run with a message; closing the engine ends the child."""
+
 from __future__ import annotations
 
 import asyncio
@@ -27,8 +28,15 @@ from .reference import PROMPT
 
 @pytest.fixture(scope="module")
 def process_engine(tiny_dirs):
-    engine = Engine(load_pair(str(tiny_dirs["target"]), str(tiny_dirs["draft"]), device="cpu", draft_matmul="float32",
-                              draft_worker="process"))
+    engine = Engine(
+        load_pair(
+            str(tiny_dirs["target"]),
+            str(tiny_dirs["draft"]),
+            device="cpu",
+            draft_matmul="float32",
+            draft_worker="process",
+        )
+    )
     yield engine
     engine.close()
 
@@ -70,7 +78,7 @@ def test_the_child_computes_the_local_drafts_bits(process_engine):
     assert caches[1].get_seq_length() == 6 and caches[1].rows == 1
     both(ids[:, :2])
     with pytest.raises(SpecBranchError, match="failed in its process: IndexError"):  # an id past the vocabulary
-        remote.forward(torch.tensor([[10 ** 6]]), caches[1])
+        remote.forward(torch.tensor([[10**6]]), caches[1])
     both(ids[:, :1])  # the child serves on
     with pytest.raises(ValueError, match="rows"):
         remote.forward(torch.zeros(2, 1, dtype=torch.long), caches[1])
@@ -130,7 +138,9 @@ def test_a_step_taken_ahead_is_timed_when_the_child_computed_it(process_engine):
 
     worker, t0 = Worker("draft"), time.perf_counter() - 10.0
     try:
-        out, span = asyncio.run(worker.run(lambda: Measured("logits", t0 + 1.25, t0 + 1.5), kind="draft", step=3, t0=t0))
+        out, span = asyncio.run(
+            worker.run(lambda: Measured("logits", t0 + 1.25, t0 + 1.5), kind="draft", step=3, t0=t0)
+        )
     finally:
         worker.shutdown()
     assert out == "logits" and (span.start, span.end, span.step) == (1.25, 1.5, 3)
@@ -140,7 +150,7 @@ def test_a_step_taken_ahead_is_timed_when_the_child_computed_it(process_engine):
 def test_greedy_output_through_the_child_is_the_targets(process_engine, method, extra):
     target = process_engine.pair.target.model
     with torch.inference_mode():
-        want = target.generate(torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False)[0, len(PROMPT):].tolist()
+        want = target.generate(torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False)[0, len(PROMPT) :].tolist()
     taken = process_engine.pair.draft.steps_taken_ahead
     r = process_engine.run(PROMPT, GenerationConfig(method=method, max_new_tokens=12, gamma=3, **extra))
     assert r.token_ids == want
@@ -149,8 +159,10 @@ def test_greedy_output_through_the_child_is_the_targets(process_engine, method, 
         assert process_engine.pair.draft.steps_taken_ahead > taken
 
 
-@pytest.mark.parametrize("method, extra", [("specbranch", dict(gamma=3, branches=3, epsilon=1.0, head_start=0.2)),
-                                           ("pearl", dict(gamma=3, head_start=0.01))])
+@pytest.mark.parametrize(
+    "method, extra",
+    [("specbranch", dict(gamma=3, branches=3, epsilon=1.0, head_start=0.2)), ("pearl", dict(gamma=3, head_start=0.01))],
+)
 def test_sampled_output_through_the_child_follows_the_target(process_engine, method, extra):
     taken = process_engine.pair.draft.steps_taken_ahead
     check_sampled(process_engine, method, extra)
@@ -164,15 +176,17 @@ def test_the_child_loads_the_targets_weights_without_its_fast_layouts(tiny_dirs,
     of every weight: ~850 MB of the embedded pair's child), and the draft there still computes the local bits (the
     other tests here). Without layouts the target is routed nowhere and its head keeps no copy."""
     assert process_engine.pair.draft.recipe["target_layouts"] is False
-    bare = load_pair(str(tiny_dirs["target"]), None, device="cpu", target_forward="transformers",
-                     target_layouts=False).target
+    bare = load_pair(
+        str(tiny_dirs["target"]), None, device="cpu", target_forward="transformers", target_layouts=False
+    ).target
     routed = load_pair(str(tiny_dirs["target"]), None, device="cpu", target_forward="transformers").target
     assert not any(getattr(m, "_fast_layout", False) for m in bare.model.modules())
     assert any(getattr(m, "_fast_layout", False) for m in routed.model.modules())
     assert bare._head.wt is None and bare._head.packed is None and routed._head.wt is not None
     ids = torch.randint(0, bare.vocab_size, (1, 7), generator=torch.Generator().manual_seed(3))
-    torch.testing.assert_close(bare.forward(ids, bare.new_cache()), routed.forward(ids, routed.new_cache()),
-                               rtol=1e-5, atol=1e-5)  # the same model, only its kernels differ
+    torch.testing.assert_close(
+        bare.forward(ids, bare.new_cache()), routed.forward(ids, routed.new_cache()), rtol=1e-5, atol=1e-5
+    )  # the same model, only its kernels differ
 
 
 def test_a_draft_that_cannot_go_stays_here_with_the_reason(tiny_dirs, process_engine):
@@ -207,6 +221,7 @@ def test_a_child_that_dies_ends_the_run_with_a_message_and_close_ends_the_child(
 def test_a_twin_loads_at_the_lowest_priority_and_serves_at_its_own(process_engine):
     """A compiled twin (RemoteLM.start_compile) loads and compiles on a thread at nice 19, so that the runs beside it
     keep the cores; the thread that serves its forwards keeps the usual priority, and a failure reaches the caller."""
+
     def priority():
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())  # this thread's own, on Linux
 

@@ -1,5 +1,6 @@
 """Every public endpoint has an explicit, meaningful name and is documented for gradio_client users in docs/app.md's
 table, with its inputs in order; nothing else is public."""
+
 from __future__ import annotations
 
 import re
@@ -16,7 +17,7 @@ AUTO_NAME = re.compile(r"(.*_\d+|lambda.*|unnamed.*|)")  # what gradio makes up 
 def documented() -> dict[str, list[str]]:
     """The table between <!-- endpoints --> markers: {"/name": [input names, in order]}."""
     text = DOC.read_text()
-    table = text[text.index("<!-- endpoints -->"):text.index("<!-- /endpoints -->")]
+    table = text[text.index("<!-- endpoints -->") : text.index("<!-- /endpoints -->")]
     rows = {}
     for line in table.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -56,5 +57,6 @@ def test_no_endpoint_has_a_made_up_name(demo):
     assert len(names) == len(set(names))
     public = {fn.api_name for fn in demo.fns.values() if fn.api_visibility == "public"}
     assert public == {name.lstrip("/") for name in documented()}
-    assert {"browser_identity", "slider_defaults", "replay_tick", "replay_play", "step_mark"} <= \
-        {fn.api_name for fn in demo.fns.values() if fn.api_visibility == "private"}
+    assert {"browser_identity", "slider_defaults", "replay_tick", "replay_play", "step_mark"} <= {
+        fn.api_name for fn in demo.fns.values() if fn.api_visibility == "private"
+    }

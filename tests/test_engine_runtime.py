@@ -1,6 +1,7 @@
 """The overlapped runtime: cancellation leaves nothing behind, concurrent generations queue safely,
 a slow draft is flagged, a step the other model waits on gets its own thread count, and bad branch settings are
 refused."""
+
 from __future__ import annotations
 
 import asyncio
@@ -44,6 +45,7 @@ def test_two_generations_on_one_engine_queue(tiny_engine):
     async def both():
         async def one(p):
             return [e async for e in tiny_engine.generate(p, CFG)]
+
         return await asyncio.gather(one([2, 3]), one([4, 5]))
 
     loop = new_event_loop()
@@ -92,16 +94,31 @@ def test_hrad_missing_gives_visible_notice(tiny_engine):
     assert any(isinstance(e, Notice) and "H-RAD off" in e.message for e in r.events)
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--branches", "0"], "branches must be an integer >= 1"),
-    (["--gamma", "0"], "gamma (draft length) must be an integer >= 1"),
-    (["--epsilon", "1.5"], "epsilon must be in [0, 1]"),
-    (["--epsilon", "-0.1"], "epsilon must be in [0, 1]"),
-    (["--solo-threads", "0"], "--solo-threads must be at least 1, got 0"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--branches", "0"], "branches must be an integer >= 1"),
+        (["--gamma", "0"], "gamma (draft length) must be an integer >= 1"),
+        (["--epsilon", "1.5"], "epsilon must be in [0, 1]"),
+        (["--epsilon", "-0.1"], "epsilon must be in [0, 1]"),
+        (["--solo-threads", "0"], "--solo-threads must be at least 1, got 0"),
+    ],
+)
 def test_bad_branch_settings(capsys, tiny_dirs, extra, message):
-    code = main(["generate", "--method", "specbranch", "--target", str(tiny_dirs["target"]), "--draft",
-                 str(tiny_dirs["draft"]), "--prompt", "a b", *extra])
+    code = main(
+        [
+            "generate",
+            "--method",
+            "specbranch",
+            "--target",
+            str(tiny_dirs["target"]),
+            "--draft",
+            str(tiny_dirs["draft"]),
+            "--prompt",
+            "a b",
+            *extra,
+        ]
+    )
     assert code == 2 and message in capsys.readouterr().err
 
 
@@ -118,8 +135,10 @@ def test_a_solo_forward_runs_on_its_own_threads_and_gives_them_back():
 
     loop = new_event_loop()
     try:
-        seen = [loop.run_until_complete(threads_in(w, solo))
-                for w, solo in ((draft, True), (draft, False), (target, True), (draft, True), (target, False))]
+        seen = [
+            loop.run_until_complete(threads_in(w, solo))
+            for w, solo in ((draft, True), (draft, False), (target, True), (draft, True), (target, False))
+        ]
     finally:
         loop.close()
         draft.shutdown()
@@ -130,8 +149,10 @@ def test_a_solo_forward_runs_on_its_own_threads_and_gives_them_back():
 def test_greedy_output_with_the_draft_on_two_threads_equals_ar(tiny_dirs):
     """SD's draft block and a parallel method's head start run the draft on solo threads; the draft's numbers may
     change with them, the output may not."""
-    engine = Engine(load_pair(str(tiny_dirs["target"]), str(tiny_dirs["draft"]), device="cpu",
-                              draft_matmul="float32"), solo_threads=2)
+    engine = Engine(
+        load_pair(str(tiny_dirs["target"]), str(tiny_dirs["draft"]), device="cpu", draft_matmul="float32"),
+        solo_threads=2,
+    )
     try:
         ids = engine.encode("the quick brown fox", chat=False)
         ar = engine.run(ids, GenerationConfig(method="ar", max_new_tokens=40)).token_ids

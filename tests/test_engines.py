@@ -1,6 +1,7 @@
 """The app's engine cache (app/engines.py) on real tiny models, each draft in a process of its own as the app runs it:
 at most `cap` engines stay loaded, the least recently used idle one is closed (its draft's process ends), the target
 is loaded once and outlives the engine that loaded it, and an engine a generation holds is never closed."""
+
 from __future__ import annotations
 
 import threading
@@ -38,9 +39,11 @@ def cache(drafts, request):
 
     def make(draft, loaded_target):
         made.append((draft, loaded_target))
-        pair = load_pair(target, specs[draft], device="cpu", draft_matmul="float32", draft_worker=worker) \
-            if loaded_target is None else \
-            with_draft(loaded_target, specs[draft], draft_matmul="float32", draft_worker=worker)
+        pair = (
+            load_pair(target, specs[draft], device="cpu", draft_matmul="float32", draft_worker=worker)
+            if loaded_target is None
+            else with_draft(loaded_target, specs[draft], draft_matmul="float32", draft_worker=worker)
+        )
         return Engine(pair)
 
     cache = EngineCache(make, "d0", cap=2)
@@ -105,6 +108,7 @@ def test_a_draft_in_use_is_never_closed(cache):
 
         async def rest():
             return [e async for e in stream]
+
         events = loop.run_until_complete(rest())  # the held generation finishes on its engine
         assert events[-1].type == "finished"
     finally:
@@ -143,6 +147,7 @@ def test_concurrent_picks_load_each_draft_once(cache):
             got.append(cache.get("d1"))
         except Exception as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
+
     threads = [threading.Thread(target=pick) for _ in range(4)]
     for t in threads:
         t.start()

@@ -3,6 +3,7 @@ mid-run, the client goes away mid-stream (a cancelled job, a dropped connection)
 case generation ends with a message or goes on, the engine is free for the next request, and nothing stored is
 damaged. (The engine-level faults have their tests too: out of memory in tests/test_devices.py, a killed draft
 process in tests/test_draft_process.py, a corrupt, read-only or full store in tests/test_sessions_errors.py.)"""
+
 from __future__ import annotations
 
 import threading
@@ -65,8 +66,7 @@ class Faulty:
 def served(tiny_dirs, tmp_path_factory):
     """An app of its own on fresh tiny models (their forwards can be faulted without touching other tests'),
     recording to a fresh store."""
-    engine = Engine(load_pair(str(tiny_dirs["target"]), str(tiny_dirs["draft"]), device="cpu",
-                              draft_matmul="float32"))
+    engine = Engine(load_pair(str(tiny_dirs["target"]), str(tiny_dirs["draft"]), device="cpu", draft_matmul="float32"))
     faulty = Faulty(engine.pair.target)
     with Store(tmp_path_factory.mktemp("faults") / "sessions.db") as store:
         demo, url = serve_app(engine, store)
@@ -83,8 +83,11 @@ def generate(client, prompt, browser, max_new=24, method="sd"):
 
 
 def stored_runs(store, browser) -> list[dict]:
-    return [run for s in store.list_sessions(owner=browser, include_shared=False)
-            for run in store.get_session(s["id"], browser)["runs"]]
+    return [
+        run
+        for s in store.list_sessions(owner=browser, include_shared=False)
+        for run in store.get_session(s["id"], browser)["runs"]
+    ]
 
 
 def wait_for(condition, what: str) -> None:
@@ -122,8 +125,10 @@ def kept_partial(engine, faulty, store, client, browser, cause: str) -> None:
     """After a run cut off by `cause`: the engine is free, the run is stored partial (and its recorder closed), and
     the app serves the next run."""
     wait_for(lambda: not engine.busy, f"the engine is free after {cause}")
-    wait_for(lambda: stored_runs(store, browser) and stored_runs(store, browser)[0]["metrics"] is not None,
-             "the run is stored and its recorder closed")
+    wait_for(
+        lambda: stored_runs(store, browser) and stored_runs(store, browser)[0]["metrics"] is not None,
+        "the run is stored and its recorder closed",
+    )
     (run,) = stored_runs(store, browser)
     assert run["status"] == "partial" and 0 < run["token_count"] < 60
     faulty.disarm()
@@ -152,9 +157,17 @@ def test_a_dropped_connection_mid_stream_frees_the_engine_and_its_run_is_kept_pa
     data.update(prompt="c d e", history=[], method="sd", max_new=60, chat=False, browser_id=browser)
     fn_index = next(d["id"] for d in client.config["dependencies"] if d.get("api_name") == "generate")
     faulty.arm(at=4, slow=0.2)
-    join = httpx.post(f"{url}gradio_api/queue/join", timeout=30, json={
-        "data": [*data.values(), None], "fn_index": fn_index, "session_hash": "droppedtab1",  # None: the draft state
-        "event_data": None, "trigger_id": None})
+    join = httpx.post(
+        f"{url}gradio_api/queue/join",
+        timeout=30,
+        json={
+            "data": [*data.values(), None],
+            "fn_index": fn_index,
+            "session_hash": "droppedtab1",  # None: the draft state
+            "event_data": None,
+            "trigger_id": None,
+        },
+    )
     assert join.status_code == 200, join.text
     with httpx.stream("GET", f"{url}gradio_api/queue/data?session_hash=droppedtab1", timeout=WAIT_S) as stream:
         for line in stream.iter_lines():
@@ -187,6 +200,7 @@ def test_a_full_disk_stops_recording_not_generating_and_damages_nothing(tiny_eng
                 conn = real(path, readonly)
                 conn.execute(f"PRAGMA max_page_count = {conn.execute('PRAGMA page_count').fetchone()[0]}")
                 return conn
+
             monkeypatch.setattr(db_mod, "connect", full)  # every recorder's connection, from now on
             pages = store.db.execute("PRAGMA page_count").fetchone()[0]
             store.db.execute(f"PRAGMA max_page_count = {pages}")  # and the store's own

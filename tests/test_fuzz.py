@@ -8,6 +8,7 @@ that reaches a page is escaped.
 
 150 examples per target here; SPECBRANCH_FUZZ=fuzz runs 2,000 (by hand: `SPECBRANCH_FUZZ=fuzz pytest tests/test_fuzz.py`).
 Regression examples of the bugs fuzzing found sit next to each target (@example, and tests named for the bug)."""
+
 from __future__ import annotations
 
 import atexit
@@ -37,8 +38,7 @@ from app.render import views_at
 from engine import cli as engine_cli
 from engine.engine import Engine
 from sessions import __main__ as sessions_cli
-from sessions.export import (MAX_IMPORT_BYTES, chrome_trace_runs, export_json, export_session, import_json,
-                             read_import)
+from sessions.export import MAX_IMPORT_BYTES, chrome_trace_runs, export_json, export_session, import_json, read_import
 from sessions.replay import compare_runs
 from sessions.store import SessionStoreError, Store
 
@@ -46,8 +46,14 @@ from .test_sessions import recorded  # noqa: F401  (fixture)
 
 PROFILE = os.environ.get("SPECBRANCH_FUZZ", "suite")
 EXAMPLES = {"suite": 150, "fuzz": 2000}[PROFILE]
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=PROFILE == "suite",
-                suppress_health_check=list(HealthCheck), print_blob=True)
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    database=None,
+    derandomize=PROFILE == "suite",
+    suppress_health_check=list(HealthCheck),
+    print_blob=True,
+)
 PAYLOAD = '"><img src=x onerror=alert(1)>'
 OWNER = "f" * 32  # a browser's id: what the Replay tab lists sessions for
 MARKUP = ("<img", "<script", "onerror=alert(1)>")
@@ -76,12 +82,34 @@ def no_markup(value) -> None:
 
 # ================================================================ (a) the session import
 
-json_scalars = (st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) | st.floats()
-                | st.sampled_from([2 ** 63, -2 ** 63 - 1, 2 ** 64, 1e308, -0.0])
-                | st.text(max_size=20) | st.sampled_from([PAYLOAD, "", "\ud800", "run_started", "tokens_emitted", "finished",
-                                                          "complete", "partial", "ar", "draft", "target"]))
-json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=4)
-                           | st.dictionaries(st.text(max_size=12), inner, max_size=4), max_leaves=10)
+json_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats()
+    | st.sampled_from([2**63, -(2**63) - 1, 2**64, 1e308, -0.0])
+    | st.text(max_size=20)
+    | st.sampled_from(
+        [
+            PAYLOAD,
+            "",
+            "\ud800",
+            "run_started",
+            "tokens_emitted",
+            "finished",
+            "complete",
+            "partial",
+            "ar",
+            "draft",
+            "target",
+        ]
+    )
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
+    max_leaves=10,
+)
 
 
 def paths_of(doc, prefix=()):
@@ -92,8 +120,26 @@ def paths_of(doc, prefix=()):
         yield from paths_of(value, prefix + (key,))
 
 
-EXTREMES = st.sampled_from([math.inf, -math.inf, math.nan, 2 ** 63, 2 ** 64, -2 ** 63 - 1, 1e308, -0.0, "\ud800",
-                            PAYLOAD, "", None, True, [], {}, "x" * 300])
+EXTREMES = st.sampled_from(
+    [
+        math.inf,
+        -math.inf,
+        math.nan,
+        2**63,
+        2**64,
+        -(2**63) - 1,
+        1e308,
+        -0.0,
+        "\ud800",
+        PAYLOAD,
+        "",
+        None,
+        True,
+        [],
+        {},
+        "x" * 300,
+    ]
+)
 
 
 @st.composite
@@ -110,8 +156,11 @@ def mutated_exports(draw, doc):
     for _ in range(draw(st.integers(1, 3))):
         runs = [r for r in doc.get("runs") or [] if isinstance(r, dict)] if isinstance(doc.get("runs"), list) else []
         run = draw(st.sampled_from(runs)) if runs else None
-        events = [e for e in run.get("events") or [] if isinstance(e, dict)] \
-            if run is not None and isinstance(run.get("events"), list) else []
+        events = (
+            [e for e in run.get("events") or [] if isinstance(e, dict)]
+            if run is not None and isinstance(run.get("events"), list)
+            else []
+        )
         where = draw(st.sampled_from(["session", "run", "event", "start", "anywhere"]))
         if where == "session" or (where in ("run", "event", "start") and run is None):
             target = doc.get("session")
@@ -190,10 +239,15 @@ def test_fuzz_import_of_a_mutated_export(import_store, export_doc, data):
 
 
 @FUZZ
-@given(text=st.one_of(st.text(max_size=200), st.binary(max_size=200),
-                      json_values.map(json.dumps),
-                      st.integers(1, 5000).map(lambda n: "[" * n + "]" * n),
-                      st.integers(1, 5000).map(lambda n: '{"a":' * n + "1" + "}" * n)))
+@given(
+    text=st.one_of(
+        st.text(max_size=200),
+        st.binary(max_size=200),
+        json_values.map(json.dumps),
+        st.integers(1, 5000).map(lambda n: "[" * n + "]" * n),
+        st.integers(1, 5000).map(lambda n: '{"a":' * n + "1" + "}" * n),
+    )
+)
 @example(text="[" * 100_000 + "]" * 100_000)  # deeper than json's recursion: it raised RecursionError
 @example(text='{"format": "specbranch-session", "version": 1e999}')
 @example(text="NaN")
@@ -201,15 +255,18 @@ def test_fuzz_import_of_any_text(import_store, text):
     check_import(import_store, text)
 
 
-@pytest.mark.parametrize("where, value", [
-    ([("session", "created")], 1e999),  # parsed as inf: accepted, then Replay's search raised OverflowError
-    ([("session", "created")], float("nan")),
-    ([("runs", 0, "started"), ("runs", 0, "events", 0, "wall_clock")], 2 ** 64),  # OverflowError from the insert
-    ([("runs", 0, "events", 1, "step")], 2 ** 63),
-    ([("runs", 0, "events", 1, "step")], -2 ** 63 - 1),
-    ([("session", "prompt")], "\ud800"),  # a lone surrogate: UnicodeEncodeError from the insert
-    ([("session", "config")], {"\udfff": 1}),
-])
+@pytest.mark.parametrize(
+    "where, value",
+    [
+        ([("session", "created")], 1e999),  # parsed as inf: accepted, then Replay's search raised OverflowError
+        ([("session", "created")], float("nan")),
+        ([("runs", 0, "started"), ("runs", 0, "events", 0, "wall_clock")], 2**64),  # OverflowError from the insert
+        ([("runs", 0, "events", 1, "step")], 2**63),
+        ([("runs", 0, "events", 1, "step")], -(2**63) - 1),
+        ([("session", "prompt")], "\ud800"),  # a lone surrogate: UnicodeEncodeError from the insert
+        ([("session", "config")], {"\udfff": 1}),
+    ],
+)
 def test_values_the_store_cannot_hold_are_refused(import_store, export_doc, where, value):
     doc = copy.deepcopy(export_doc)
     doc["session"]["id"] = "bignumbers"
@@ -226,8 +283,16 @@ def test_values_the_store_cannot_hold_are_refused(import_store, export_doc, wher
     assert counts(import_store.path) == before
 
 
-@pytest.mark.parametrize("kind, field", [("verified", "u"), ("verified", "q"), ("tokens_emitted", "kinds"),
-                                         ("draft_proposed", "pieces"), ("rollback", "pieces")])
+@pytest.mark.parametrize(
+    "kind, field",
+    [
+        ("verified", "u"),
+        ("verified", "q"),
+        ("tokens_emitted", "kinds"),
+        ("draft_proposed", "pieces"),
+        ("rollback", "pieces"),
+    ],
+)
 def test_an_event_whose_per_token_fields_disagree_in_length_is_refused(import_store, export_doc, kind, field):
     """Found by the 2,000-example fuzz: a verified event with fewer u than p was imported, and the token view raised
     IndexError showing it."""
@@ -255,9 +320,13 @@ def test_a_stored_time_no_clock_reads_is_listed_not_raised(tmp_path):
 
 
 def test_deep_nesting_is_refused_with_the_reason(import_store):
-    for text in ("[" * 100_000 + "]" * 100_000,  # past json's own recursion limit
-                 '{"format": "specbranch-session", "version": 1, "session": {"config": ' + "[" * 200 + "]" * 200
-                 + '}, "runs": []}'):  # within it, and far deeper than any session file
+    for text in (
+        "[" * 100_000 + "]" * 100_000,  # past json's own recursion limit
+        '{"format": "specbranch-session", "version": 1, "session": {"config": '
+        + "[" * 200
+        + "]" * 200
+        + '}, "runs": []}',
+    ):  # within it, and far deeper than any session file
         with pytest.raises(SessionStoreError, match="nested too deeply"):
             import_json(import_store, text, owner="fuzz")
 
@@ -267,12 +336,12 @@ def test_a_200_mb_file_is_refused_by_its_size_before_it_is_read(import_store, tm
     would say "not valid JSON" instead."""
     big = tmp_path / "huge.json"
     with open(big, "wb") as f:
-        f.truncate(200 * 2 ** 20)
+        f.truncate(200 * 2**20)
     tracemalloc.start()
     try:
         with pytest.raises(SessionStoreError, match=r"too large to import: 200\.0 MB; a session file is at most"):
             read_import(import_store, big, owner="fuzz")
-        assert tracemalloc.get_traced_memory()[1] < 2 ** 20  # never read
+        assert tracemalloc.get_traced_memory()[1] < 2**20  # never read
     finally:
         tracemalloc.stop()
     with pytest.raises(SessionStoreError, match="too large to import"):
@@ -286,12 +355,36 @@ atexit.register(shutil.rmtree, SCRATCH, True)
 MISSING_MODEL = str(SCRATCH / "no-such-model")
 GARBAGE = SCRATCH / "garbage.json"
 GARBAGE.write_text('{"not": "what is asked for"}\n{oops\n')
-PATHS = [str(SCRATCH / "new" / "out.json"), str(SCRATCH / "missing.jsonl"), str(SCRATCH), str(GARBAGE),
-         "/proc/specbranch-fuzz/x.json", "", str(SCRATCH / "new2")]
-PATH_DESTS = {"json_out", "out", "work_dir", "samples", "prompt_file", "corpus", "prompts", "bench", "db", "file",
-              "trace", "reports", "init"}
-numbers_as_text = st.one_of(st.integers(-10, 10 ** 6).map(str), st.integers().map(str),
-                            st.floats().map(repr), st.sampled_from(["nan", "inf", "-inf", "1e999", "0x10", "", "-0"]))
+PATHS = [
+    str(SCRATCH / "new" / "out.json"),
+    str(SCRATCH / "missing.jsonl"),
+    str(SCRATCH),
+    str(GARBAGE),
+    "/proc/specbranch-fuzz/x.json",
+    "",
+    str(SCRATCH / "new2"),
+]
+PATH_DESTS = {
+    "json_out",
+    "out",
+    "work_dir",
+    "samples",
+    "prompt_file",
+    "corpus",
+    "prompts",
+    "bench",
+    "db",
+    "file",
+    "trace",
+    "reports",
+    "init",
+}
+numbers_as_text = st.one_of(
+    st.integers(-10, 10**6).map(str),
+    st.integers().map(str),
+    st.floats().map(repr),
+    st.sampled_from(["nan", "inf", "-inf", "1e999", "0x10", "", "-0"]),
+)
 
 
 def option_values(action):
@@ -304,8 +397,9 @@ def option_values(action):
     if action.choices:
         return st.one_of(*[st.sampled_from(list(action.choices))] * 3, garbage)
     if action.type in (int, float):
-        plain = st.sampled_from(["0", "1", "2", "3", "8", "0.5", "0.3"] if action.type is float else
-                                ["0", "1", "2", "3", "8", "16", "-1"])
+        plain = st.sampled_from(
+            ["0", "1", "2", "3", "8", "0.5", "0.3"] if action.type is float else ["0", "1", "2", "3", "8", "16", "-1"]
+        )
         return st.one_of(plain, plain, numbers_as_text, garbage)
     return garbage | st.sampled_from(["ar,sd", "sd@embedded", "all", "mt_bench", "cuda", "cpu", "bfloat16"])
 
@@ -338,9 +432,14 @@ def argvs(draw, parser, forced):
     return argv
 
 
-ENGINE_FORCED = {name: [("--target", MISSING_MODEL), ("--work-dir", str(SCRATCH / "work")),
-                        ("--samples", str(SCRATCH / "samples.pt"))]
-                 for name in ("generate", "bench", "costs", "train-hrad", "distill")}
+ENGINE_FORCED = {
+    name: [
+        ("--target", MISSING_MODEL),
+        ("--work-dir", str(SCRATCH / "work")),
+        ("--samples", str(SCRATCH / "samples.pt")),
+    ]
+    for name in ("generate", "bench", "costs", "train-hrad", "distill")
+}
 
 
 def run_main(main, argv) -> tuple[int, str]:
@@ -360,10 +459,21 @@ def run_main(main, argv) -> tuple[int, str]:
 @given(argv=argvs(engine_cli.build_parser(), ENGINE_FORCED))
 @example(argv=["generate", "--prompt-file", str(SCRATCH / "missing.jsonl"), "--target", MISSING_MODEL])
 @example(argv=["generate", "--prompt", "x", "--temperature", "inf", "--target", MISSING_MODEL])
-@example(argv=["generate", "--prompt", "x", "--seed", str(2 ** 64), "--target", MISSING_MODEL])
+@example(argv=["generate", "--prompt", "x", "--seed", str(2**64), "--target", MISSING_MODEL])
 @example(argv=["bench", "--threads", "2147483648", "--target", MISSING_MODEL])  # 2,000-example fuzz: torch's
-@example(argv=["distill", "--threads", "2147483648", "--out", str(SCRATCH / "d"),  # ValueError overflow traceback
-               "--corpus", str(GARBAGE), "--target", MISSING_MODEL])
+@example(
+    argv=[
+        "distill",
+        "--threads",
+        "2147483648",
+        "--out",
+        str(SCRATCH / "d"),  # ValueError overflow traceback
+        "--corpus",
+        str(GARBAGE),
+        "--target",
+        MISSING_MODEL,
+    ]
+)
 def test_fuzz_the_engine_command_line(argv):
     """Every generated command line is refused (the model named does not exist, if nothing before it is wrong):
     exit 2 and one `error: ...` message, never a traceback."""
@@ -406,8 +516,11 @@ def test_fuzz_the_sessions_command_line(cli_store, data):
         argv.append(data.draw(st.sampled_from(paths)))
     argv += ["--db", data.draw(st.sampled_from(paths + [str(db)] * 4))]
     if name == "list":
-        for option, values in (("--search", st.text(max_size=10)), ("--method", st.text(max_size=6)),
-                               ("--limit", numbers_as_text)):
+        for option, values in (
+            ("--search", st.text(max_size=10)),
+            ("--method", st.text(max_size=6)),
+            ("--limit", numbers_as_text),
+        ):
             if data.draw(st.booleans()):
                 argv += [option, data.draw(values)]
         if data.draw(st.booleans()):
@@ -438,9 +551,11 @@ def test_an_export_is_never_written_over_the_database(cli_store, export_doc, tmp
     over the database it read, and the store was gone."""
     db, export, session_id = cli_store
     before, kept = counts(db), db.read_bytes()
-    for argv in (["export", session_id, str(db), "--db", str(db)],
-                 ["export", session_id, "--trace", str(db), "--db", str(db)],
-                 ["export", session_id, str(db) + "-wal", "--db", str(db)]):
+    for argv in (
+        ["export", session_id, str(db), "--db", str(db)],
+        ["export", session_id, "--trace", str(db), "--db", str(db)],
+        ["export", session_id, str(db) + "-wal", "--db", str(db)],
+    ):
         code, err = run_main(sessions_cli.main, argv)
         assert code == 2 and "error: will not write" in err and "session database" in err
     code, err = run_main(sessions_cli.main, ["export", session_id, str(tmp_path / "x.json"), "--db", ""])
@@ -457,6 +572,7 @@ def test_an_export_is_never_written_over_the_database(cli_store, export_doc, tmp
 
 # ================================================================ (c) the app's endpoints
 
+
 @pytest.fixture(scope="module")
 def app_under_fuzz(tiny_engine, tmp_path_factory, recorded):  # noqa: F811
     """The app's page on a tiny engine of its own (so nothing the fuzz runs changes what the shared engine measured)
@@ -471,8 +587,15 @@ def app_under_fuzz(tiny_engine, tmp_path_factory, recorded):  # noqa: F811
         runs = {r["id"]: store.load_run_events(r["id"]) for r in store.get_session(recorded["session_id"])["runs"]}
         garbage = folder / "garbage.json"
         garbage.write_text('{"format": "specbranch-session", "version": 1, "session": ' + PAYLOAD + "}")
-        yield {"engine": engine, "store": store, "fns": fns, "runs": runs, "sid": recorded["session_id"],
-               "events": next(iter(runs.values())), "files": [str(garbage), str(folder / "missing.json"), str(folder)]}
+        yield {
+            "engine": engine,
+            "store": store,
+            "fns": fns,
+            "runs": runs,
+            "sid": recorded["session_id"],
+            "events": next(iter(runs.values())),
+            "files": [str(garbage), str(folder / "missing.json"), str(folder)],
+        }
     engine.close()
 
 
@@ -480,8 +603,13 @@ def component_values(component, ctx, endpoint=""):
     """What a handler may get for an input component, past gradio's preprocessing or from a plain HTTP client."""
     kind = type(component).__name__
     text = st.text(max_size=40) | st.sampled_from([PAYLOAD, "", "   ", "a b c", "h g", ctx["sid"], *ctx["runs"]])
-    number = (st.integers(-10, 3000) | st.floats() | st.sampled_from([2 ** 63, 10 ** 30, -1, 0, 0.5, 1, 2, 3])
-              | st.just(None) | text)
+    number = (
+        st.integers(-10, 3000)
+        | st.floats()
+        | st.sampled_from([2**63, 10**30, -1, 0, 0.5, 1, 2, 3])
+        | st.just(None)
+        | text
+    )
     if kind == "State":  # held by the server, never sent by a client: the values the page itself keeps there
         if isinstance(component.value, list) and endpoint == "compare_race":  # Compare's runs, one event list each
             return st.sampled_from([[], [ctx["events"]], list(ctx["runs"].values())])
@@ -502,9 +630,12 @@ def component_values(component, ctx, endpoint=""):
         choices = [c[1] if isinstance(c, (list, tuple)) else c for c in component.choices or []]
         return st.sampled_from(choices or [None]) | text | st.just(None)
     if kind == "Chatbot":
-        message = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]),
-                                         "content": text | st.lists(st.fixed_dictionaries(
-                                             {"type": st.just("text"), "text": text}), max_size=2)})
+        message = st.fixed_dictionaries(
+            {
+                "role": st.sampled_from(["user", "assistant"]),
+                "content": text | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": text}), max_size=2),
+            }
+        )
         return st.lists(message, max_size=3) | st.just(None)
     if kind == "File":
         return st.sampled_from([None, *ctx["files"]])
@@ -537,11 +668,33 @@ def baseline(component, ctx, endpoint):
     return component.value
 
 
-FUZZED = ["generate", "step_prev", "step_next", "step_slide", "compare", "compare_race", "search", "open_session",
-          "show_run", "replay_step_prev", "replay_step_next", "replay_step_slide", "compare_runs", "race_runs",
-          "export_session", "import_session", "share_session", "delete_session",
-          # private ones too: the page calls them, and so may a crafted request
-          "step_mark", "live_tokens", "replay_tokens", "replay_play", "replay_tick", "slider_defaults"]
+FUZZED = [
+    "generate",
+    "step_prev",
+    "step_next",
+    "step_slide",
+    "compare",
+    "compare_race",
+    "search",
+    "open_session",
+    "show_run",
+    "replay_step_prev",
+    "replay_step_next",
+    "replay_step_slide",
+    "compare_runs",
+    "race_runs",
+    "export_session",
+    "import_session",
+    "share_session",
+    "delete_session",
+    # private ones too: the page calls them, and so may a crafted request
+    "step_mark",
+    "live_tokens",
+    "replay_tokens",
+    "replay_play",
+    "replay_tick",
+    "slider_defaults",
+]
 STATS: dict = {}
 WRITES = {"generate", "compare", "import_session", "share_session", "delete_session"}
 
@@ -577,9 +730,12 @@ def test_fuzz_the_app_endpoints(app_under_fuzz, data, monkeypatch):
     fn = ctx["fns"][name]
     if data.draw(st.booleans(), label="from the page's own values"):  # most inputs valid: the run goes deep
         args = [baseline(c, ctx, name) for c in fn.inputs]
-        for i in data.draw(st.lists(st.integers(0, len(args) - 1), max_size=2, unique=True), label="changed") \
-                if args else []:
-            args[i] = data.draw(component_values(fn.inputs[i], ctx, name), label=f"{name}:{type(fn.inputs[i]).__name__}")
+        for i in (
+            data.draw(st.lists(st.integers(0, len(args) - 1), max_size=2, unique=True), label="changed") if args else []
+        ):
+            args[i] = data.draw(
+                component_values(fn.inputs[i], ctx, name), label=f"{name}:{type(fn.inputs[i]).__name__}"
+            )
     else:
         args = [data.draw(component_values(c, ctx, name), label=f"{name}:{type(c).__name__}") for c in fn.inputs]
     if name == "step_mark":
@@ -603,12 +759,15 @@ def test_a_seed_or_temperature_no_run_can_take_is_refused_before_anything_is_sto
     run ("Overflow when unpacking long long"); an infinite temperature passed as ">= 0"."""
     from engine.config import GenerationConfig, SpecBranchError
 
-    for cfg, message in ((GenerationConfig(seed=10 ** 300), "seed must be an integer from -2\\*\\*62"),
-                         (GenerationConfig(seed=2 ** 64), "seed must be"), (GenerationConfig(seed=True), "seed must be"),
-                         (GenerationConfig(temperature=math.inf), "temperature must be >= 0")):
+    for cfg, message in (
+        (GenerationConfig(seed=10**300), "seed must be an integer from -2\\*\\*62"),
+        (GenerationConfig(seed=2**64), "seed must be"),
+        (GenerationConfig(seed=True), "seed must be"),
+        (GenerationConfig(temperature=math.inf), "temperature must be >= 0"),
+    ):
         with pytest.raises(SpecBranchError, match=message):
             cfg.validate()
-    GenerationConfig(seed=-(2 ** 62), temperature=1.5).validate()
+    GenerationConfig(seed=-(2**62), temperature=1.5).validate()
 
 
 def test_a_run_that_never_began_leaves_no_session(tiny_engine, tmp_path):
@@ -645,13 +804,15 @@ def test_a_race_of_a_run_whose_clock_says_hours_ends_in_a_minute(export_doc):
                 e["start"], e["end"] = e["start"] * 1e8, e["end"] * 1e8
     _, runs = parse_export(doc)
     now = [0.0]
-    frames = list(race_frames([r["events"] for r in runs], clock=lambda: now[0],
-                              sleep=lambda s: now.__setitem__(0, now[0] + s)))
+    frames = list(
+        race_frames([r["events"] for r in runs], clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))
+    )
     assert len(frames) <= MAX_SECONDS * FPS + 2 and now[0] <= MAX_SECONDS + 1  # on the fake clock: no waiting here
     assert "faster; tokens/s are as measured" in frames[-1]
 
 
 # ---------------------------------------------------------------- through gradio_client: gradio's own checks
+
 
 @pytest.fixture(scope="module")
 def fuzz_client(tiny_engine, tmp_path_factory):
@@ -674,13 +835,21 @@ def make_client(url):
 
 
 UNCLEAR = "has not enabled verbose error reporting"
-json_safe = (st.integers(-10 ** 6, 10 ** 6) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12)
-             | st.none() | st.booleans() | st.lists(st.integers(), max_size=2))
+json_safe = (
+    st.integers(-(10**6), 10**6)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=12)
+    | st.none()
+    | st.booleans()
+    | st.lists(st.integers(), max_size=2)
+)
 
 
 @settings(FUZZ, max_examples=min(EXAMPLES, 40))
-@given(slot=st.sampled_from(["max_new", "temperature", "gamma", "seed", "history", "method", "chat", "prompt"]),
-       value=json_safe)
+@given(
+    slot=st.sampled_from(["max_new", "temperature", "gamma", "seed", "history", "method", "chat", "prompt"]),
+    value=json_safe,
+)
 @example(slot="max_new", value="abc")  # gradio's slider check raised, and the client read only "has not enabled
 @example(slot="history", value=[1, 2])  # verbose error reporting": launch(show_error=True) passes its message on
 def test_fuzz_generate_through_gradio_client(fuzz_client, slot, value):

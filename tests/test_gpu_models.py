@@ -2,6 +2,7 @@
 float32 whatever a draft's dtype, a prefill whose LM head runs on its last row only, devices compared by their
 canonical names, and the static-cache decode paths (lean, static_forward) in a device-agnostic variant whose steps
 have static shapes and no host sync (what torch.compile(mode="reduce-overhead") captures as CUDA graphs on a GPU)."""
+
 from __future__ import annotations
 
 import pytest
@@ -29,6 +30,7 @@ def rotary_buffers(module) -> list:
 
 def cast_model(module, device=None, dtype=None):
     from engine.models.devices import cast_model
+
     return cast_model(module, device, dtype)
 
 
@@ -64,9 +66,12 @@ def test_a_draft_or_head_cast_to_bfloat16_keeps_float32_rotary_tables(tmp_path):
     head = FeatureHead.from_target(bf16_target, 1)
     assert next(head.parameters()).dtype == torch.bfloat16
     assert_rotary_fp32(head, config)
-    save_head(FeatureHead.from_target(target, 1), tmp_path / "head", torch.arange(10),
-              {"hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
-               "target_layers": config.num_hidden_layers})
+    save_head(
+        FeatureHead.from_target(target, 1),
+        tmp_path / "head",
+        torch.arange(10),
+        {"hidden_size": config.hidden_size, "vocab_size": config.vocab_size, "target_layers": config.num_hidden_layers},
+    )
     head, _ = load_head_dir(tmp_path / "head", target, torch.bfloat16, "cpu")
     assert next(head.parameters()).dtype == torch.bfloat16
     assert_rotary_fp32(head, config)
@@ -207,8 +212,9 @@ def assert_close_passes(static, plain, ids: torch.Tensor, capacity: int, check) 
     cuts = [0, n // 2, n // 2 + 1, n // 2 + 5, n // 2 + 6]
     for i, (lo, hi) in enumerate(zip(cuts, cuts[1:])):
         hidden = i % 2 == 0
-        x, y = (lm.forward(ids[:, lo:hi], c, hidden_states=hidden, features=True)
-                for lm, c in ((static, a), (plain, b)))
+        x, y = (
+            lm.forward(ids[:, lo:hi], c, hidden_states=hidden, features=True) for lm, c in ((static, a), (plain, b))
+        )
         check(x.logits, y.logits)
         check(x.features, y.features)
         if hidden:
@@ -217,7 +223,7 @@ def assert_close_passes(static, plain, ids: torch.Tensor, capacity: int, check) 
                 check(p, q)
     for cache in (a, b):
         cache.crop(-3)
-    rest = ids[:, cuts[-1] - 3:]
+    rest = ids[:, cuts[-1] - 3 :]
     check(static.forward(rest, a), plain.forward(rest, b))
     assert a.get_seq_length() == b.get_seq_length() == n and a.capacity > capacity  # it grew
 
@@ -239,11 +245,13 @@ def test_generic_static_target_follows_transformers(dtype):
     cache = static.new_cache()
     assert isinstance(cache, KVBuffer) and cache.static and cache.capacity == 513  # the context, and a spare
     ids = torch.randint(0, 101, (1, 30), generator=torch.Generator().manual_seed(7))
+
     def check(mine, theirs):
         if dtype == torch.float32:
             torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
         else:  # bfloat16: within 2 % of the largest value (one bfloat16 step at it is 0.4-0.8 %)
             assert (mine.float() - theirs.float()).abs().max() <= 0.02 * theirs.float().abs().max()
+
     assert_close_passes(static, plain, ids, 8, check)
 
 
@@ -258,8 +266,10 @@ def test_generic_kernels_decode_exactly_through_the_engine(tiny_dirs):
     target, tok = load_model(str(tiny_dirs["target"]), cpu, torch.float32)
     draft, _ = load_model(str(tiny_dirs["draft"]), cpu, torch.float32)
     vocab = target.config.vocab_size
-    pair = ModelPair(LM("t", target, tok, vocab, static=True, kernels="generic"),
-                     LM("d", draft, tok, vocab, lean=True, kernels="generic"))
+    pair = ModelPair(
+        LM("t", target, tok, vocab, static=True, kernels="generic"),
+        LM("d", draft, tok, vocab, lean=True, kernels="generic"),
+    )
     assert pair.target._static.kernels == pair.draft._lean.kernels == "generic"
     assert_speculation_equals_ar(pair)
 
@@ -296,9 +306,11 @@ def test_the_cpu_keeps_its_kernels_and_another_device_takes_the_generic_ones():
 
 def graph_counter(graphs: list):
     """A torch.compile backend that keeps each graph dynamo hands it and runs it as traced."""
+
     def backend(gm, example_inputs):
         graphs.append(gm)
         return gm.forward
+
     return backend
 
 
@@ -342,8 +354,8 @@ def test_generic_steps_trace_whole_and_keep_their_shapes_as_the_cache_moves():
         compiled = len(graphs)
         with torch._dynamo.config.patch(error_on_recompile=True):
             for i in range(12, 30):
-                feed((lean, eager), ids[:, i:i + 1])
-                feed((target, plain), ids[:, i + 3:i + 4] if i % 3 else ids[:, i:i + 4])
+                feed((lean, eager), ids[:, i : i + 1])
+                feed((target, plain), ids[:, i + 3 : i + 4] if i % 3 else ids[:, i : i + 4])
                 if i % 3 == 0:
                     for m, n in ((lean, 1), (eager, 1), (target, 4), (plain, 4)):
                         caches[m].crop(-n)  # a rollback
@@ -381,6 +393,7 @@ def test_a_cuda_graph_step_marks_its_start_and_hands_back_a_copy(monkeypatch):
             out = gm.forward(*args)
             outputs.append(out[0] if isinstance(out, (tuple, list)) else out)
             return out
+
         return run
 
     monkeypatch.setattr(GenericDecoder, "cuda_graphs", property(lambda self: self._graph is not None))
@@ -394,7 +407,7 @@ def test_a_cuda_graph_step_marks_its_start_and_hands_back_a_copy(monkeypatch):
         assert len(marks) == 1 and outputs and x.data_ptr() != outputs[-1].data_ptr()
         torch.testing.assert_close(x, outputs[-1])
         generic(ids[:, 4:5], cache, hidden_states=True)  # eager: no mark
-        generic(ids[:, 5: 6 + GRAPH_TOKENS], cache)
+        generic(ids[:, 5 : 6 + GRAPH_TOKENS], cache)
         assert len(marks) == 1
     assert lean_module.compile_mode("cuda") == "reduce-overhead"
 

@@ -3,6 +3,7 @@
 Verification computes on the rows' own device and reads the host once per round (sampling.to_host): no other
 read of a tensor's value (float(), .item(), .tolist(), bool(), int()) happens while a verdict is computed, and an
 engine run makes exactly one such transfer per target verify pass, forks and their branches included."""
+
 from __future__ import annotations
 
 import pytest
@@ -39,6 +40,7 @@ def host_reads(monkeypatch):
             if not calls["inside"]:
                 raise AssertionError(f"Tensor.{name} read the device outside to_host")
             return real(self, *args, **kwargs)
+
         return read
 
     monkeypatch.setattr(sampling, "to_host", to_host)
@@ -77,9 +79,16 @@ def test_verify_candidates_reads_the_host_once(host_reads, greedy, scheme):
         assert cv.index is None or cv.token == cands[cv.index]
 
 
-@pytest.mark.parametrize("method, extra", [
-    ("sd", {}), ("pearl", {}), ("specbranch", dict(branches=3, epsilon=1.0)),
-    ("specbranch", dict(branches=3, epsilon=1.0, temperature=1.0)), ("sd", dict(temperature=0.8, top_k=5))])
+@pytest.mark.parametrize(
+    "method, extra",
+    [
+        ("sd", {}),
+        ("pearl", {}),
+        ("specbranch", dict(branches=3, epsilon=1.0)),
+        ("specbranch", dict(branches=3, epsilon=1.0, temperature=1.0)),
+        ("sd", dict(temperature=0.8, top_k=5)),
+    ],
+)
 def test_an_engine_run_reads_one_verdict_per_verify_pass(tiny_engine, monkeypatch, method, extra):
     calls = []
     real_to_host = sampling.to_host
@@ -94,9 +103,11 @@ def test_an_engine_run_reads_one_verdict_per_verify_pass(tiny_engine, monkeypatc
 
 
 # ---------------------------------------------------------------- emit decodes incrementally
-TRICKY = ["héllo 🎉🇯🇵 日本語のテキスト、そして  spaced   out . , !",
-          "👩‍👩‍👧‍👦 family, 🏳️‍🌈 flag, e\u0301 combining, Ωμέγα, 中文字符串测试, emoji at the end 🎉",
-          "   leading spaces, tabs\tand\nnew lines\n\n   🤖" * 6]
+TRICKY = [
+    "héllo 🎉🇯🇵 日本語のテキスト、そして  spaced   out . , !",
+    "👩‍👩‍👧‍👦 family, 🏳️‍🌈 flag, e\u0301 combining, Ωμέγα, 中文字符串测试, emoji at the end 🎉",
+    "   leading spaces, tabs\tand\nnew lines\n\n   🤖" * 6,
+]
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +126,7 @@ def counted(tokenizer, calls: list[int]):
     def decode(ids, *args, **kwargs):
         calls.append(len(ids))
         return real(ids, *args, **kwargs)
+
     return decode
 
 
@@ -134,8 +146,15 @@ def test_emit_sends_the_full_decode_and_decodes_a_bounded_window(tmp_path, real_
     pair = load_pair(str(make_tiny_model(tmp_path / "target", seed=1, context=1024)), None, device="cpu")
     pair.target.tokenizer = tok
     prompt = [5, 6]
-    state = RunState(pair, GenerationConfig(method="ar", max_new_tokens=len(ids)), Worker("t"), Worker("d"),
-                     list(prompt), len(prompt), {-1})
+    state = RunState(
+        pair,
+        GenerationConfig(method="ar", max_new_tokens=len(ids)),
+        Worker("t"),
+        Worker("d"),
+        list(prompt),
+        len(prompt),
+        {-1},
+    )
     ids = ids[: state.budget]  # the tiny model's context
     assert len(ids) >= 40
     state.budget = len(ids)
@@ -147,7 +166,7 @@ def test_emit_sends_the_full_decode_and_decodes_a_bounded_window(tmp_path, real_
     for i in range(len(ids)):
         if at >= len(ids):
             break
-        chunk = ids[at: at + sizes[i % len(sizes)]]
+        chunk = ids[at : at + sizes[i % len(sizes)]]
         at += len(chunk)
         calls.clear()
         sent += emit(state, chunk, ["target"] * len(chunk)).text

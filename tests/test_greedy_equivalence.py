@@ -1,6 +1,7 @@
 """Greedy speculative decoding must reproduce the target's own greedy `generate()` token for token
 (embedded SmolLM2 target, float32 CPU), with the target as its own draft and with a different draft. The references:
 conftest.greedy_references."""
+
 from __future__ import annotations
 
 import pytest

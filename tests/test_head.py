@@ -2,6 +2,7 @@
 test attends exactly as drafting does, its cache rolls back by pointer and re-feeds stale rows, every
 decoder stays lossless with it (greedy equality to the end of the context, chi-square when sampling),
 `distill --kind head` trains one end to end, and a head for another target is refused at load."""
+
 from __future__ import annotations
 
 import json
@@ -61,8 +62,12 @@ def tiny_target(tmp_path_factory):
 def head_engine(tiny_target, tmp_path_factory):
     path, lm = tiny_target
     out = tmp_path_factory.mktemp("head") / "head"
-    save_head(quickly_trained_head(lm), out, torch.arange(lm.vocab_size),
-              {"hidden_size": 32, "vocab_size": lm.vocab_size, "target_layers": 2})
+    save_head(
+        quickly_trained_head(lm),
+        out,
+        torch.arange(lm.vocab_size),
+        {"hidden_size": 32, "vocab_size": lm.vocab_size, "target_layers": 2},
+    )
     engine = Engine(load_pair(str(path), str(out), device="cpu"))
     yield engine
     engine.close()
@@ -110,12 +115,15 @@ def test_head_cache_pointer_and_stale_rows(tiny_target):
     assert torch.allclose(again, hlm.forward(ids, fresh)[:, 4:], atol=1e-5)
 
 
-@pytest.mark.parametrize("method, extra", [
-    ("sd", dict(gamma=3)),
-    ("pearl", dict(gamma=4)),
-    ("specbranch", dict(gamma=4, branches=3, epsilon=1.0)),
-    ("specbranch", dict(gamma=6, branches=2, epsilon=0.6, draft_stop=0.3)),
-])
+@pytest.mark.parametrize(
+    "method, extra",
+    [
+        ("sd", dict(gamma=3)),
+        ("pearl", dict(gamma=4)),
+        ("specbranch", dict(gamma=4, branches=3, epsilon=1.0)),
+        ("specbranch", dict(gamma=6, branches=2, epsilon=0.6, draft_stop=0.3)),
+    ],
+)
 def test_head_greedy_equals_target_to_context_end(head_engine, method, extra):
     want = head_engine.run(PROMPT, GenerationConfig(method="ar", max_new_tokens=200)).token_ids
     r = head_engine.run(PROMPT, GenerationConfig(method=method, max_new_tokens=200, **extra))
@@ -123,15 +131,20 @@ def test_head_greedy_equals_target_to_context_end(head_engine, method, extra):
     assert r.metrics["drafted_tokens"] > 0 and r.metrics["accepted_tokens"] > 0
 
 
-@pytest.mark.parametrize("method, extra", [
-    ("pearl", dict(gamma=3)),
-    ("specbranch", dict(gamma=3, branches=3, epsilon=1.0)),
-])
+@pytest.mark.parametrize(
+    "method, extra",
+    [
+        ("pearl", dict(gamma=3)),
+        ("specbranch", dict(gamma=3, branches=3, epsilon=1.0)),
+    ],
+)
 def test_head_sampled_follows_target(head_engine, method, extra):
     n = 1500
     counts: dict = {}
     for seed in range(n):
-        r = head_engine.run(PROMPT, GenerationConfig(method=method, temperature=1.0, max_new_tokens=3, seed=seed, **extra))
+        r = head_engine.run(
+            PROMPT, GenerationConfig(method=method, temperature=1.0, max_new_tokens=3, seed=seed, **extra)
+        )
         counts[tuple(r.token_ids[:3])] = counts.get(tuple(r.token_ids[:3]), 0) + 1
     cfg = GenerationConfig(method=method, temperature=1.0)
     assert chi_square(counts, exact_joint(head_engine.pair.target.model, PROMPT, 3, cfg, 10), n) > 1e-4
@@ -141,8 +154,12 @@ def test_head_for_another_target_is_refused(head_engine, tmp_path, tiny_target):
     path, _ = tiny_target
     head_dir = tmp_path / "head"
     deeper = make_tiny_model(tmp_path / "deeper", seed=1, layers=3)
-    save_head(random_head(head_engine.pair.target.model), head_dir, torch.arange(10),
-              {"hidden_size": 32, "vocab_size": 10, "target_layers": 2})
+    save_head(
+        random_head(head_engine.pair.target.model),
+        head_dir,
+        torch.arange(10),
+        {"hidden_size": 32, "vocab_size": 10, "target_layers": 2},
+    )
     with pytest.raises(SpecBranchError, match="target_layers is 2, the target's is 3"):
         load_pair(str(deeper), str(head_dir), device="cpu")
     config = json.loads((head_dir / "config.json").read_text())
@@ -157,13 +174,48 @@ def test_head_for_another_target_is_refused(head_engine, tmp_path, tiny_target):
 def test_distill_head_tiny_end_to_end(tmp_path):
     target = make_tiny_model(tmp_path / "target", seed=5, layers=3, init=0.3, context=128)
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": " ".join("abcdefgh"[(i * j) % 8] for j in range(1, 6)),
-                                           "chat": False}) + "\n" for i in range(40)))
+    prompts.write_text(
+        "".join(
+            json.dumps({"prompt": " ".join("abcdefgh"[(i * j) % 8] for j in range(1, 6)), "chat": False}) + "\n"
+            for i in range(40)
+        )
+    )
     out = tmp_path / "head"
-    code = main(["distill", "--kind", "head", "--target", str(target), "--prompts", str(prompts),
-                 "--max-new-tokens", "24", "--gen-batch-size", "8", "--layers", "1", "--unroll", "2",
-                 "--vocab", "8", "--epochs", "8", "--lr", "3e-3", "--batch-size", "8", "--val-fraction", "0.1",
-                 "--work-dir", str(tmp_path / "work"), "--out", str(out), "--device", "cpu"])
+    code = main(
+        [
+            "distill",
+            "--kind",
+            "head",
+            "--target",
+            str(target),
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "24",
+            "--gen-batch-size",
+            "8",
+            "--layers",
+            "1",
+            "--unroll",
+            "2",
+            "--vocab",
+            "8",
+            "--epochs",
+            "8",
+            "--lr",
+            "3e-3",
+            "--batch-size",
+            "8",
+            "--val-fraction",
+            "0.1",
+            "--work-dir",
+            str(tmp_path / "work"),
+            "--out",
+            str(out),
+            "--device",
+            "cpu",
+        ]
+    )
     assert code == 0
     log = [json.loads(line) for line in (out / "training_log.jsonl").read_text().splitlines()]
     val = [r["val_agreement_by_depth"] for r in log if "val_agreement_by_depth" in r]
@@ -179,16 +231,31 @@ def test_distill_head_tiny_end_to_end(tmp_path):
     engine.close()
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--kind", "bogus"], "invalid choice"),
-    (["--kind", "head", "--unroll", "0"], "--unroll must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--kind", "bogus"], "invalid choice"),
+        (["--kind", "head", "--unroll", "0"], "--unroll must be >= 1"),
+    ],
+)
 def test_distill_head_bad_input_before_loading(tmp_path, capsys, argv, message):
     corpus = tmp_path / "c.jsonl"
     corpus.write_text(json.dumps({"prompt_ids": [1, 2], "response_ids": [3]}) + "\n")
     try:
-        code = main(["distill", "--target", str(tmp_path / "no-such-model"), "--corpus", str(corpus),
-                     "--out", str(tmp_path / "o"), "--work-dir", str(tmp_path / "w"), *argv])
+        code = main(
+            [
+                "distill",
+                "--target",
+                str(tmp_path / "no-such-model"),
+                "--corpus",
+                str(corpus),
+                "--out",
+                str(tmp_path / "o"),
+                "--work-dir",
+                str(tmp_path / "w"),
+                *argv,
+            ]
+        )
     except SystemExit as exc:  # argparse refuses unknown choices itself
         code = exc.code
     assert code == 2 and message in capsys.readouterr().err

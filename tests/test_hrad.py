@@ -2,6 +2,7 @@
 response with known accepted runs, the features the engine reads at run time, training end to end,
 and the refusals (weights for another pair, no usable rows); collected samples are reused only for the
 weights and settings they were collected with."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,17 @@ from engine.config import GenerationConfig
 from engine.engine import Engine
 from engine.events import Notice
 from engine.methods.hrad import HRAD, pair_signature, save_hrad
-from engine.training.hrad import (Sample, evaluate, forced_samples, load_samples, macro_f1, samples_key, save_samples,
-                                  split_by_prompt, train_classifier)
+from engine.training.hrad import (
+    Sample,
+    evaluate,
+    forced_samples,
+    load_samples,
+    macro_f1,
+    samples_key,
+    save_samples,
+    split_by_prompt,
+    train_classifier,
+)
 from engine.models.loading import load_pair
 
 PROMPT = [2, 3, 4]
@@ -148,8 +158,21 @@ def test_old_format_weights_are_refused(tiny_dirs, tiny_engine, tmp_path):
 def test_train_hrad_without_usable_rows_exits_2(tiny_dirs, tmp_path, capsys):
     corpus = tmp_path / "c.jsonl"
     corpus.write_text(json.dumps({"prompt_ids": [2, 3]}) + "\n")  # no response: nothing to label
-    code = main(["train-hrad", "--target", str(tiny_dirs["target"]), "--draft", str(tiny_dirs["draft"]),
-                 "--corpus", str(corpus), "--out", str(tmp_path / "h.safetensors"), "--device", "cpu"])
+    code = main(
+        [
+            "train-hrad",
+            "--target",
+            str(tiny_dirs["target"]),
+            "--draft",
+            str(tiny_dirs["draft"]),
+            "--corpus",
+            str(corpus),
+            "--out",
+            str(tmp_path / "h.safetensors"),
+            "--device",
+            "cpu",
+        ]
+    )
     assert code == 2
     assert "0 usable rows" in capsys.readouterr().err
     assert not (tmp_path / "h.safetensors").exists()
@@ -157,15 +180,40 @@ def test_train_hrad_without_usable_rows_exits_2(tiny_dirs, tmp_path, capsys):
 
 def test_train_hrad_end_to_end_loads_and_stays_lossless(tiny_dirs, tiny_engine, tmp_path):
     prompts = [[2 + i % 7, 3 + i % 5, 4] for i in range(8)]
-    rows = [{"source": "tiny", "prompt_ids": p,
-             "response_ids": tiny_engine.run(p, GenerationConfig(method="ar", max_new_tokens=30)).token_ids}
-            for p in prompts]
+    rows = [
+        {
+            "source": "tiny",
+            "prompt_ids": p,
+            "response_ids": tiny_engine.run(p, GenerationConfig(method="ar", max_new_tokens=30)).token_ids,
+        }
+        for p in prompts
+    ]
     corpus = tmp_path / "c.jsonl"
     corpus.write_text("".join(json.dumps(r) + "\n" for r in rows))
     draft = copy_of_draft(tiny_dirs, tmp_path)
-    code = main(["train-hrad", "--target", str(tiny_dirs["target"]), "--draft", str(draft), "--device", "cpu",
-                 "--corpus", str(corpus), "--limit", "8", "--held-out-limit", "0", "--epochs", "3",
-                 "--samples", str(tmp_path / "s.pt"), "--out", str(draft / "hrad.safetensors")])
+    code = main(
+        [
+            "train-hrad",
+            "--target",
+            str(tiny_dirs["target"]),
+            "--draft",
+            str(draft),
+            "--device",
+            "cpu",
+            "--corpus",
+            str(corpus),
+            "--limit",
+            "8",
+            "--held-out-limit",
+            "0",
+            "--epochs",
+            "3",
+            "--samples",
+            str(tmp_path / "s.pt"),
+            "--out",
+            str(draft / "hrad.safetensors"),
+        ]
+    )
     assert code == 0
     card = json.loads((draft / "hrad.json").read_text())
     assert card["pair"]["draft"]["num_hidden_layers"] == 2
@@ -175,7 +223,10 @@ def test_train_hrad_end_to_end_loads_and_stays_lossless(tiny_dirs, tiny_engine, 
         assert engine.hrad is not None, engine.hrad_notice
         for p in prompts[:3]:
             want = engine.run(p, GenerationConfig(method="ar", max_new_tokens=25)).token_ids
-            assert engine.run(p, GenerationConfig(method="specbranch", max_new_tokens=25, gamma=3, hrad=True)).token_ids == want
+            assert (
+                engine.run(p, GenerationConfig(method="specbranch", max_new_tokens=25, gamma=3, hrad=True)).token_ids
+                == want
+            )
     finally:
         engine.close()
 
@@ -189,14 +240,16 @@ def test_saved_samples_are_reused_only_for_the_same_weights_and_settings(tiny_di
     path = tmp_path / "s.pt"
     save_samples(path, sets, key)
     back = load_samples(path, samples_key(pair, {"limit": 8, "horizon": 4}))
-    assert [(s.prompt, s.confidence, s.label) for s in back["train"]] == [(s.prompt, s.confidence, s.label)
-                                                                          for s in sets["train"]]
+    assert [(s.prompt, s.confidence, s.label) for s in back["train"]] == [
+        (s.prompt, s.confidence, s.label) for s in sets["train"]
+    ]
     torch.testing.assert_close(back["train"][0].features, sets["train"][0].features.half().float())
     assert load_samples(path, samples_key(pair, {"limit": 9, "horizon": 4})) is None  # other settings
     with torch.no_grad():  # the same draft, one weight changed: what retraining it in place does
         next(pair.draft.model.parameters())[0, 0] += 1.0
-    assert pair_signature(pair) == pair_signature(load_pair(str(tiny_dirs["target"]), str(tiny_dirs["draft"]),
-                                                            device="cpu"))
+    assert pair_signature(pair) == pair_signature(
+        load_pair(str(tiny_dirs["target"]), str(tiny_dirs["draft"]), device="cpu")
+    )
     assert load_samples(path, samples_key(pair, {"limit": 8, "horizon": 4})) is None
     torch.save({"train": {}}, path)  # a cache from before the key
     assert load_samples(path, key) is None

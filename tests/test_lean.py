@@ -1,5 +1,6 @@
 """The lean decode path for a Llama draft (engine/lean.py): the same hidden states as transformers' forward through
 prefill, single steps, rollback, forks and a cache that outgrows its buffers; refusals where it does not fit."""
+
 from __future__ import annotations
 
 import time
@@ -21,9 +22,18 @@ from engine.models.loading import LM, lean_draft
 def tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
     """Grouped-query attention (3 query heads per KV head) and rotary scaling, so both code paths are exercised."""
     torch.manual_seed(seed)
-    config = dict(vocab_size=101, hidden_size=96, intermediate_size=128, num_hidden_layers=3, num_attention_heads=6,
-                  num_key_value_heads=2, head_dim=16, max_position_embeddings=512, initializer_range=0.2,
-                  rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0})
+    config = dict(
+        vocab_size=101,
+        hidden_size=96,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0},
+    )
     config.update(overrides)
     return LlamaForCausalLM(LlamaConfig(**config)).eval()
 
@@ -54,7 +64,7 @@ def test_lean_decoder_equals_transformers_through_steps_rollback_and_forks(kerne
     nxt = torch.tensor([[5], [6], [7]])
     forked = lean(nxt, cache)
     for row in range(3):
-        seq = torch.cat([ids[:, :31], nxt[row:row + 1]], 1)
+        seq = torch.cat([ids[:, :31], nxt[row : row + 1]], 1)
         torch.testing.assert_close(forked[row, -1], reference(model, seq)[0, -1], rtol=1e-5, atol=1e-5)
     cache.batch_select_indices(torch.tensor([1]))  # keep the second branch, then go on from it
     seq = torch.cat([ids[:, :31], nxt[1:2], ids[:, 31:34]], 1)
@@ -70,8 +80,12 @@ def test_lean_decoder_equals_transformers_through_steps_rollback_and_forks(kerne
     for row, s in enumerate(seqs):
         torch.testing.assert_close(got[row], reference(model, s)[0, -6:], rtol=1e-5, atol=1e-5)
     cache.batch_select_indices(torch.tensor([-1]))
-    torch.testing.assert_close(lean(ids[:, 2:3], cache)[0, -1],
-                               reference(model, torch.cat([seqs[1], ids[:, 2:3]], 1))[0, -1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        lean(ids[:, 2:3], cache)[0, -1],
+        reference(model, torch.cat([seqs[1], ids[:, 2:3]], 1))[0, -1],
+        rtol=1e-5,
+        atol=1e-5,
+    )
     cache.crop(10)  # a non-negative crop keeps the first n, as transformers' caches do
     assert cache.get_seq_length() == 10
     with pytest.raises(ValueError, match="holds 1 rows, fed 2"):
@@ -97,7 +111,7 @@ def test_branches_share_the_positions_held_when_they_forked(kernels):
         got = lean(torch.tensor(tokens), cache)
         for row, new in enumerate(tokens):
             seqs[row] = seqs[row] + new
-            want = reference(model, torch.tensor([seqs[row]]))[0, -len(new):]
+            want = reference(model, torch.tensor([seqs[row]]))[0, -len(new) :]
             torch.testing.assert_close(got[row], want, rtol=1e-5, atol=1e-5)
         assert cache.get_seq_length() == len(seqs[0])
 
@@ -159,8 +173,9 @@ def test_lean_refuses_what_it_does_not_fit():
     assert fits(tiny_llama()) is None
     assert "attention_bias" in fits(tiny_llama(attention_bias=True))
     assert "hidden_act gelu" in fits(tiny_llama(hidden_act="gelu"))
-    assert "rope_type dynamic" in fits(tiny_llama(rope_parameters={"rope_type": "dynamic", "factor": 2.0,
-                                                                    "rope_theta": 5000.0}))
+    assert "rope_type dynamic" in fits(
+        tiny_llama(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 5000.0})
+    )
     with pytest.raises(ValueError, match="does not fit this model: attention_bias"):
         LeanLlama(tiny_llama(attention_bias=True))
     draft, target = tiny_llama(seed=6), tiny_llama(seed=7)
@@ -183,12 +198,20 @@ def test_compiled_steps_follow_the_eager_ones_and_decode_exactly(tiny_dirs):
     from .test_lm_head import assert_speculation_equals_ar
 
     assert "do not compile" in LeanLlama(tiny_llama(), "bfloat16", compiled=True).compile_why
-    pair = load_pair(str(tiny_dirs["target"]), str(tiny_dirs["draft"]), device="cpu", draft_matmul="int4",
-                     draft_forward="lean-compiled")
+    pair = load_pair(
+        str(tiny_dirs["target"]),
+        str(tiny_dirs["draft"]),
+        device="cpu",
+        draft_matmul="int4",
+        draft_forward="lean-compiled",
+    )
     draft = pair.draft
     assert draft.lean and draft.compiled and draft.compile_why == "" and draft._lean._step is not None
-    assert [draft_forward_kind(draft, m) for m in ("ar", "pearl", "hf-assisted")] == \
-        [None, "lean-compiled", "transformers"]  # what a bench records
+    assert [draft_forward_kind(draft, m) for m in ("ar", "pearl", "hf-assisted")] == [
+        None,
+        "lean-compiled",
+        "transformers",
+    ]  # what a bench records
     compiled, eager = draft._lean, LeanLlama(draft.model, draft.matmul)
     ids = torch.randint(0, 10, (1, 30), generator=torch.Generator().manual_seed(3))
     caches = {lean: lean.new_cache(capacity=8) for lean in (compiled, eager)}  # 8 -> 16 -> 32: grows mid-steps
@@ -201,7 +224,7 @@ def test_compiled_steps_follow_the_eager_ones_and_decode_exactly(tiny_dirs):
         with no_recompile:
             for i in range(4, 20):
                 torch.set_num_threads(1 + i % 2)
-                got, want = (lean(ids[:, i:i + 1], cache) for lean, cache in caches.items())
+                got, want = (lean(ids[:, i : i + 1], cache) for lean, cache in caches.items())
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
                 if i == 12:  # roll back 3 and feed them again
                     for cache in caches.values():
@@ -229,8 +252,15 @@ def test_a_draft_in_its_process_compiles_in_another_and_decodes_exactly_meanwhil
     when asked, at once."""
     from engine.models.loading import load_pair
 
-    pair = load_pair(str(tiny_dirs["target"]), str(tiny_dirs["draft"]), device="cpu", draft_matmul="int4",
-                     draft_forward="lean-compiled", draft_worker="process", compile_later=True)
+    pair = load_pair(
+        str(tiny_dirs["target"]),
+        str(tiny_dirs["draft"]),
+        device="cpu",
+        draft_matmul="int4",
+        draft_forward="lean-compiled",
+        draft_worker="process",
+        compile_later=True,
+    )
     engine, prompt, messages = Engine(pair), [2, 3, 4, 5], []
 
     def compile_notices() -> list[str]:
@@ -241,6 +271,7 @@ def test_a_draft_in_its_process_compiles_in_another_and_decodes_exactly_meanwhil
             assert result.token_ids == want, method
             out += [e.message for e in result.events if isinstance(e, Notice) and "compiling" in e.message]
         return out
+
     try:
         first = pair.draft
         assert pair.draft_worker == "process", pair.draft_worker_why
@@ -260,8 +291,14 @@ def test_a_draft_in_its_process_compiles_in_another_and_decodes_exactly_meanwhil
         mine, other = (lm.forward(ids, lm.new_cache())[:, -1] for lm in (first.local, pair.target))
         assert close_distributions(mine, mine + 0.01 * torch.randn_like(mine))
         assert not close_distributions(mine, other), (mine.softmax(-1) - other.softmax(-1)).abs().sum() / 2
-        local = load_pair(str(tiny_dirs["target"]), str(tiny_dirs["draft"]), device="cpu", draft_matmul="int4",
-                          draft_forward="lean-compiled", compile_later=True).draft
+        local = load_pair(
+            str(tiny_dirs["target"]),
+            str(tiny_dirs["draft"]),
+            device="cpu",
+            draft_matmul="int4",
+            draft_forward="lean-compiled",
+            compile_later=True,
+        ).draft
         assert local.compile_status() == ("waiting", "")
         local.start_compile(messages.append)
         assert local.compile_status() == ("compiled", "") and "one-token steps compiled" in messages[1]
@@ -275,8 +312,15 @@ def test_a_bfloat16_draft_in_its_process_is_refused_at_once_without_a_second_pro
     starts no second process; its runs carry no notice (nothing is on its way) and give the target's output."""
     from engine.models.loading import load_pair
 
-    pair = load_pair(str(tiny_dirs["target"]), str(tiny_dirs["draft"]), device="cpu", draft_matmul="bfloat16",
-                     draft_forward="lean-compiled", draft_worker="process", compile_later=True)
+    pair = load_pair(
+        str(tiny_dirs["target"]),
+        str(tiny_dirs["draft"]),
+        device="cpu",
+        draft_matmul="bfloat16",
+        draft_forward="lean-compiled",
+        draft_worker="process",
+        compile_later=True,
+    )
     engine, messages = Engine(pair), []
     try:
         assert pair.draft_worker == "process", pair.draft_worker_why

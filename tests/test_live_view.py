@@ -1,6 +1,7 @@
 """The Live tab as a teacher projects it: the basic controls show at once and the rest wait in Advanced (each with
 a one-line label and its explanation as info), the glance line's speedup from the first chat on, and a stream whose
 heavy figures are drawn once at the end (and now and then in a long run), never on every token."""
+
 from __future__ import annotations
 
 import gradio as gr
@@ -13,8 +14,20 @@ from app.views import glance_html, one_token_step_s
 from engine.events import BranchResolved, Finished, RunStarted, TimingSpan, TokensEmitted
 
 BASIC = ("draft", "live-method", "max-new", "temperature")
-ADVANCED = ("top-p", "gamma", "branches", "epsilon", "draft-stop", "feed-stop", "head-start", "hold", "hold-branches",
-            "hrad", "seed", "chat-template")
+ADVANCED = (
+    "top-p",
+    "gamma",
+    "branches",
+    "epsilon",
+    "draft-stop",
+    "feed-stop",
+    "head-start",
+    "hold",
+    "hold-branches",
+    "hrad",
+    "seed",
+    "chat-template",
+)
 
 
 def by_id(demo) -> dict:
@@ -115,8 +128,9 @@ TIMELINE = 6  # the timeline's place among /generate's outputs (chat, tokens, me
 def stream(tiny_engine, clock) -> tuple[list, list]:
     """Every update a Live run yields, and the run's events."""
     tab = LiveTab(AppContext(lambda draft=None: tiny_engine), clock=clock)
-    updates = list(tab.generate("a b c", [], "specbranch", 40, 0, 1, 3, 3, 0.5, 0.0, 0.0, 0.0, 0.0, False, False,
-                                0, False))
+    updates = list(
+        tab.generate("a b c", [], "specbranch", 40, 0, 1, 3, 3, 0.5, 0.0, 0.0, 0.0, 0.0, False, False, 0, False)
+    )
     return updates, updates[-1][-1]
 
 
@@ -171,17 +185,25 @@ def test_picking_a_scenario_sets_the_draft_the_method_and_every_setting(demo):
         assert s.summary and "scenario-note" in note
     assert leave_scenario("embedded") == (None, "")
     everything = [(f"the {s.draft} draft", s.draft) for s in SCENARIOS.values()]
-    full = build_app(lambda draft=None: None, defaults=defaults_for(SCENARIOS["fastest"].draft),
-                     drafts=[*everything, ("embedded", "embedded")])
+    full = build_app(
+        lambda draft=None: None,
+        defaults=defaults_for(SCENARIOS["fastest"].draft),
+        drafts=[*everything, ("embedded", "embedded")],
+    )
     blocks = by_id(full)
     picker = blocks["scenario"]
     assert [key for _, key in picker.choices] == list(SCENARIOS) and picker.value == "fastest"
     assert accordion_of(picker) is None  # a basic control
     ids = {c["id"]: c["props"].get("elem_id") for c in full.config["components"]}
     wired = next(d for d in full.config["dependencies"] if any(ids.get(t) == "scenario" for t, _ in d["targets"]))
-    assert [ids[o] for o in wired["outputs"]] == ["draft", "live-method", *[k.replace("_", "-") for k in SLIDER_KEYS],
-                                                  "scenario-note"]
+    assert [ids[o] for o in wired["outputs"]] == [
+        "draft",
+        "live-method",
+        *[k.replace("_", "-") for k in SLIDER_KEYS],
+        "scenario-note",
+    ]
     # the test page's menu offers self and embedded only: the scenarios on other drafts are not offered
-    assert [key for _, key in by_id(demo)["scenario"].choices] == [k for k, s in SCENARIOS.items()
-                                                                   if s.draft in ("self", "embedded")]
+    assert [key for _, key in by_id(demo)["scenario"].choices] == [
+        k for k, s in SCENARIOS.items() if s.draft in ("self", "embedded")
+    ]
     assert "scenario" not in by_id(build_app(lambda draft=None: None))  # no draft menu, no scenarios

@@ -4,6 +4,7 @@ rows are fed (so padding 2-3 rows to PACK_ROWS changes nothing); fast_linears ro
 through them without changing what the model computes (beyond float rounding) and without touching its LM head;
 a draft's bfloat16 and 4-bit matmuls (Bf16Matmul, Int4Matmul, and the 4-bit head's float32 shortlist,
 ShortlistHead) never reach the target, even when the target is its own draft."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,9 +13,22 @@ import torch.nn.functional as F
 
 from engine.config import GenerationConfig, SpecBranchError
 from engine.engine import Engine
-from engine.kernels.lm_head import (INT4_GROUP, LAYER_MAX_ROWS, PACK_ROWS, SHORTLIST, Bf16Matmul, HeadMatmul, Int4Matmul,
-                            ShortlistHead, bf16_supported, fast_linears, int4_fits, int4_supported, packed_matmul,
-                            packed_weight)
+from engine.kernels.lm_head import (
+    INT4_GROUP,
+    LAYER_MAX_ROWS,
+    PACK_ROWS,
+    SHORTLIST,
+    Bf16Matmul,
+    HeadMatmul,
+    Int4Matmul,
+    ShortlistHead,
+    bf16_supported,
+    fast_linears,
+    int4_fits,
+    int4_supported,
+    packed_matmul,
+    packed_weight,
+)
 from engine.models.loading import draft_matmul_kind, load_pair
 from transformers import LlamaForCausalLM
 
@@ -22,8 +36,12 @@ from transformers import LlamaForCausalLM
 def test_every_row_count_gives_the_linear_product():
     torch.manual_seed(0)
     w = torch.randn(96, 40)
-    for max_rows, one_row, packed in ((None, True, True), (LAYER_MAX_ROWS, True, False), (LAYER_MAX_ROWS, False, False),
-                                      (None, False, True)):
+    for max_rows, one_row, packed in (
+        (None, True, True),
+        (LAYER_MAX_ROWS, True, False),
+        (LAYER_MAX_ROWS, False, False),
+        (None, False, True),
+    ):
         mm = HeadMatmul(w, max_rows, one_row, packed)
         assert (mm.wt is not None) == one_row
         assert (mm.packed is not None) == (packed and torch.backends.mkldnn.is_available())
@@ -48,7 +66,7 @@ def test_packed_rows_do_not_depend_on_how_many_are_fed():
     packed = packed_weight(w)
     assert packed is not None
     x = torch.randn(9, 64)
-    alone = torch.cat([packed_matmul(x[i:i + 1], packed) for i in range(9)])  # each row padded to PACK_ROWS
+    alone = torch.cat([packed_matmul(x[i : i + 1], packed) for i in range(9)])  # each row padded to PACK_ROWS
     for rows in range(1, 10):
         assert torch.equal(packed_matmul(x[:rows], packed), alone[:rows]), rows
     torch.testing.assert_close(alone, F.linear(x, w), rtol=1e-5, atol=1e-5)
@@ -112,7 +130,8 @@ def test_draft_matmul_choice_is_checked_and_auto_follows_the_cpu():
     assert draft_matmul_kind("float32", cpu, torch.float32, self_draft=True) == "float32"  # the target itself
     assert draft_matmul_kind("auto", cpu, torch.float32) == ("bfloat16" if bf16_supported() else "float32")
     assert draft_matmul_kind("auto", cpu, torch.float32, self_draft=True) == (
-        "int4" if int4_supported() else "bfloat16" if bf16_supported() else "float32")
+        "int4" if int4_supported() else "bfloat16" if bf16_supported() else "float32"
+    )
     assert draft_matmul_kind("auto", cpu, torch.bfloat16) == "float32"  # a draft already in a low dtype is left alone
     assert draft_matmul_kind("auto", cuda, torch.float32, self_draft=True) == "float32"  # GPUs: --dtype is the knob
     with pytest.raises(SpecBranchError, match="unknown draft matmul"):
@@ -132,6 +151,7 @@ def test_int4_probe_checks_the_kernels_are_there_and_never_calls_them(monkeypatc
     """int4_supported() reads whether both aten ops are registered with a CPU kernel, and nothing else: a kernel that
     raises makes the int4 tests fail, it does not skip them; only a torch without the ops (or their CPU kernels) skips.
     """
+
     def broken(*args, **kwargs):
         raise RuntimeError("the int4 kernel is broken")
 
@@ -142,8 +162,11 @@ def test_int4_probe_checks_the_kernels_are_there_and_never_calls_them(monkeypatc
         with pytest.raises(RuntimeError, match="the int4 kernel is broken"):
             Int4Matmul(torch.ones(16, INT4_GROUP))(torch.ones(1, INT4_GROUP))
     registered = torch._C._dispatch_has_kernel_for_dispatch_key
-    monkeypatch.setattr(torch._C, "_dispatch_has_kernel_for_dispatch_key",
-                        lambda op, key: op != "aten::_weight_int4pack_mm_for_cpu" and registered(op, key))
+    monkeypatch.setattr(
+        torch._C,
+        "_dispatch_has_kernel_for_dispatch_key",
+        lambda op, key: op != "aten::_weight_int4pack_mm_for_cpu" and registered(op, key),
+    )
     assert not int4_supported()  # registered, but with no CPU kernel: a machine that truly lacks it
 
 
@@ -188,8 +211,9 @@ def test_shortlist_head_is_float32_where_it_counts():
     assert torch.equal(out.argmax(-1), want.argmax(-1))
     assert (out.double() - want).abs().max() > 1e-3  # outside the shortlist: 4-bit products
     small = w[:16]
-    torch.testing.assert_close(ShortlistHead(small)(x).double(), F.linear(x.double(), small.double()),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        ShortlistHead(small)(x).double(), F.linear(x.double(), small.double()), rtol=1e-5, atol=1e-5
+    )
     x = torch.randn(2, h, requires_grad=True)
     ShortlistHead(w)(x).sum().backward()
     torch.testing.assert_close(x.grad, w.sum(0).expand(2, h), rtol=1e-4, atol=1e-3)  # a sum over 2k rows
@@ -220,27 +244,36 @@ def assert_speculation_equals_ar(pair) -> None:
         engine.close()
 
 
-@pytest.mark.parametrize("matmul, layer, head", [
-    pytest.param("bfloat16", "Bf16Matmul", Bf16Matmul, marks=needs_bf16),
-    # int4's head is a ShortlistHead where the kernel fits the vocabulary; the tiny one of 10 ids keeps float32
-    pytest.param("int4", "Int4Matmul", HeadMatmul, marks=needs_int4),
-])
+@pytest.mark.parametrize(
+    "matmul, layer, head",
+    [
+        pytest.param("bfloat16", "Bf16Matmul", Bf16Matmul, marks=needs_bf16),
+        # int4's head is a ShortlistHead where the kernel fits the vocabulary; the tiny one of 10 ids keeps float32
+        pytest.param("int4", "Int4Matmul", HeadMatmul, marks=needs_int4),
+    ],
+)
 @pytest.mark.parametrize("draft", ["draft", "self"])
 @pytest.mark.parametrize("forward", ["lean", "transformers"])
 def test_low_precision_draft_leaves_the_target_exact(tiny_dirs, matmul, layer, head, draft, forward):
     """A bfloat16 or 4-bit draft streams fewer bytes; the target keeps its float32 layouts, also when it is its own
     draft: the draft is then a twin, modules of its own over the target's weight tensors (no copy), and greedy output
     stays the target's, through either forward of the draft (engine/lean.py or transformers')."""
-    pair = load_pair(str(tiny_dirs["target"]), "self" if draft == "self" else str(tiny_dirs[draft]), device="cpu",
-                     draft_matmul=matmul, draft_forward=forward)
+    pair = load_pair(
+        str(tiny_dirs["target"]),
+        "self" if draft == "self" else str(tiny_dirs[draft]),
+        device="cpu",
+        draft_matmul=matmul,
+        draft_forward=forward,
+    )
     kinds = lambda m: {type(vars(x).get("forward")).__name__ for x in m.modules() if getattr(x, "_fast_layout", 0)}
     assert kinds(pair.draft.model) == {layer} and type(pair.draft._head) is head and pair.draft.matmul == matmul
     assert pair.draft.lean == (forward == "lean") and not pair.target.lean
     assert kinds(pair.target.model) == {"HeadMatmul"}
     if draft == "self":
         assert pair.draft.model is not pair.target.model
-        assert ({p.data_ptr() for p in pair.draft.model.parameters()}
-                == {p.data_ptr() for p in pair.target.model.parameters()})
+        assert {p.data_ptr() for p in pair.draft.model.parameters()} == {
+            p.data_ptr() for p in pair.target.model.parameters()
+        }
     assert_speculation_equals_ar(pair)
 
 
@@ -265,13 +298,22 @@ def test_layer_skipping_self_draft_is_the_target_without_those_layers(tmp_path, 
     got = pair.draft.forward(ids, pair.draft.new_cache())[0]
     torch.testing.assert_close(got, want[:, : got.shape[-1]], rtol=1e-5, atol=1e-5)
     assert_speculation_equals_ar(pair)
-    assert draft_matmul_kind("auto", torch.device("cpu"), torch.float32, self_draft=True) == \
-        load_pair(str(path), "self-skip:1", device="cpu").draft.matmul
+    assert (
+        draft_matmul_kind("auto", torch.device("cpu"), torch.float32, self_draft=True)
+        == load_pair(str(path), "self-skip:1", device="cpu").draft.matmul
+    )
 
 
-@pytest.mark.parametrize("spec, why", [("self-skip:", "name 1 to 3"), ("self-skip:a", "needs layer indices"),
-                                       ("self-skip:4", "name 1 to 3"), ("self-skip:0,1,2,3", "name 1 to 3"),
-                                       ("self-skip:-1", "name 1 to 3")])
+@pytest.mark.parametrize(
+    "spec, why",
+    [
+        ("self-skip:", "name 1 to 3"),
+        ("self-skip:a", "needs layer indices"),
+        ("self-skip:4", "name 1 to 3"),
+        ("self-skip:0,1,2,3", "name 1 to 3"),
+        ("self-skip:-1", "name 1 to 3"),
+    ],
+)
 def test_layer_skipping_self_draft_refuses_layers_the_target_has_not(tmp_path, spec, why):
     from tests.conftest import make_tiny_model
 

@@ -2,6 +2,7 @@
 small queue bound and tiny models. Each client completes or is told the app is busy; every completed run is stored
 under its own browser id, no browser reads another's, and the store stays sound. Nothing here times anything: the
 queue is filled by holding the engine, as a long generation would, until every request has settled."""
+
 from __future__ import annotations
 
 import json
@@ -48,8 +49,15 @@ def engine_held(engine):
 def test_a_burst_completes_or_is_told_busy_and_every_run_stays_its_browsers(app):
     engine, store, url = app
     before = len(store.list_sessions(limit=None))
-    report = run_load(url, store.path, CLIENTS, tokens=8, gate=engine_held(engine), timeout=SETTLE_S,
-                      others={s["owner"] for s in store.list_sessions(limit=None)})
+    report = run_load(
+        url,
+        store.path,
+        CLIENTS,
+        tokens=8,
+        gate=engine_held(engine),
+        timeout=SETTLE_S,
+        others={s["owner"] for s in store.list_sessions(limit=None)},
+    )
     assert report["problems"] == [] and report["ok"], report["problems"]
     assert report["completed"] + report["refused"] == CLIENTS and report["failed"] == 0
     # one request reached the engine and BOUND waited; whether the first had left the waiting line when the last of
@@ -68,12 +76,24 @@ def test_a_full_queue_answers_busy_and_the_other_endpoints_still_serve(app):
     clients = [make_client(url) for _ in range(BOUND + 1)]
     fn_index = next(d["id"] for d in clients[0].config["dependencies"] if d.get("api_name") == "generate")
     with engine_held(engine):
-        jobs = [c.submit(prompt_for(100 + i), [], "sd", max_new=4, chat=False, browser_id=new_browser_id(),
-                         api_name="/generate") for i, c in enumerate(clients)]
+        jobs = [
+            c.submit(
+                prompt_for(100 + i), [], "sd", max_new=4, chat=False, browser_id=new_browser_id(), api_name="/generate"
+            )
+            for i, c in enumerate(clients)
+        ]
         settle(jobs)
-        answer = httpx.post(f"{url}gradio_api/queue/join", timeout=30, json={
-            "data": ["a b", [], "sd"], "fn_index": fn_index, "session_hash": "loadtest0", "event_data": None,
-            "trigger_id": None})
+        answer = httpx.post(
+            f"{url}gradio_api/queue/join",
+            timeout=30,
+            json={
+                "data": ["a b", [], "sd"],
+                "fn_index": fn_index,
+                "session_hash": "loadtest0",
+                "event_data": None,
+                "trigger_id": None,
+            },
+        )
         assert answer.status_code == 503
         detail = answer.json()["detail"]
         assert detail == BUSY.format(waiting=BOUND, bound=BOUND) and is_busy_message(detail)
@@ -103,10 +123,32 @@ def test_the_command_runs_the_app_and_reports(tiny_dirs, tmp_path):
     up, sends the burst, checks and writes its JSON; it exits 0 when every check passed."""
     out = tmp_path / "load.json"
     done = subprocess.run(
-        [sys.executable, "-m", "app.load_test", "--clients", "4", "--tokens", "4", "--max-queue", "2",
-         "--target", str(tiny_dirs["target"]), "--draft", str(tiny_dirs["draft"]), "--app-arg=--draft-worker=thread",
-         "--app-arg=--draft-forward=lean", "--timeout", "300", "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=900)
+        [
+            sys.executable,
+            "-m",
+            "app.load_test",
+            "--clients",
+            "4",
+            "--tokens",
+            "4",
+            "--max-queue",
+            "2",
+            "--target",
+            str(tiny_dirs["target"]),
+            "--draft",
+            str(tiny_dirs["draft"]),
+            "--app-arg=--draft-worker=thread",
+            "--app-arg=--draft-forward=lean",
+            "--timeout",
+            "300",
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
     report = json.loads(out.read_text())
     assert report["completed"] + report["refused"] == 4 and report["completed"] >= 1 and report["failed"] == 0

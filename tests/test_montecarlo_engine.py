@@ -50,6 +50,7 @@ seeded); an effect of a few percent on one token in one context, below what 400 
 position misaligns the tokens fed and the run raises, before any statistic; the fault is shown on PEARL, where it
 passes silently.
 """
+
 from __future__ import annotations
 
 import math
@@ -97,10 +98,20 @@ def tiny_llama(path, seed: int, perturb: float = 0.0, eos_scale: float = 0.1, la
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(WORDS), hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                         initializer_range=init, tie_word_embeddings=False, eos_token_id=EOS, bos_token_id=None,
-                         pad_token_id=None)
+    config = LlamaConfig(
+        vocab_size=len(WORDS),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        initializer_range=init,
+        tie_word_embeddings=False,
+        eos_token_id=EOS,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
         if perturb:
@@ -116,6 +127,7 @@ def tiny_llama(path, seed: int, perturb: float = 0.0, eos_scale: float = 0.1, la
 
 # ---------------------------------------------------------------- the reference, independent of the engine
 
+
 def rows_after(model, prompt: list[int], seqs, cfg: GenerationConfig) -> dict[tuple, np.ndarray]:
     """{sequence: rows [len + 1, V]}: row i is the target's processed distribution of token i of the sequence given the
     prompt and the tokens before it (the last row: of the token after the sequence), from one forward of transformers'
@@ -126,7 +138,7 @@ def rows_after(model, prompt: list[int], seqs, cfg: GenerationConfig) -> dict[tu
     with torch.inference_mode():
         for n, group in by_len.items():
             ids = torch.tensor([prompt + list(s) for s in group])
-            logits = model(input_ids=ids).logits[:, len(prompt) - 1:].double().numpy()
+            logits = model(input_ids=ids).logits[:, len(prompt) - 1 :].double().numpy()
             for s, rows in zip(group, logits):
                 out[s] = processed(rows, cfg.temperature, cfg.top_k, cfg.top_p)
     return out
@@ -136,6 +148,7 @@ def rows_after(model, prompt: list[int], seqs, cfg: GenerationConfig) -> dict[tu
 class Tree:
     """The target's exact distribution over whole outputs (ending at EOS or after NEW tokens), enumerated down to
     the sequences of probability >= `floor`; the mass below the floor is pooled per parent prefix."""
+
     leaves: dict[tuple, float] = field(default_factory=dict)  # complete sequences of probability >= floor
     pooled: dict[tuple, float] = field(default_factory=dict)  # parent prefix -> mass of its children below floor
 
@@ -179,8 +192,10 @@ def sequence_chi2(counts: Counter, tree: Tree, n: int, least: float = 5.0) -> tu
     observed = Counter()
     for seq, c in counts.items():
         observed[cell_of(seq, tree)] += c
+
     def depth(cell):
         return len(cell[1]) if cell[0] is None else len(cell)
+
     merged_e, merged_o = Counter(), Counter()
     for cell, e in expected.items():
         key = cell if e * n >= least else ("depth", depth(cell))
@@ -243,17 +258,19 @@ def context_chi2(counts, rows) -> tuple[float, int]:
     shows here, where its marginal over all contexts may not."""
     return keyed_chi2(counts, rows, lambda seq, t: (t, seq[t - 1] if t else None))
 
+
 def prob_score(counts, rows) -> tuple[float, int]:
     """z of the summed target probability of every emitted token, p_t(x_t), against its mean sum p_t^2 and variance
     sum p_t^3 - (sum p_t^2)^2 under the target (bounded terms: a normal limit); two-sided normal p-value."""
     from scipy.stats import norm
+
     z, var = 0.0, 0.0
     for seq, k in counts.items():
         for t, x in enumerate(seq):
             p = rows[seq][t]
             m = float((p * p).sum())
             z += k * (p[x] - m)
-            var += k * (float((p ** 3).sum()) - m * m)
+            var += k * (float((p**3).sum()) - m * m)
     return float(2 * norm.sf(abs(z) / math.sqrt(var))), 1
 
 
@@ -264,13 +281,16 @@ def verdict(model, cfg: GenerationConfig, counts: Counter, n: int) -> tuple[floa
     rows = rows_after(model, PROMPT, list(counts), cfg)
     if any(rows[seq][t][x] <= 0 for seq in counts for t, x in enumerate(seq)):
         return 0.0, {"impossible token": 0.0}
-    ps = {"whole outputs": sequence_chi2(counts, exact_tree(model, PROMPT, cfg, LEAST / n), n)[0],
-          "position x previous token": context_chi2(counts, rows)[0],
-          "probability score": prob_score(counts, rows)[0]}
+    ps = {
+        "whole outputs": sequence_chi2(counts, exact_tree(model, PROMPT, cfg, LEAST / n), n)[0],
+        "position x previous token": context_chi2(counts, rows)[0],
+        "probability score": prob_score(counts, rows)[0],
+    }
     return min(1.0, len(ps) * min(ps.values())), ps
 
 
 # ---------------------------------------------------------------- runs through the engine
+
 
 @dataclass
 class Runs:
@@ -285,6 +305,7 @@ class Runs:
 def seeded_schedule(monkeypatch) -> None:
     """Each round, the draft steps beside the target's pass 1 to 2γ times (as a machine's timing could make it),
     drawn from a generator seeded by the run's seed: every run is reproducible, and every depth is exercised."""
+
     def looks(state) -> int:
         return state.__dict__.setdefault("schedule", random.Random(state.cfg.seed)).randrange(2 * state.cfg.gamma)
 
@@ -310,9 +331,11 @@ def run_many(engine: Engine, cfg: GenerationConfig, n: int) -> Runs:
 
 # ---------------------------------------------------------------- faults in the plumbing, for the negative controls
 
+
 def fault_q_temperature(monkeypatch, pair) -> None:
     """(a) Each drafted token is drawn at half the temperature of the row recorded as its q (q^2, renormalised: the
     same logits over T/2), as if the row drawn from and the row kept were computed with different settings."""
+
     def sharp(q):
         q = q.double() ** 2
         return (q / q.sum()).float()
@@ -345,11 +368,13 @@ def fault_stale_kv(monkeypatch, pair) -> None:
 def fault_bonus_row(monkeypatch, pair) -> None:
     """(c) After a block is accepted whole, the bonus token is drawn from the row of the block's last token (the row
     before the bonus row)."""
+
     def wrong_bonus_row(real):
         def verify(tokens, q_rows, p_rows, generator, greedy):
             if tokens and len(p_rows) == len(tokens) + 1:
                 p_rows = torch.cat([p_rows[:-1], p_rows[-2:-1]])
             return real(tokens, q_rows, p_rows, generator, greedy)
+
         return verify
 
     # SD's verify_block, and the parallel loop's pending verdicts (resolve reads every one of a round at once)
@@ -388,8 +413,12 @@ def fault_branch_q(monkeypatch, pair) -> None:
     monkeypatch.setattr(parallel, "resolve", resolve)
 
 
-FAULTS = {"q_temperature": fault_q_temperature, "stale_kv": fault_stale_kv, "bonus_row": fault_bonus_row,
-          "branch_q": fault_branch_q}
+FAULTS = {
+    "q_temperature": fault_q_temperature,
+    "stale_kv": fault_stale_kv,
+    "bonus_row": fault_bonus_row,
+    "branch_q": fault_branch_q,
+}
 
 
 # ---------------------------------------------------------------- the tests
@@ -410,8 +439,12 @@ def config(method: str, sampling: str = "T=1") -> GenerationConfig:
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("mc")
-    return load_pair(str(tiny_llama(root / "target", seed=1)), str(tiny_llama(root / "draft", seed=1, perturb=0.2)),
-                     device="cpu", draft_matmul="float32")
+    return load_pair(
+        str(tiny_llama(root / "target", seed=1)),
+        str(tiny_llama(root / "draft", seed=1, perturb=0.2)),
+        device="cpu",
+        draft_matmul="float32",
+    )
 
 
 def monte_carlo(pair, cfg: GenerationConfig, monkeypatch) -> tuple[float, dict, Runs]:
@@ -433,8 +466,10 @@ def monte_carlo(pair, cfg: GenerationConfig, monkeypatch) -> tuple[float, dict, 
 def test_engine_output_follows_the_target(pair, method, sampling, monkeypatch):
     cfg = config(method, sampling)
     p, ps, runs = monte_carlo(pair, cfg, monkeypatch)
-    print(f"{method} {sampling}: p = {p:.3g} {ps} chains {dict(sorted(runs.chains.items()))} eos {runs.eos} "
-          f"forks {dict(runs.forks)} rescues {runs.rescues} bonus {runs.bonus}")
+    print(
+        f"{method} {sampling}: p = {p:.3g} {ps} chains {dict(sorted(runs.chains.items()))} eos {runs.eos} "
+        f"forks {dict(runs.forks)} rescues {runs.rescues} bonus {runs.bonus}"
+    )
     # real blocks: verdicts that accepted chains of 2 and of 3 drafted tokens, outputs ending at EOS and at the budget
     assert runs.chains[2] >= N / 50 and runs.chains[3] >= N / 50, runs.chains
     assert N / 10 <= runs.eos <= N - N / 10

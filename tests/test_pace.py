@@ -1,5 +1,6 @@
 """Which model sets a run's pace, and the headroom a run has if no drafted token were wasted
 (engine.measure.metrics.round_pace), by hand on constructed event streams; the metric panel shows both."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,8 +8,7 @@ import pytest
 from app.tabs.replay import compare_html
 from app.tabs.compare import comparison_table
 from app.views import metric_panel
-from engine.events import (ACCEPTED, CORRECTION, DraftProposed, Finished, Rollback, RunStarted, TimingSpan,
-                           TokensEmitted)
+from engine.events import ACCEPTED, CORRECTION, DraftProposed, Finished, Rollback, RunStarted, TimingSpan, TokensEmitted
 from engine.measure.metrics import compute_metrics, round_pace
 from sessions.replay import compare_runs
 
@@ -16,19 +16,26 @@ from sessions.replay import compare_runs
 def stream(method: str, draft_ms: float, draft_steps: int = 4):
     """Two rounds: each one 60 ms target forward and `draft_steps` draft forwards of `draft_ms` (prefills before).
     8 tokens drafted, 6 committed and 2 rolled back: a wasted draft rate of 0.25."""
-    events = [RunStarted(method, "t", "d", [1], "", {}, "cpu", 0.0),
-              TimingSpan("target", "prefill", 0, 0.0, 0.01), TimingSpan("draft", "prefill", 0, 0.0, 0.005)]
+    events = [
+        RunStarted(method, "t", "d", [1], "", {}, "cpu", 0.0),
+        TimingSpan("target", "prefill", 0, 0.0, 0.01),
+        TimingSpan("draft", "prefill", 0, 0.0, 0.005),
+    ]
     t = 0.01
     for step, tokens in ((1, [10, 11, 12, 13]), (2, [14, 15, 16, 17])):
         events.append(TimingSpan("target", "verify", step, t, t + 0.06, 4))
-        events += [TimingSpan("draft", "draft", step, t + i * draft_ms / 1000, t + (i + 1) * draft_ms / 1000)
-                   for i in range(draft_steps)]
+        events += [
+            TimingSpan("draft", "draft", step, t + i * draft_ms / 1000, t + (i + 1) * draft_ms / 1000)
+            for i in range(draft_steps)
+        ]
         events.append(DraftProposed(step, tokens, [""] * 4, [0.5] * 4))
         t += max(0.06, draft_steps * draft_ms / 1000)
-    events += [TokensEmitted(1, [10, 11, 12, 13], [""] * 4, [ACCEPTED] * 4, ""),
-               Rollback(2, "draft", [16, 17], ["", ""], "rejected"),
-               TokensEmitted(2, [14, 15, 20], [""] * 3, [ACCEPTED, ACCEPTED, CORRECTION], ""),
-               Finished("length", 0.01, t - 0.01, 7, {})]
+    events += [
+        TokensEmitted(1, [10, 11, 12, 13], [""] * 4, [ACCEPTED] * 4, ""),
+        Rollback(2, "draft", [16, 17], ["", ""], "rejected"),
+        TokensEmitted(2, [14, 15, 20], [""] * 3, [ACCEPTED, ACCEPTED, CORRECTION], ""),
+        Finished("length", 0.01, t - 0.01, 7, {}),
+    ]
     return events
 
 

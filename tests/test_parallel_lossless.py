@@ -1,14 +1,23 @@
 """PEARL and SpecBranch are lossless: sampled output follows the target's distribution (chi-square
 through the real overlapped engine on tiny models, branching forced everywhere), and greedy output
 equals the target's greedy `generate()` on the embedded pair."""
+
 from __future__ import annotations
 
 import pytest
 
 from engine.config import GenerationConfig
 from engine.engine import Engine
-from engine.events import DRAFT, BRANCH_DRAFT, VERIFY, BranchResolved, DraftProposed, TimingSpan, TokensEmitted, \
-    Verified
+from engine.events import (
+    DRAFT,
+    BRANCH_DRAFT,
+    VERIFY,
+    BranchResolved,
+    DraftProposed,
+    TimingSpan,
+    TokensEmitted,
+    Verified,
+)
 from engine.kernels.lm_head import bf16_supported, int4_supported
 from engine.models.loading import load_pair
 
@@ -16,32 +25,49 @@ from .conftest import GREEDY_NEW, engine_with_draft, schedule_draft
 from .reference import PROMPT, chi_square, exact_joint
 
 N = 1500
+
+
 def rounds_computed_at_once(events) -> int:
     """Rounds in which a draft step and the target's pass of the same round computed at once: their spans intersect
     (an order of events, not a duration)."""
     spans = [e for e in events if isinstance(e, TimingSpan)]
     target = {s.step: s for s in spans if s.worker == "target" and s.kind == VERIFY}
-    return len({d.step for d in spans if d.worker == "draft" and d.kind in (DRAFT, BRANCH_DRAFT) and d.step in target
-                and d.start < target[d.step].end and target[d.step].start < d.end})
+    return len(
+        {
+            d.step
+            for d in spans
+            if d.worker == "draft"
+            and d.kind in (DRAFT, BRANCH_DRAFT)
+            and d.step in target
+            and d.start < target[d.step].end
+            and target[d.step].start < d.end
+        }
+    )
 
 
-@pytest.mark.parametrize("method, extra", [
-    ("pearl", dict(gamma=2)),
-    ("specbranch", dict(gamma=3, branches=3, epsilon=1.0)),  # ε = 1: fork at every fresh draft step
-    ("specbranch", dict(gamma=3, branches=3, epsilon=1.0, feed_stop=0.5, hold=0.5)),  # shorter verify passes,
-    # and the draft holds back where it is unsure
-    ("specbranch", dict(gamma=3, branches=3, epsilon=1.0, hold=0.5, hold_branches=True)),  # on the branches too
-    ("specbranch", dict(gamma=3, branches=3, epsilon=1.0, head_start=0.2)),  # the draft leads short blocks
-    ("specbranch", dict(gamma=2, branches=2, epsilon=1.0, top_k=5, top_p=0.9, temperature=0.8)),
-])
+@pytest.mark.parametrize(
+    "method, extra",
+    [
+        ("pearl", dict(gamma=2)),
+        ("specbranch", dict(gamma=3, branches=3, epsilon=1.0)),  # ε = 1: fork at every fresh draft step
+        ("specbranch", dict(gamma=3, branches=3, epsilon=1.0, feed_stop=0.5, hold=0.5)),  # shorter verify passes,
+        # and the draft holds back where it is unsure
+        ("specbranch", dict(gamma=3, branches=3, epsilon=1.0, hold=0.5, hold_branches=True)),  # on the branches too
+        ("specbranch", dict(gamma=3, branches=3, epsilon=1.0, head_start=0.2)),  # the draft leads short blocks
+        ("specbranch", dict(gamma=2, branches=2, epsilon=1.0, top_k=5, top_p=0.9, temperature=0.8)),
+    ],
+)
 def test_sampled_first_tokens_follow_target(tiny_engine, method, extra):
     check_sampled(tiny_engine, method, extra)
 
 
-@pytest.mark.parametrize("draft, matmul", [
-    pytest.param("draft", "bfloat16", marks=pytest.mark.skipif(not bf16_supported(), reason="no native bfloat16")),
-    pytest.param("self", "int4", marks=pytest.mark.skipif(not int4_supported(), reason="no CPU int4 kernel")),
-])
+@pytest.mark.parametrize(
+    "draft, matmul",
+    [
+        pytest.param("draft", "bfloat16", marks=pytest.mark.skipif(not bf16_supported(), reason="no native bfloat16")),
+        pytest.param("self", "int4", marks=pytest.mark.skipif(not int4_supported(), reason="no CPU int4 kernel")),
+    ],
+)
 def test_sampled_output_is_exact_with_a_low_precision_draft(tiny_dirs, draft, matmul):
     """q is whatever the draft's bfloat16 or 4-bit pass gave (the target itself in 4 bits: a twin over its weights),
     so the rules stay exact: the same chi-square, with branches."""
@@ -75,13 +101,16 @@ def check_sampled(engine, method: str, extra: dict) -> None:
     assert chi_square(counts, exact_joint(engine.pair.draft.model, PROMPT, 3, cfg, vocab), N) < 1e-6
 
 
-@pytest.mark.parametrize("method, extra", [
-    ("pearl", dict(gamma=4)),
-    ("specbranch", dict(gamma=4, branches=3, epsilon=0.9)),
-    ("specbranch", dict(gamma=4, branches=3, epsilon=0.9, feed_stop=0.4, hold=0.3)),  # and a hold
-    ("specbranch", dict(gamma=4, branches=3, epsilon=0.9, hold=0.3, hold_branches=True)),  # on the branches too
-    ("pearl", dict(gamma=3, head_start=0.3)),
-])
+@pytest.mark.parametrize(
+    "method, extra",
+    [
+        ("pearl", dict(gamma=4)),
+        ("specbranch", dict(gamma=4, branches=3, epsilon=0.9)),
+        ("specbranch", dict(gamma=4, branches=3, epsilon=0.9, feed_stop=0.4, hold=0.3)),  # and a hold
+        ("specbranch", dict(gamma=4, branches=3, epsilon=0.9, hold=0.3, hold_branches=True)),  # on the branches too
+        ("pearl", dict(gamma=3, head_start=0.3)),
+    ],
+)
 def test_greedy_equals_generate(embedded_target, greedy_references, method, extra):
     engine = engine_with_draft(embedded_target, "truncated:6")
     forks, held, wasted = [], 0, 0
@@ -120,8 +149,14 @@ def test_long_runs_to_the_context_end_match_ar(tiny_engine, method, gamma):
         want = tiny_engine.run(prompt, GenerationConfig(method="ar", max_new_tokens=100)).token_ids
         assert len(want) == 64 - len(prompt)
         for epsilon in (0.5, 0.7, 1.0):
-            cfg = dict(method=method, max_new_tokens=100, gamma=gamma, branches=3, epsilon=epsilon,
-                       feed_stop=0.4 if epsilon == 0.7 else 0.0)
+            cfg = dict(
+                method=method,
+                max_new_tokens=100,
+                gamma=gamma,
+                branches=3,
+                epsilon=epsilon,
+                feed_stop=0.4 if epsilon == 0.7 else 0.0,
+            )
             assert tiny_engine.run(prompt, GenerationConfig(**cfg)).token_ids == want
             s = tiny_engine.run(prompt, GenerationConfig(**cfg, temperature=1.0, seed=int(epsilon * 10)))
             assert len(s.token_ids) == 64 - len(prompt) and s.finish_reason == "length"
@@ -137,20 +172,27 @@ def test_sampled_head_start_reads_the_measured_acceptance(tiny_dirs, monkeypatch
     schedule_draft(monkeypatch, lambda state: 0)
     engine = Engine(load_pair(str(tiny_dirs["target"]), str(tiny_dirs["target"]), device="cpu", draft_matmul="float32"))
     try:
+
         def passes(method, seeds):
             """Drafted tokens each pass judged, every run's last pass left out (it ends at the token budget), and
             target passes, over runs of these seeds."""
             fed, n = [], 0
             for seed in seeds:
-                run = engine.run([2, 3, 4, 5], GenerationConfig(method=method, max_new_tokens=40, gamma=3,
-                                                                head_start=0.6, temperature=1.0, seed=seed))
+                run = engine.run(
+                    [2, 3, 4, 5],
+                    GenerationConfig(
+                        method=method, max_new_tokens=40, gamma=3, head_start=0.6, temperature=1.0, seed=seed
+                    ),
+                )
                 assert run.metrics["acceptance_rate"] == 1.0 and len(run.token_ids) == 40
                 fed += [e.drafted for e in run.events if isinstance(e, Verified)][:-1]
                 n += run.metrics["target_forwards"]
             return sum(fed) / len(fed), n
+
         passes("specbranch-no-branch", range(3))  # SpecBranch's first runs fill its table
-        (measured, measured_passes), (pearl, pearl_passes) = (passes(m, range(3, 6))
-                                                              for m in ("specbranch-no-branch", "pearl"))
+        (measured, measured_passes), (pearl, pearl_passes) = (
+            passes(m, range(3, 6)) for m in ("specbranch-no-branch", "pearl")
+        )
         assert measured >= pearl + 0.5 and measured_passes < pearl_passes
     finally:
         engine.close()
@@ -164,8 +206,12 @@ def test_head_start_verifies_drafted_tokens_after_a_rejection(tiny_engine):
     prompt = [2, 3, 4, 5]
     want = tiny_engine.run(prompt, GenerationConfig(method="ar", max_new_tokens=40)).token_ids
     for method in ("pearl", "specbranch"):
-        runs = {lead: tiny_engine.run(prompt, GenerationConfig(method=method, max_new_tokens=40, gamma=3, epsilon=0.7,
-                                                               head_start=lead)) for lead in (0.0, 1e-6)}
+        runs = {
+            lead: tiny_engine.run(
+                prompt, GenerationConfig(method=method, max_new_tokens=40, gamma=3, epsilon=0.7, head_start=lead)
+            )
+            for lead in (0.0, 1e-6)
+        }
         assert all(r.token_ids == want for r in runs.values())
         assert runs[1e-6].metrics["target_forwards"] < runs[0.0].metrics["target_forwards"]
         if method == "pearl":  # (SpecBranch's line may start at a branch point, judged by BranchResolved)

@@ -1,5 +1,6 @@
 """One set of defaults: the CLI, the bench and the app read each draft's settings from engine/presets.py, and every
 flag still overrides its preset."""
+
 from __future__ import annotations
 
 import json
@@ -42,10 +43,36 @@ def test_the_cli_starts_from_the_drafts_preset(monkeypatch):
 
 
 def test_every_flag_overrides_its_preset():
-    args = parse(["generate", "--draft", "self", "--gamma", "2", "--epsilon", "0.7", "--draft-stop", "0.4",
-                  "--feed-stop", "0.2", "--head-start", "0.5", "--hold", "0.3", "--hold-branches", "--hrad"])
+    args = parse(
+        [
+            "generate",
+            "--draft",
+            "self",
+            "--gamma",
+            "2",
+            "--epsilon",
+            "0.7",
+            "--draft-stop",
+            "0.4",
+            "--feed-stop",
+            "0.2",
+            "--head-start",
+            "0.5",
+            "--hold",
+            "0.3",
+            "--hold-branches",
+            "--hrad",
+        ]
+    )
     cfg = config_from(args, "specbranch")
-    assert (cfg.gamma, cfg.epsilon, cfg.draft_stop, cfg.feed_stop, cfg.head_start, cfg.hold) == (2, 0.7, 0.4, 0.2, 0.5, 0.3)
+    assert (cfg.gamma, cfg.epsilon, cfg.draft_stop, cfg.feed_stop, cfg.head_start, cfg.hold) == (
+        2,
+        0.7,
+        0.4,
+        0.2,
+        0.5,
+        0.3,
+    )
     assert cfg.hold_branches is True and cfg.hrad is True
     # a flag set to the value another preset has is kept when another draft's preset fills the rest
     other = config_from(with_preset(args, "embedded"), "specbranch")
@@ -66,9 +93,32 @@ def test_bench_records_each_entrys_settings(capsys, tiny_dirs, tmp_path):
     prompts = tmp_path / "b.jsonl"
     prompts.write_text('{"prompt": "a b", "chat": false}\n')
     out = tmp_path / "bench.json"
-    assert main(["bench", "--methods", "ar,specbranch", "--target", str(tiny_dirs["target"]), "--draft",
-                 str(tiny_dirs["draft"]), "--device", "cpu", "--dataset", str(prompts), "--max-new-tokens", "6",
-                 "--warmup", "0", "--draft-worker", "thread", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--methods",
+                "ar,specbranch",
+                "--target",
+                str(tiny_dirs["target"]),
+                "--draft",
+                str(tiny_dirs["draft"]),
+                "--device",
+                "cpu",
+                "--dataset",
+                str(prompts),
+                "--max-new-tokens",
+                "6",
+                "--warmup",
+                "0",
+                "--draft-worker",
+                "thread",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     for key, value in DISTILLED.settings().items():  # a draft directory is a distilled draft
         assert report["settings_by_method"]["specbranch"][key] == value, key
@@ -79,18 +129,35 @@ def test_the_app_starts_from_the_same_presets():
     assert defaults_for("self") == SELF.settings() and defaults_for("embedded-weak") == OFTEN_WRONG.settings()
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("gamma", 2.5, "γ must be a whole number, got 2.5"),
-    ("max_new", float("inf"), "max new tokens must be a whole number, got inf"),
-    ("seed", "x", "seed must be a number, got 'x'"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("gamma", 2.5, "γ must be a whole number, got 2.5"),
+        ("max_new", float("inf"), "max new tokens must be a whole number, got inf"),
+        ("seed", "x", "seed must be a number, got 'x'"),
+    ],
+)
 def test_the_apps_integer_controls_refuse_fractions_and_infinities(field, value, message):
     from engine.config import SpecBranchError
 
-    values = dict(method="sd", max_new=8, temperature=0, top_p=1, gamma=3, branches=3, epsilon=0.5, draft_stop=0,
-                  feed_stop=0, head_start=0, hold=0, hold_branches=False, hrad=False, seed=0)
+    values = dict(
+        method="sd",
+        max_new=8,
+        temperature=0,
+        top_p=1,
+        gamma=3,
+        branches=3,
+        epsilon=0.5,
+        draft_stop=0,
+        feed_stop=0,
+        head_start=0,
+        hold=0,
+        hold_branches=False,
+        hrad=False,
+        seed=0,
+    )
     with pytest.raises(SpecBranchError, match=message):
         make_config(**{**values, field: value})
-    big = 2 ** 62 - 1  # a seed larger than a float holds exactly stays exact
+    big = 2**62 - 1  # a seed larger than a float holds exactly stays exact
     assert make_config(**{**values, "seed": big}).seed == big
     assert make_config(**{**values, "max_new": 8.0}).max_new_tokens == 8

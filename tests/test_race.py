@@ -1,5 +1,6 @@
 """The race (app/race.py) on constructed runs with a fake clock: columns reveal tokens at their measured
 times from their own decode start, short races are slowed by one common factor, the identity check."""
+
 from __future__ import annotations
 
 import re
@@ -11,13 +12,17 @@ from engine.events import RunStarted, StepStarted, TimingSpan, TokensEmitted
 
 def run(method: str, times: list[float], tokens: list[int], temperature: float = 0.0, prefill: float = 0.5):
     """A run whose prefill ends at `prefill` s and whose step i emits tokens[i] at prefill + times[i]."""
-    events = [RunStarted(method, "t", "d", [1], "p", {"temperature": temperature}, "cpu", 0.0),
-              TimingSpan("target", "prefill", 0, 0.0, prefill),
-              TokensEmitted(0, [tokens[0]], ["x"], ["target"], "x")]
+    events = [
+        RunStarted(method, "t", "d", [1], "p", {"temperature": temperature}, "cpu", 0.0),
+        TimingSpan("target", "prefill", 0, 0.0, prefill),
+        TokensEmitted(0, [tokens[0]], ["x"], ["target"], "x"),
+    ]
     for i, (t, token) in enumerate(zip(times, tokens[1:]), 1):
-        events += [StepStarted(i, i, prefill + t - 0.01), TimingSpan("target", "decode", i, prefill + t - 0.01,
-                                                                      prefill + t),
-                   TokensEmitted(i, [token], [f"<{token}>"], ["target"], "")]
+        events += [
+            StepStarted(i, i, prefill + t - 0.01),
+            TimingSpan("target", "decode", i, prefill + t - 0.01, prefill + t),
+            TokensEmitted(i, [token], [f"<{token}>"], ["target"], ""),
+        ]
     return events
 
 

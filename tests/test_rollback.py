@@ -1,9 +1,12 @@
 """KV-cache rollback: after cropping and re-feeding, logits equal those of a fresh forward pass."""
+
 from __future__ import annotations
 
 import torch
 
 from engine.models import cache as kv
+
+
 def check_rollback(lm, prompt, speculative, replacement):
     with torch.inference_mode():
         c = kv.new_cache(lm.model)
@@ -13,7 +16,7 @@ def check_rollback(lm, prompt, speculative, replacement):
         removed = kv.rollback(c, len(prompt))
         assert removed == len(speculative) and kv.cache_length(c) == len(prompt)
         after = lm.forward(torch.tensor([replacement]), c)[0]
-        fresh = lm.forward(torch.tensor([prompt + replacement]), kv.new_cache(lm.model))[0, len(prompt):]
+        fresh = lm.forward(torch.tensor([prompt + replacement]), kv.new_cache(lm.model))[0, len(prompt) :]
     torch.testing.assert_close(after, fresh, rtol=1e-4, atol=1e-4)
 
 

@@ -1,6 +1,7 @@
 """Issue 12: a crafted import never reaches the page as markup, mistyped metrics and unsafe ids are refused,
 exports go to a private per-process folder, a browser keeps its runs across a reload, and a request
 cancelled while it waits for the engine's lock leaves the engine usable."""
+
 from __future__ import annotations
 
 import asyncio
@@ -116,6 +117,7 @@ def plot_strings(fig) -> list[str]:
         elif isinstance(value, (list, tuple)):
             for v in value:
                 walk(v)
+
     walk(fig.to_dict()["data"])
     return out
 
@@ -135,22 +137,26 @@ def test_an_imported_method_and_span_kind_reach_the_figures_as_text(recorded, tm
         session_id = import_session(store, doc, owner="bob")
         runs = store.load_session_events(session_id, "bob")
     result = compare_runs(runs)
-    strings = plot_strings(timeline_figure(runs)) + plot_strings(step_alignment_figure(result["by_step"],
-                                                                                      result["labels"]))
-    shown = "&lt;a href=\"javascript:alert(1)\"&gt;x&lt;/a&gt;&lt;span style=\"x\"&gt;&#37;{x}"
+    strings = plot_strings(timeline_figure(runs)) + plot_strings(
+        step_alignment_figure(result["by_step"], result["labels"])
+    )
+    shown = '&lt;a href="javascript:alert(1)"&gt;x&lt;/a&gt;&lt;span style="x"&gt;&#37;{x}'
     assert sum(shown in s for s in strings) >= 4  # lanes, a legend entry, hover text, the aligned plot's names
     for s in strings:
         assert "<a" not in s and "<span" not in s and "%{x}" not in s, s
 
 
-@pytest.mark.parametrize("how, reason", [
-    ("event metric", r"run 2, event \d+: finished metrics: field 'tokens_per_s' should be float, got '\"><img"),
-    ("run metric", r"run 2 metrics: field 'overlap' should be float, got '\"><img"),
-    ("nested metric", r"finished metrics: field 'per_position_acceptance' should be list\[float \| None\]"),
-    ("histogram", r"finished metrics: field 'accepted_length_histogram' should be dict\[str, int\]"),
-    ("unknown metric", r"finished metrics has unknown fields: evil"),
-    ("bool metric", r"finished metrics: field 'new_tokens' should be int, got True"),
-])
+@pytest.mark.parametrize(
+    "how, reason",
+    [
+        ("event metric", r"run 2, event \d+: finished metrics: field 'tokens_per_s' should be float, got '\"><img"),
+        ("run metric", r"run 2 metrics: field 'overlap' should be float, got '\"><img"),
+        ("nested metric", r"finished metrics: field 'per_position_acceptance' should be list\[float \| None\]"),
+        ("histogram", r"finished metrics: field 'accepted_length_histogram' should be dict\[str, int\]"),
+        ("unknown metric", r"finished metrics has unknown fields: evil"),
+        ("bool metric", r"finished metrics: field 'new_tokens' should be int, got True"),
+    ],
+)
 def test_mistyped_metric_is_refused_naming_the_field(recorded, tmp_path, how, reason):  # noqa: F811
     doc = export_session(recorded["store"], recorded["session_id"])
     run = doc["runs"][1]
@@ -185,13 +191,16 @@ def test_an_older_export_without_later_metrics_imports(recorded, tmp_path):  # n
         assert len(store.list_sessions()) == 1
 
 
-@pytest.mark.parametrize("where, bad_id, reason", [
-    ("session", "../../tmp/x", r"session: id '\.\./\.\./tmp/x' is not allowed"),
-    ("session", PAYLOAD, "session: id .* is not allowed: an id is 1 to 64 letters, digits"),
-    ("session", "a" * 65, "session: id 'a+ is not allowed"),
-    ("session", "", "session: id '' is not allowed"),
-    ("run", "run/../../x", r"run 1: id 'run/\.\./\.\./x' is not allowed"),
-])
+@pytest.mark.parametrize(
+    "where, bad_id, reason",
+    [
+        ("session", "../../tmp/x", r"session: id '\.\./\.\./tmp/x' is not allowed"),
+        ("session", PAYLOAD, "session: id .* is not allowed: an id is 1 to 64 letters, digits"),
+        ("session", "a" * 65, "session: id 'a+ is not allowed"),
+        ("session", "", "session: id '' is not allowed"),
+        ("run", "run/../../x", r"run 1: id 'run/\.\./\.\./x' is not allowed"),
+    ],
+)
 def test_unsafe_session_and_run_ids_are_refused(recorded, tmp_path, where, bad_id, reason):  # noqa: F811
     doc = export_session(recorded["store"], recorded["session_id"])
     (doc["session"] if where == "session" else doc["runs"][0])["id"] = bad_id
@@ -222,8 +231,9 @@ def test_a_reload_keeps_ones_private_runs_and_another_browser_does_not_see_them(
     assert browser_id_state().storage_key == STORAGE_KEY  # every page load reads the same localStorage entry
     first_visit = browser_identity(None)  # a new browser: a new id, which it keeps in localStorage
     with Store(tmp_path / "s.db") as store:
-        mine = store.start_session(owner_of(first_visit, SimpleNamespace(session_hash="tab-1")), "my prompt", "t",
-                                   "d", {})
+        mine = store.start_session(
+            owner_of(first_visit, SimpleNamespace(session_hash="tab-1")), "my prompt", "t", "d", {}
+        )
         shared = store.start_session("someone", "their shared prompt", "t", "d", {}, shared=True)
         reloaded = browser_identity(first_visit)  # the reload: a new Gradio session, the same stored id
         assert reloaded == first_visit

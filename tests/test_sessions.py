@@ -1,6 +1,7 @@
 """Sessions: recorded runs replay exactly (tokens, metrics, figures, views), export/import is byte-stable,
 killed or stopped runs stay readable as partial, concurrent recorders lose nothing, owners see only
 their own and shared sessions, and search text is only ever text."""
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,9 @@ ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = {
     # forks at every fresh draft step, and holds back where even a fork is unlikely to hold up (kind "held"); by
     # the draft's confidence as is, so what the shared engine measured in other tests' runs changes nothing here
-    "specbranch": GenerationConfig(method="specbranch", max_new_tokens=20, gamma=3, epsilon=1.0, hold=0.5,
-                                   calibrate=False),
+    "specbranch": GenerationConfig(
+        method="specbranch", max_new_tokens=20, gamma=3, epsilon=1.0, hold=0.5, calibrate=False
+    ),
     "sd": GenerationConfig(method="sd", max_new_tokens=20, gamma=3),
 }
 PROMPT_IDS = [2, 3, 4]
@@ -131,8 +133,8 @@ def test_any_step_re_renders_from_its_prefix(recorded, method):
     previous = []
     for step in steps:
         prefix = events_up_to_step(events, step)
-        assert events[:len(prefix)] == prefix and len(prefix) > len(previous)
-        assert not any(getattr(e, "step", -1) == step for e in events[len(prefix):])  # the whole step is in
+        assert events[: len(prefix)] == prefix and len(prefix) > len(previous)
+        assert not any(getattr(e, "step", -1) == step for e in events[len(prefix) :])  # the whole step is in
         assert tree_html(prefix, step) == tree_html(events, step)
         previous = prefix
     assert isinstance(events_up_to_step(events, 0)[-1], TokensEmitted)  # prefill and its first token
@@ -166,8 +168,9 @@ def test_compare_runs_aligns_by_step_and_time(recorded):
     assert cmp["speedup"][0] == 1.0
     assert cmp["by_step"][-1]["total"] == [20, 20] and cmp["by_time"][-1]["total"] == [20, 20]
     for row in cmp["by_step"]:
-        assert row["tokens"] == [sum(len(e.tokens) for e in r if isinstance(e, TokensEmitted) and e.step == row["step"])
-                                 for r in runs]
+        assert row["tokens"] == [
+            sum(len(e.tokens) for e in r if isinstance(e, TokensEmitted) and e.step == row["step"]) for r in runs
+        ]
     times = [row["t"] for row in cmp["by_time"]]
     assert times == sorted(times)
 
@@ -239,8 +242,14 @@ def test_killed_process_leaves_a_readable_partial_session(recorded, tmp_path):
     with Store(path) as store:
         session_id = store.start_session("alice", "a b c", "t", "d", {})
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(path), str(events_file), session_id], cwd=ROOT,
-                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(path), str(events_file), session_id],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         ready, _, _ = select.select([child.stdout], [], [], 60)
         assert ready and child.stdout.readline().strip() == "ready", child.stderr.read() if not ready else ""
@@ -252,7 +261,7 @@ def test_killed_process_leaves_a_readable_partial_session(recorded, tmp_path):
         assert store.integrity_check() == "ok"
         (run,) = store.get_session(session_id)["runs"]
         stored = store.load_run_events(run["id"])
-        assert 41 <= len(stored) < len(events) and stored == events[:len(stored)]
+        assert 41 <= len(stored) < len(events) and stored == events[: len(stored)]
         assert run["status"] == "partial" and run["token_count"] == len(token_ids(stored))
         assert store.list_sessions(owner="alice")[0]["status"] == "partial"
 

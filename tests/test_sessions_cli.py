@@ -1,4 +1,5 @@
 """python -m sessions: list, export (JSON and Chrome trace), import and delete, in-process."""
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,9 @@ def test_list_export_import_delete(recorded, tmp_path, capsys):  # noqa: F811
     out, trace = tmp_path / "s.json", tmp_path / "s.trace.json"
     assert main(["export", session_id, str(out), "--trace", str(trace), "--db", db]) == 0
     events = json.loads(trace.read_text())["traceEvents"]
-    assert sum(e["ph"] == "X" for e in events) == sum(e.type == "timing_span" for r in recorded["live"].values()
-                                                      for e in r)
+    assert sum(e["ph"] == "X" for e in events) == sum(
+        e.type == "timing_span" for r in recorded["live"].values() for e in r
+    )
     assert "wrote" in capsys.readouterr().out
 
     other = str(tmp_path / "other.db")

@@ -1,5 +1,6 @@
 """Sessions on bad ground: a corrupt or foreign file, a read-only place, a full disk and malformed imports
 give a clear SessionStoreError; a recorder that cannot write says why and the generation still completes."""
+
 from __future__ import annotations
 
 import copy
@@ -46,10 +47,13 @@ def test_foreign_sqlite_file(tmp_path):
     assert path.read_bytes() == before
 
 
-@pytest.mark.parametrize("where, message", [
-    ("/proc/specbranch-test/sessions.db", "cannot create the folder /proc/specbranch-test"),
-    ("/proc/specbranch-test.db", "cannot open /proc/specbranch-test.db"),
-])
+@pytest.mark.parametrize(
+    "where, message",
+    [
+        ("/proc/specbranch-test/sessions.db", "cannot create the folder /proc/specbranch-test"),
+        ("/proc/specbranch-test.db", "cannot open /proc/specbranch-test.db"),
+    ],
+)
 def test_unwritable_location(where, message):
     with pytest.raises(SessionStoreError, match=message):  # fails as root too (chmod would not)
         Store(where)
@@ -84,6 +88,7 @@ def full_disk(monkeypatch):
         pages = conn.execute("PRAGMA page_count").fetchone()[0]
         conn.execute(f"PRAGMA max_page_count = {pages}")
         return conn
+
     monkeypatch.setattr(db_mod, "connect", tiny)
 
 
@@ -155,21 +160,24 @@ def corrupt(doc, how):
     return doc
 
 
-@pytest.mark.parametrize("how, reason", [
-    ("version", "version 99 is not supported"),
-    ("format", "not a session file"),
-    ("missing session field", "session is missing fields: prompt"),
-    ("missing run field", "run 1 is missing fields: events"),
-    ("unknown event type", "run 2, event 4: unknown event type 'teleported'"),
-    ("unknown event field", "run 2, event 4: .*unknown fields \\['colour'\\]"),
-    ("missing event field", "run 2, event .*step"),
-    ("wrong event field type", "field 'step' should be int, got 'three'"),
-    ("bool is not a number", "field 'step' should be int, got True"),
-    ("nested type", "field 'tokens' should be list\\[int\\]"),
-    ("first event", "must begin with a run_started event"),
-    ("lying status", "run 2: status is 'partial', but its events say 'complete'"),
-    ("lying token count", "run 2: token_count is 3, but its events say 20"),
-])
+@pytest.mark.parametrize(
+    "how, reason",
+    [
+        ("version", "version 99 is not supported"),
+        ("format", "not a session file"),
+        ("missing session field", "session is missing fields: prompt"),
+        ("missing run field", "run 1 is missing fields: events"),
+        ("unknown event type", "run 2, event 4: unknown event type 'teleported'"),
+        ("unknown event field", "run 2, event 4: .*unknown fields \\['colour'\\]"),
+        ("missing event field", "run 2, event .*step"),
+        ("wrong event field type", "field 'step' should be int, got 'three'"),
+        ("bool is not a number", "field 'step' should be int, got True"),
+        ("nested type", "field 'tokens' should be list\\[int\\]"),
+        ("first event", "must begin with a run_started event"),
+        ("lying status", "run 2: status is 'partial', but its events say 'complete'"),
+        ("lying token count", "run 2: token_count is 3, but its events say 20"),
+    ],
+)
 def test_malformed_import_is_refused_with_the_reason(recorded, tmp_path, how, reason):  # noqa: F811
     doc = export_session(recorded["store"], recorded["session_id"])
     with Store(tmp_path / "s.db") as store:
@@ -182,12 +190,15 @@ def test_malformed_import_is_refused_with_the_reason(recorded, tmp_path, how, re
         assert len(store.list_sessions()) == 1
 
 
-@pytest.mark.parametrize("text, reason", [
-    ("{not json", "not valid JSON"),
-    (b"\xff\xfe\x00garbage", "not valid JSON"),
-    ("[1, 2]", "not a session file"),
-    ('{"format": "specbranch-session", "version": 1, "session": {}, "runs": []}', "session is missing fields"),
-])
+@pytest.mark.parametrize(
+    "text, reason",
+    [
+        ("{not json", "not valid JSON"),
+        (b"\xff\xfe\x00garbage", "not valid JSON"),
+        ("[1, 2]", "not a session file"),
+        ('{"format": "specbranch-session", "version": 1, "session": {}, "runs": []}', "session is missing fields"),
+    ],
+)
 def test_import_of_non_session_text(tmp_path, text, reason):
     with Store(tmp_path / "s.db") as store:
         with pytest.raises(SessionStoreError, match=reason):

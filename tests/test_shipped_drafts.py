@@ -1,6 +1,7 @@
 """The shipped drafts for the embedded target load offline and keep their measured acceptance on
 fixed held-out (benchmark-split) prompts, so that a regression shows; the H-RAD weights load and
 SpecBranch with them stays lossless."""
+
 from __future__ import annotations
 
 import pytest
@@ -40,6 +41,7 @@ def measured(embedded_target):
             engine = engine_with_draft(embedded_target, spec)
             cache[spec] = acceptance(engine, held_out(engine))
         return cache[spec]
+
     return of
 
 
@@ -67,11 +69,13 @@ def test_head_draft_acceptance_and_greedy_equality(embedded_target):
     assert acceptance(engine, prompts) >= HEAD_FLOOR
     want = engine.run(prompts[0], GenerationConfig(method="ar", max_new_tokens=64)).token_ids
     for method in ("pearl", "specbranch"):
-        r = engine.run(prompts[0], GenerationConfig(method=method, max_new_tokens=64, gamma=3, draft_stop=0.3,
-                                                    hrad=True))
+        r = engine.run(
+            prompts[0], GenerationConfig(method=method, max_new_tokens=64, gamma=3, draft_stop=0.3, hrad=True)
+        )
         assert r.token_ids == want
-    assert any(isinstance(e, Notice) and "H-RAD off (a draft head has no H-RAD classifier)" in e.message
-               for e in r.events)
+    assert any(
+        isinstance(e, Notice) and "H-RAD off (a draft head has no H-RAD classifier)" in e.message for e in r.events
+    )
 
 
 def test_hrad_weights_load_and_specbranch_matches_ar(embedded_target):

@@ -1,5 +1,6 @@
 """Sessions that outlive a Space's restart (sessions/snapshot.py): the store stays on local disk, a consistent copy
 goes to a mounted bucket, and a fresh machine starts from it."""
+
 from __future__ import annotations
 
 import sqlite3

@@ -2,6 +2,7 @@
 logits, features and per-layer hidden states (torch.equal, not a tolerance) through prefill, single steps, verify
 passes, rollbacks and a cache that outgrows its buffers, on a tiny random Llama and on the embedded target; and it
 is used only where it fits."""
+
 from __future__ import annotations
 
 import pytest
@@ -26,8 +27,10 @@ def assert_same_passes(static: LM, plain: LM, ids: torch.Tensor, cache_capacity:
     cuts = [0, n // 2, n // 2 + 1, n // 2 + 5, n // 2 + 6]  # prefill, a step, a 4-token pass, a step
     for i, (lo, hi) in enumerate(zip(cuts, cuts[1:])):
         hidden = i % 2 == 0  # H-RAD reads the hidden states: they must match too
-        x, y = static.forward(ids[:, lo:hi], a, hidden_states=hidden, features=True), \
-            plain.forward(ids[:, lo:hi], b, hidden_states=hidden, features=True)
+        x, y = (
+            static.forward(ids[:, lo:hi], a, hidden_states=hidden, features=True),
+            plain.forward(ids[:, lo:hi], b, hidden_states=hidden, features=True),
+        )
         assert torch.equal(x.logits, y.logits) and torch.equal(x.features, y.features)
         if hidden:
             assert len(x.hidden_states) == len(y.hidden_states)
@@ -35,7 +38,7 @@ def assert_same_passes(static: LM, plain: LM, ids: torch.Tensor, cache_capacity:
     for cache in (a, b):  # a rejected verify pass: roll both back by 3, then verify another block
         cache.crop(-3)
     assert a.get_seq_length() == b.get_seq_length() == cuts[-1] - 3
-    rest = ids[:, cuts[-1] - 3:]
+    rest = ids[:, cuts[-1] - 3 :]
     assert torch.equal(static.forward(rest, a), plain.forward(rest, b))
     assert a.get_seq_length() == b.get_seq_length() == n
 

@@ -1,5 +1,6 @@
 """How shipped weights are stored (engine/drafts/storage.py): int8 matrices with per-row scales, float16 vectors,
 loaded into the model's dtype; the shipped drafts fit the size a device call can carry."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,15 +1,25 @@
 """The branch tree (app/tree.py) on constructed event lists: verdicts, the survivor, hover numbers, a layout
 whose label boxes never overlap, and escaping. No model is needed."""
+
 from __future__ import annotations
 
 import html
 import itertools
 import re
 
-from app.tree import (CELL_PX, PAD_X, boxes_overlap, build_tree, cells, layout, step_caption, tree_html, tree_svg,
-                      visible)
-from engine.events import (BranchResolved, DraftProposed, Rollback, StepStarted, TimingSpan, TokensEmitted,
-                           Verified)
+from app.tree import (
+    CELL_PX,
+    PAD_X,
+    boxes_overlap,
+    build_tree,
+    cells,
+    layout,
+    step_caption,
+    tree_html,
+    tree_svg,
+    visible,
+)
+from engine.events import BranchResolved, DraftProposed, Rollback, StepStarted, TimingSpan, TokensEmitted, Verified
 
 START = 10  # committed tokens when the step begins
 
@@ -23,12 +33,25 @@ def node_count(svg: str) -> int:
 
 
 def linear_rejection():
-    return [StepStarted(1, START, 0.0),
-            DraftProposed(1, [1, 2, 3, 4], ["a", "b", "c", "d"], [0.9, 0.8, 0.7, 0.6], parent_position=START),
-            Verified(1, 4, 2, [0.95, 0.5, 0.1], [0.9, 0.8, 0.7], [0.2, 0.4, 0.9], 9, "correction", 0.6,
-                     tokens=[1, 2, 3, 4], pieces=["a", "b", "c", "d"]),
-            Rollback(1, "draft", [3, 4], ["c", "d"], "rejected"),
-            TokensEmitted(1, [1, 2, 9], ["a", "b", "X"], ["accepted", "accepted", "correction"], "abX")]
+    return [
+        StepStarted(1, START, 0.0),
+        DraftProposed(1, [1, 2, 3, 4], ["a", "b", "c", "d"], [0.9, 0.8, 0.7, 0.6], parent_position=START),
+        Verified(
+            1,
+            4,
+            2,
+            [0.95, 0.5, 0.1],
+            [0.9, 0.8, 0.7],
+            [0.2, 0.4, 0.9],
+            9,
+            "correction",
+            0.6,
+            tokens=[1, 2, 3, 4],
+            pieces=["a", "b", "c", "d"],
+        ),
+        Rollback(1, "draft", [3, 4], ["c", "d"], "rejected"),
+        TokensEmitted(1, [1, 2, 9], ["a", "b", "X"], ["accepted", "accepted", "correction"], "abX"),
+    ]
 
 
 def fork(survivor: int, rescued: bool, tried: int):
@@ -38,22 +61,49 @@ def fork(survivor: int, rescued: bool, tried: int):
     token = [11, 12, 13][survivor] if survivor >= 0 else 99
     losers = [t for b in range(3) if b != survivor for t in [11 + b, *branches[b]]]
     kinds = ["accepted", ("rescued" if rescued else "accepted") if survivor >= 0 else "correction"]
-    return [StepStarted(2, START, 0.0),
-            DraftProposed(2, [11, 12, 13], ["c1", "c2", "c3"], [0.5, 0.3, 0.1], parent_position=START + 1,
-                          kind="candidates"),
-            *[DraftProposed(2, [branches[b][j]], [pieces[b][j]], [0.7], branch=b + 1,
-                            parent_position=START + 2 + j, kind="branch") for j in range(2) for b in range(3)],
-            Verified(2, 1, 1, [0.9], [0.8], [0.1], -1, "", 0.0, tokens=[5], pieces=["p"]),
-            BranchResolved(2, START + 1, [11, 12, 13], ["c1", "c2", "c3"], [0.5, 0.3, 0.1], [0.2, 0.6, 0.1],
-                           [0.9, 0.3, 0.95][:tried], "without_replacement", branches, pieces, survivor, token, rescued),
-            Rollback(2, "draft", losers, ["?"] * len(losers), "losing branches"),
-            TokensEmitted(2, [5, token], ["p", "Z" if survivor < 0 else f"c{survivor + 1}"], kinds, "")]
+    return [
+        StepStarted(2, START, 0.0),
+        DraftProposed(
+            2, [11, 12, 13], ["c1", "c2", "c3"], [0.5, 0.3, 0.1], parent_position=START + 1, kind="candidates"
+        ),
+        *[
+            DraftProposed(
+                2, [branches[b][j]], [pieces[b][j]], [0.7], branch=b + 1, parent_position=START + 2 + j, kind="branch"
+            )
+            for j in range(2)
+            for b in range(3)
+        ],
+        Verified(2, 1, 1, [0.9], [0.8], [0.1], -1, "", 0.0, tokens=[5], pieces=["p"]),
+        BranchResolved(
+            2,
+            START + 1,
+            [11, 12, 13],
+            ["c1", "c2", "c3"],
+            [0.5, 0.3, 0.1],
+            [0.2, 0.6, 0.1],
+            [0.9, 0.3, 0.95][:tried],
+            "without_replacement",
+            branches,
+            pieces,
+            survivor,
+            token,
+            rescued,
+        ),
+        Rollback(2, "draft", losers, ["?"] * len(losers), "losing branches"),
+        TokensEmitted(2, [5, token], ["p", "Z" if survivor < 0 else f"c{survivor + 1}"], kinds, ""),
+    ]
 
 
 def test_a_linear_rejection():
     root = build_tree(linear_rejection(), "the prefix")
-    assert verdicts(root) == [("the prefix", "prefix", True), ("a", "accepted", True), ("b", "accepted", True),
-                              ("c", "rejected", False), ("d", "unverified", False), ("X", "correction", True)]
+    assert verdicts(root) == [
+        ("the prefix", "prefix", True),
+        ("a", "accepted", True),
+        ("b", "accepted", True),
+        ("c", "rejected", False),
+        ("d", "unverified", False),
+        ("X", "correction", True),
+    ]
     svg = tree_svg(linear_rejection(), "the prefix")
     assert node_count(svg) == 6
     assert svg.count('class="node v-accepted survivor"') == 2 and svg.count("v-rejected") == 1
@@ -86,10 +136,26 @@ def test_the_first_branch_verified_in_the_same_step():
     """Candidate 1 survives and its branch was fed to the target too: x0 accepted, y0 rejected, then the
     target's correction after x0, all in this step."""
     events = fork(survivor=0, rescued=False, tried=1)
-    events.insert(-2, Verified(2, 2, 1, [0.9, 0.05], [0.7, 0.7], [0.3, 0.8], 77, "correction", 0.4, branch=1,
-                               tokens=[20, 30], pieces=["x0", "y0"]))
-    events[-1] = TokensEmitted(2, [5, 11, 20, 77], ["p", "c1", "x0", "W"],
-                               ["accepted", "accepted", "accepted", "correction"], "")
+    events.insert(
+        -2,
+        Verified(
+            2,
+            2,
+            1,
+            [0.9, 0.05],
+            [0.7, 0.7],
+            [0.3, 0.8],
+            77,
+            "correction",
+            0.4,
+            branch=1,
+            tokens=[20, 30],
+            pieces=["x0", "y0"],
+        ),
+    )
+    events[-1] = TokensEmitted(
+        2, [5, 11, 20, 77], ["p", "c1", "x0", "W"], ["accepted", "accepted", "accepted", "correction"], ""
+    )
     got = verdicts(build_tree(events))
     by_text = {text: (verdict, survivor) for text, verdict, survivor in got}
     assert by_text["c1"] == ("accepted", True)
@@ -105,7 +171,11 @@ def test_a_fork_where_every_candidate_loses():
     root = build_tree(fork(survivor=-1, rescued=False, tried=3))
     path = root.children[0]
     assert [(c.text, c.verdict, c.survivor) for c in path.children] == [
-        ("c1", "rejected", False), ("c2", "rejected", False), ("c3", "rejected", False), ("Z", "correction", True)]
+        ("c1", "rejected", False),
+        ("c2", "rejected", False),
+        ("c3", "rejected", False),
+        ("Z", "correction", True),
+    ]
     assert all(not n.survivor for c in path.children[:3] for n in c.walk())
 
 
@@ -114,12 +184,26 @@ def test_depth_16_by_k_6_labels_never_overlap_or_clip():
     path = [words[i % len(words)] for i in range(10)]
     k, depth = 6, 5
     branches = [[words[(b + j) % len(words)] for j in range(depth)] for b in range(k)]
-    events = [StepStarted(3, START, 0.0),
-              Verified(3, 10, 10, [0.9] * 10, [0.8] * 10, [-1.0] * 10, -1, "", 0.0, tokens=list(range(10)),
-                       pieces=path),
-              BranchResolved(3, START + 10, list(range(k)), [f"cand{'≈' * b}" for b in range(k)], [0.1] * k,
-                             [0.1] * k, [0.5] * k, "topk", [list(range(depth))] * k, branches, 3, 3, True),
-              TokensEmitted(3, list(range(11)), path + ["cand≈≈≈"], ["accepted"] * 10 + ["rescued"], "")]
+    events = [
+        StepStarted(3, START, 0.0),
+        Verified(3, 10, 10, [0.9] * 10, [0.8] * 10, [-1.0] * 10, -1, "", 0.0, tokens=list(range(10)), pieces=path),
+        BranchResolved(
+            3,
+            START + 10,
+            list(range(k)),
+            [f"cand{'≈' * b}" for b in range(k)],
+            [0.1] * k,
+            [0.1] * k,
+            [0.5] * k,
+            "topk",
+            [list(range(depth))] * k,
+            branches,
+            3,
+            3,
+            True,
+        ),
+        TokensEmitted(3, list(range(11)), path + ["cand≈≈≈"], ["accepted"] * 10 + ["rescued"], ""),
+    ]
     prefix = "a long committed prefix " * 5
     boxes = layout(build_tree(events, prefix))
     assert max(b.depth for b in boxes) == 16 and len(boxes) == 1 + 10 + k * (1 + depth)
@@ -136,10 +220,21 @@ def test_token_text_is_escaped_and_whitespace_visible():
     hostile = '<img src=x onerror="alert(1)">'
     events = linear_rejection()
     events[1] = DraftProposed(1, [1, 2, 3, 4], [hostile, " b\n", "c", "d"], [0.9] * 4, parent_position=START)
-    events[2] = Verified(1, 4, 2, [0.9, 0.9, 0.1], [0.9] * 3, [-1.0] * 3, 9, "correction", 0.6, tokens=[1, 2, 3, 4],
-                         pieces=[hostile, " b\n", "c", "d"])
+    events[2] = Verified(
+        1,
+        4,
+        2,
+        [0.9, 0.9, 0.1],
+        [0.9] * 3,
+        [-1.0] * 3,
+        9,
+        "correction",
+        0.6,
+        tokens=[1, 2, 3, 4],
+        pieces=[hostile, " b\n", "c", "d"],
+    )
     svg = tree_svg(events, prefix="</svg><script>alert(2)</script>")
-    assert "<img" not in svg and "<script" not in svg and "onerror=\"" not in svg
+    assert "<img" not in svg and "<script" not in svg and 'onerror="' not in svg
     assert "&lt;img␣src=x␣onerror=&quot;alert(1)&quot;&gt;" in svg  # shown as text (spaces made visible)
     assert "␣b⏎" in svg and visible(" \t\r\x00") == "␣⇥␍\\x00"
 
@@ -148,13 +243,19 @@ def test_the_caption_says_when_the_pass_did_not_wait_on_the_draft_after_a_hold()
     """After a step where the draft held back, the caption says so when the target's pass started before the draft's
     first step of the step ended (the draft followed it, engine.methods.parallel.DraftState.follows), and not when the draft
     led (its step ended before the pass began) or when nothing was held."""
-    held = [StepStarted(1, START, 0.0), DraftProposed(1, [], [], [], parent_position=START + 1, kind="held",
-                                                       confidence=0.2, odds=0.1),
-            TokensEmitted(1, [5], ["e"], ["target"], "e")]
+    held = [
+        StepStarted(1, START, 0.0),
+        DraftProposed(1, [], [], [], parent_position=START + 1, kind="held", confidence=0.2, odds=0.1),
+        TokensEmitted(1, [5], ["e"], ["target"], "e"),
+    ]
 
     def step(draft_start: float, draft_end: float) -> list:
-        return [StepStarted(2, START + 1, 0.1), TimingSpan("draft", "draft", 2, draft_start, draft_end),
-                TimingSpan("target", "verify", 2, 0.105, 0.15), TokensEmitted(2, [6], ["f"], ["target"], "f")]
+        return [
+            StepStarted(2, START + 1, 0.1),
+            TimingSpan("draft", "draft", 2, draft_start, draft_end),
+            TimingSpan("target", "verify", 2, 0.105, 0.15),
+            TokensEmitted(2, [6], ["f"], ["target"], "f"),
+        ]
 
     words = "the target's pass started without waiting on a draft step"
     followed, led = step(0.1051, 0.11), step(0.1, 0.104)
@@ -168,15 +269,20 @@ def test_the_caption_says_when_the_pass_did_not_wait_on_the_draft_after_a_hold()
 def test_the_caption_tells_a_branch_hold_from_a_path_hold():
     """A hold on a fork's branches (a "held" proposal on branch 1) is captioned as such, with the line's odds it
     read, and is not a path hold: the target takes no position for it, and the next step's pass did not follow it."""
-    branch_held = [*fork(survivor=0, rescued=False, tried=1)[:-1],
-                   DraftProposed(2, [], [], [], branch=1, parent_position=START + 4, kind="held", confidence=0.4,
-                                 odds=0.3125),
-                   fork(survivor=0, rescued=False, tried=1)[-1]]
+    branch_held = [
+        *fork(survivor=0, rescued=False, tried=1)[:-1],
+        DraftProposed(2, [], [], [], branch=1, parent_position=START + 4, kind="held", confidence=0.4, odds=0.3125),
+        fork(survivor=0, rescued=False, tried=1)[-1],
+    ]
     caption = step_caption(branch_held, 2)
     assert "the branches held back (odds that the first branch's line holds up with one more token 0.31)" in caption
     assert "the target takes that token itself" not in caption
-    nxt = [StepStarted(3, START + 2, 0.1), TimingSpan("draft", "draft", 3, 0.1051, 0.11),
-           TimingSpan("target", "verify", 3, 0.105, 0.15), TokensEmitted(3, [6], ["f"], ["target"], "f")]
+    nxt = [
+        StepStarted(3, START + 2, 0.1),
+        TimingSpan("draft", "draft", 3, 0.1051, 0.11),
+        TimingSpan("target", "verify", 3, 0.105, 0.15),
+        TokensEmitted(3, [6], ["f"], ["target"], "f"),
+    ]
     assert "started without waiting on a draft step" not in step_caption(nxt, 3, branch_held)
 
 
@@ -192,11 +298,25 @@ def test_the_headline_says_which_branch_won_in_large_type():
     lost = step_headline(fork(survivor=-1, rescued=False, tried=3))
     assert "every branch lost" in lost and ">Z</span>" in lost
     assert "2 of 4 drafted tokens accepted, no fork" in step_headline(linear_rejection())
-    assert tree_html(fork(survivor=1, rescued=True, tried=2), 2).index("tree-headline") < \
-        tree_html(fork(survivor=1, rescued=True, tried=2), 2).index("tree-caption")
+    assert tree_html(fork(survivor=1, rescued=True, tried=2), 2).index("tree-headline") < tree_html(
+        fork(survivor=1, rescued=True, tried=2), 2
+    ).index("tree-caption")
     evil = fork(survivor=1, rescued=True, tried=2)
-    evil[next(i for i, e in enumerate(evil) if isinstance(e, BranchResolved))] = BranchResolved(2, START + 1, [11, 12, 13], ["c1", "<img src=x onerror=alert(1)>", "c3"], [0.5] * 3,
-                             [0.2] * 3, [0.9, 0.3], "topk", [[1], [2], [3]], [["a"], ["b"], ["c"]], 1, 12, True)
+    evil[next(i for i, e in enumerate(evil) if isinstance(e, BranchResolved))] = BranchResolved(
+        2,
+        START + 1,
+        [11, 12, 13],
+        ["c1", "<img src=x onerror=alert(1)>", "c3"],
+        [0.5] * 3,
+        [0.2] * 3,
+        [0.9, 0.3],
+        "topk",
+        [[1], [2], [3]],
+        [["a"], ["b"], ["c"]],
+        1,
+        12,
+        True,
+    )
     assert "<img" not in step_headline(evil) and "&lt;img" in step_headline(evil)
 
 

@@ -2,6 +2,7 @@
 `engine.methods.sampling.verify_block`: the draft tokens are enumerated with their q-probability, and verify_block's
 uniform and residual/bonus draws are enumerated exactly (tests/exact_draws.py). The emitted tokens must be
 distributed exactly as the target would sample them."""
+
 from __future__ import annotations
 
 import itertools
@@ -28,6 +29,7 @@ def toy_model(seed: int, peaky: float):
             logits = torch.randn(V, generator=g, dtype=torch.float64) * peaky
             cache[ctx] = logits.softmax(-1)
         return cache[ctx]
+
     return dist
 
 
@@ -48,7 +50,7 @@ def step_distribution(p, q, gamma: int, greedy: bool = False, bonus_row: bool = 
             p_rows.append(p(ctx))
         q_rows, p_rows = torch.stack(q_rows), torch.stack(p_rows)
         for v, pr in outcomes(lambda draws: verify_block(list(drafted), q_rows, p_rows, draws, greedy)):
-            seq = drafted[:v.accepted] + (() if v.next_token is None else (v.next_token,))
+            seq = drafted[: v.accepted] + (() if v.next_token is None else (v.next_token,))
             out[seq] = out.get(seq, 0.0) + prob * pr
     return out
 

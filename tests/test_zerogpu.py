@@ -1,6 +1,7 @@
 """The app's generation as a ZeroGPU Space runs it (app/stream.py): inside `spaces.GPU`, which a stand-in here runs
 in a forked process as ZeroGPU does (tests/zerogpu/spaces.py). Events and errors must cross that boundary unchanged,
 and the GPU time asked for follows the request."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,8 +17,12 @@ from engine.events import Finished, Notice, RunStarted, StepStarted, TimingSpan
 
 from app.stream import BASE_GPU_S, GPU_S_PER_TOKEN, MAX_GPU_S, gpu_seconds, on_zerogpu, run_events
 
-TIMES = {RunStarted: ("wall_clock",), StepStarted: ("t",), TimingSpan: ("start", "end"),
-         Finished: ("prefill_s", "decode_s", "metrics")}
+TIMES = {
+    RunStarted: ("wall_clock",),
+    StepStarted: ("t",),
+    TimingSpan: ("start", "end"),
+    Finished: ("prefill_s", "decode_s", "metrics"),
+}
 
 
 def stand_in():
@@ -77,8 +82,15 @@ def test_a_parallel_run_on_the_gpu_side_is_whole(fresh_engine, method):
     there = list(on_zerogpu(run_events, stand_in())(fresh_engine, [2, 3, 4], cfg))
     here = list(run_events(fresh_engine, [2, 3, 4], cfg))
     assert tokens(there) == tokens(here) and len(tokens(there)) == 24
-    assert {e.type for e in there} >= {"run_started", "step_started", "draft_proposed", "verified", "timing_span",
-                                        "tokens_emitted", "finished"}
+    assert {e.type for e in there} >= {
+        "run_started",
+        "step_started",
+        "draft_proposed",
+        "verified",
+        "timing_span",
+        "tokens_emitted",
+        "finished",
+    }
     assert there[-1].metrics == compute_metrics(there)
 
 

@@ -1,5 +1,6 @@
 """The Compare tab: one prompt and seed through several methods, one after another so each is timed alone; then
 the race, all of them replayed side by side from their recorded events on one clock, and the speedup table."""
+
 from __future__ import annotations
 
 import html
@@ -18,8 +19,20 @@ from ..settings import COMPARE_METHODS, make_config
 from ..stream import stream_events
 from ..views import fmt
 
-TABLE_HEAD = ("method", "tokens/s", "speedup vs ar", "tokens per target forward", "acceptance", "path rollback",
-              "wasted draft", "overlap", "target waits on the draft", "pace", "no-waste headroom", "output vs first")
+TABLE_HEAD = (
+    "method",
+    "tokens/s",
+    "speedup vs ar",
+    "tokens per target forward",
+    "acceptance",
+    "path rollback",
+    "wasted draft",
+    "overlap",
+    "target waits on the draft",
+    "pace",
+    "no-waste headroom",
+    "output vs first",
+)
 
 
 def comparison_table(runs: list[list[Event]], greedy: bool) -> str:
@@ -36,18 +49,37 @@ def comparison_table(runs: list[list[Event]], greedy: bool) -> str:
     for name, m, ids in results:
         speed = f"{m['tokens_per_s'] / base:.2f}×" if base else "–"
         same = ("identical" if ids == reference else "DIFFERENT") if greedy else "(sampled)"
-        rows.append("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in (
-            name, f"{m['tokens_per_s']:.1f}", speed, fmt(m["mean_accepted_length"]), fmt(m["acceptance_rate"]),
-            fmt(m["path_rollback_rate"]), fmt(m["wasted_draft_rate"]), fmt(m["overlap"]),
-            fmt(m["draft_alone_fraction"]), fmt(m.get("pace")), fmt(m.get("no_waste_headroom")), same)) + "</tr>")
+        rows.append(
+            "<tr>"
+            + "".join(
+                f"<td>{html.escape(str(c))}</td>"
+                for c in (
+                    name,
+                    f"{m['tokens_per_s']:.1f}",
+                    speed,
+                    fmt(m["mean_accepted_length"]),
+                    fmt(m["acceptance_rate"]),
+                    fmt(m["path_rollback_rate"]),
+                    fmt(m["wasted_draft_rate"]),
+                    fmt(m["overlap"]),
+                    fmt(m["draft_alone_fraction"]),
+                    fmt(m.get("pace")),
+                    fmt(m.get("no_waste_headroom")),
+                    same,
+                )
+            )
+            + "</tr>"
+        )
     head = "".join(f"<th>{h}</th>" for h in TABLE_HEAD)
     note = "" if greedy else "<p>Sampled runs differ by design; compare their statistics, not their text.</p>"
     return f'<table class="compare-table"><tr>{head}</tr>{"".join(rows)}</table>{note}'
 
 
 def running_html(method: str, i: int, n: int) -> str:
-    return (f'<div class="race-status">running {html.escape(method)} ({i + 1} of {n}): the methods run one after '
-            f'another so each is timed alone; then they race</div>')
+    return (
+        f'<div class="race-status">running {html.escape(method)} ({i + 1} of {n}): the methods run one after '
+        f"another so each is timed alone; then they race</div>"
+    )
 
 
 class CompareTab:
@@ -56,13 +88,17 @@ class CompareTab:
 
     def create_ui(self) -> None:
         with gr.Tab("Compare"):
-            gr.Markdown("Run several methods on one prompt and seed, one after the other (so each is timed alone), "
-                        "then watch them **race** side by side from their recorded events, each at its measured "
-                        "speed. Speedups are against `ar` from the same comparison.")
-            self.prompt = gr.Textbox(label="Prompt", lines=2, value="Explain how a hash map works.",
-                                     elem_id="compare-prompt")
-            self.methods = gr.CheckboxGroup(COMPARE_METHODS, value=COMPARE_METHODS, label="Methods (two or more)",
-                                            elem_id="compare-methods")
+            gr.Markdown(
+                "Run several methods on one prompt and seed, one after the other (so each is timed alone), "
+                "then watch them **race** side by side from their recorded events, each at its measured "
+                "speed. Speedups are against `ar` from the same comparison."
+            )
+            self.prompt = gr.Textbox(
+                label="Prompt", lines=2, value="Explain how a hash map works.", elem_id="compare-prompt"
+            )
+            self.methods = gr.CheckboxGroup(
+                COMPARE_METHODS, value=COMPARE_METHODS, label="Methods (two or more)", elem_id="compare-methods"
+            )
             self.run = gr.Button("Compare", variant="primary", elem_id="compare")
             self.runs = gr.State([])
             self.notice = gr.HTML(elem_id="compare-notice")
@@ -72,14 +108,37 @@ class CompareTab:
 
     def create_event_handlers(self) -> None:
         ctx = self.ctx
-        self.run.click(self.compare, [self.prompt, self.methods, *ctx.controls, ctx.browser, ctx.draft],
-                       [self.notice, self.race_view, self.table, self.runs],
-                       concurrency_limit=1, concurrency_id="engine", api_name="compare").then(
-            self.race, [self.runs], [self.race_view, self.table, self.timeline], api_name="compare_race")
+        self.run.click(
+            self.compare,
+            [self.prompt, self.methods, *ctx.controls, ctx.browser, ctx.draft],
+            [self.notice, self.race_view, self.table, self.runs],
+            concurrency_limit=1,
+            concurrency_id="engine",
+            api_name="compare",
+        ).then(self.race, [self.runs], [self.race_view, self.table, self.timeline], api_name="compare_race")
 
-    def compare(self, prompt, methods, max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, feed_stop,
-                head_start, hold, hold_branches, hrad, seed, chat,
-                browser_id=None, draft=None, request: gr.Request = None):
+    def compare(
+        self,
+        prompt,
+        methods,
+        max_new,
+        temperature,
+        top_p,
+        gamma,
+        branches,
+        epsilon,
+        draft_stop,
+        feed_stop,
+        head_start,
+        hold,
+        hold_branches,
+        hrad,
+        seed,
+        chat,
+        browser_id=None,
+        draft=None,
+        request: gr.Request = None,
+    ):
         """Run each chosen method once, one after another (clean timings); the race then replays them."""
         try:
             if not methods or len(methods) < 2:
@@ -87,8 +146,25 @@ class CompareTab:
                 return
             if not prompt or not prompt.strip():
                 raise SpecBranchError("the prompt is empty")
-            cfgs = [make_config(m, max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, feed_stop,
-                                head_start, hold, hold_branches, hrad, seed) for m in methods]
+            cfgs = [
+                make_config(
+                    m,
+                    max_new,
+                    temperature,
+                    top_p,
+                    gamma,
+                    branches,
+                    epsilon,
+                    draft_stop,
+                    feed_stop,
+                    head_start,
+                    hold,
+                    hold_branches,
+                    hrad,
+                    seed,
+                )
+                for m in methods
+            ]
             engine = self.ctx.engine_for(draft)
             ids = engine.encode(prompt, bool(chat))
             engine.check_prompt(ids)
@@ -113,14 +189,18 @@ class CompareTab:
                     runs[-1].append(event)
                     recorder.add(event)
             except Exception as exc:  # out of memory, a draft's process gone: the runs so far stay, partial
-                message = "out of memory: try fewer tokens or a smaller pair" if "out of memory" in str(exc) \
-                    else str(exc)
+                message = (
+                    "out of memory: try fewer tokens or a smaller pair" if "out of memory" in str(exc) else str(exc)
+                )
                 yield notice_html([], f"{cfg.method}: {message}"), "", "", []
                 return
             finally:
                 recorder.close()
-        note = f'<div class="notice notice-warning">not recording: {html.escape(recorder.error)}</div>' \
-            if recorder.error else ""
+        note = (
+            f'<div class="notice notice-warning">not recording: {html.escape(recorder.error)}</div>'
+            if recorder.error
+            else ""
+        )
         yield note, gr.skip(), gr.skip(), runs
 
     @staticmethod

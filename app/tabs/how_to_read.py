@@ -1,4 +1,5 @@
 """The "How to read this" tab: SD, PEARL and SpecBranch in plain words, and how to read each chart."""
+
 from __future__ import annotations
 
 import gradio as gr

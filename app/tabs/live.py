@@ -1,5 +1,6 @@
 """The Live tab: a chat whose answer streams with the speculation view, the branch tree of any step, the measured
 timeline, the acceptance and cumulative charts and the metric panel."""
+
 from __future__ import annotations
 
 import html
@@ -22,18 +23,24 @@ from ..stream import stream_events
 from ..tree import tree_html
 from ..views import metric_panel, token_view
 
-LEGEND = ('<div class="legend"><span class="tok tok-accepted">accepted draft</span>'
-          '<span class="tok tok-rescued">rescued by a branch</span><span class="tok tok-correction">target correction'
-          '</span><span class="tok tok-bonus">bonus</span><span class="tok tok-target">target</span>'
-          '<span class="rb-key">↶n</span> n drafted tokens rolled back in that step (click to show) · hover a token '
-          'for p, q, p/q and u</div>')
+LEGEND = (
+    '<div class="legend"><span class="tok tok-accepted">accepted draft</span>'
+    '<span class="tok tok-rescued">rescued by a branch</span><span class="tok tok-correction">target correction'
+    '</span><span class="tok tok-bonus">bonus</span><span class="tok tok-target">target</span>'
+    '<span class="rb-key">↶n</span> n drafted tokens rolled back in that step (click to show) · hover a token '
+    "for p, q, p/q and u</div>"
+)
 METHOD_INFO = "specbranch forks where the draft is unsure; pearl never forks; sd drafts, then verifies; ar: no draft"
-HOLD_BRANCHES_INFO = ("SpecBranch, with a hold: a branch step that would take the first branch's odds below the hold "
-                      "keeps nothing. On for the embedded-weak and self-skip drafts: it cut path rollback at the same "
-                      "speed; off for the distilled draft, which it made 7 % slower at T=0 (docs/methods.md)")
+HOLD_BRANCHES_INFO = (
+    "SpecBranch, with a hold: a branch step that would take the first branch's odds below the hold "
+    "keeps nothing. On for the embedded-weak and self-skip drafts: it cut path rollback at the same "
+    "speed; off for the distilled draft, which it made 7 % slower at T=0 (docs/methods.md)"
+)
 # H-RAD ships off: on held-out prompts it placed branch points no better than the draft's confidence alone
-HRAD_INFO = ("a classifier places the branch points. Off by default: on held-out prompts it was no faster than the "
-             "draft's confidence alone (docs/methods.md)")
+HRAD_INFO = (
+    "a classifier places the branch points. Off by default: on held-out prompts it was no faster than the "
+    "draft's confidence alone (docs/methods.md)"
+)
 # A live view that does not slow what it shows: while a run streams, only the answer and the token view update, at
 # most TOKENS_EVERY_S apart; the figures, the tree, the metric panel and the glance line are drawn once at the end,
 # and every PLOT_EVERY_S during a long run (the browser redrawing three Plotly figures took cores the engine needs)
@@ -59,8 +66,12 @@ def pick_scenario(key: str):
     if s is None:
         return (gr.skip(),) * (3 + len(SLIDER_KEYS))
     settings = s.preset.settings()
-    return (gr.update(value=s.draft), gr.update(value=s.method), *(gr.update(value=settings[k]) for k in SLIDER_KEYS),
-            scenario_note(key))
+    return (
+        gr.update(value=s.draft),
+        gr.update(value=s.method),
+        *(gr.update(value=settings[k]) for k in SLIDER_KEYS),
+        scenario_note(key),
+    )
 
 
 def leave_scenario(_draft):
@@ -89,11 +100,19 @@ class LiveTab:
             self.glance = gr.HTML(elem_id="glance")
             with gr.Row(equal_height=True):
                 gr.HTML(LEGEND)
-                self.show_rollbacks = gr.Checkbox(False, label="Show all rollbacks (else click a ↶ marker)",
-                                                  elem_id="show-rollbacks", scale=0, min_width=300)
+                self.show_rollbacks = gr.Checkbox(
+                    False,
+                    label="Show all rollbacks (else click a ↶ marker)",
+                    elem_id="show-rollbacks",
+                    scale=0,
+                    min_width=300,
+                )
             self.tokens = gr.HTML(elem_id="token-view")  # scrolls past a few lines: the tree stays near (app.css)
-            gr.Markdown("**Branch tree of a step** · pick one with the buttons and the slider under it, or a marker "
-                        "under the timeline; the timeline's shading follows", elem_classes="tree-title")
+            gr.Markdown(
+                "**Branch tree of a step** · pick one with the buttons and the slider under it, or a marker "
+                "under the timeline; the timeline's shading follows",
+                elem_classes="tree-title",
+            )
             self.tree = gr.HTML(elem_id="tree-view")  # right under its title: on a projected screen with the glance
             self.nav = build_navigator("step")
             self.timeline = gr.Plot(label="Bubble timeline", elem_id="timeline-plot")
@@ -109,44 +128,125 @@ class LiveTab:
         everything else waits in the Advanced accordion, each with a one-line label and its explanation as info."""
         d = self.ctx.defaults
         self.create_scenarios()
-        self.method = gr.Dropdown(LIVE_METHODS, value="specbranch", label="Method", info=METHOD_INFO,
-                                  elem_id="live-method")
+        self.method = gr.Dropdown(
+            LIVE_METHODS, value="specbranch", label="Method", info=METHOD_INFO, elem_id="live-method"
+        )
         max_new = gr.Slider(1, 2048, value=128, step=1, label="Max new tokens", info="1–2048", elem_id="max-new")
-        temperature = gr.Slider(0, 2, value=0, step=0.05, label="Temperature", info="0 = greedy (≥ 0)",
-                                elem_id="temperature")
+        temperature = gr.Slider(
+            0, 2, value=0, step=0.05, label="Temperature", info="0 = greedy (≥ 0)", elem_id="temperature"
+        )
         with gr.Accordion("Advanced", open=False, elem_id="advanced"):
-            top_p = gr.Slider(0.01, 1, value=1, step=0.01, label="Top-p", elem_id="top-p",
-                              info="in (0, 1]: sample from the fewest tokens holding this much probability")
-            gamma = gr.Slider(1, 16, value=d["gamma"], step=1, label="γ (draft length)", elem_id="gamma",
-                              info="SD: the block length; PEARL and SpecBranch: the most tokens verified per "
-                                   "round (1–16)")
-            branches = gr.Slider(1, 6, value=3, step=1, label="k (branches)", elem_id="branches",
-                                 info="SpecBranch: the most candidates at a branch point (1–6)")
-            epsilon = gr.Slider(0, 1, value=d["epsilon"], step=0.05, label="ε (where to fork)", elem_id="epsilon",
-                                info="fork where the draft's token is accepted less often than this: its "
-                                     "confidence, read as the acceptance this engine measured at it [0, 1]")
-            draft_stop = gr.Slider(0, 1, value=d["draft_stop"], step=0.05, label="Draft stop", elem_id="draft-stop",
-                                   info="end a round's drafting below this confidence (0 = off)")
-            feed_stop = gr.Slider(0, 1, value=d["feed_stop"], step=0.05, label="Feed stop", elem_id="feed-stop",
-                                  info="verify drafted tokens only while the draft's odds that all are accepted "
-                                       "stay above this (0 = up to γ)")
-            head_start = gr.Slider(0, 1, value=d["head_start"], step=0.01, label="Head start", elem_id="head-start",
-                                   info="after a rejection, the draft leads the target's next pass while its odds "
-                                        "that the block is accepted stay above this (0 = off: the target starts "
-                                        "at once, as in PEARL)")
-            hold = gr.Slider(0, 1, value=d["hold"], step=0.05, label="Hold", elem_id="hold",
-                             info="SpecBranch: draft nothing where the odds that it is accepted, the pending "
-                                  "tokens' included, fall below this; the target takes that token itself (0 = off)")
-            hold_branches = gr.Checkbox(d["hold_branches"], label="Hold the branches too", info=HOLD_BRANCHES_INFO,
-                                        elem_id="hold-branches")
+            top_p = gr.Slider(
+                0.01,
+                1,
+                value=1,
+                step=0.01,
+                label="Top-p",
+                elem_id="top-p",
+                info="in (0, 1]: sample from the fewest tokens holding this much probability",
+            )
+            gamma = gr.Slider(
+                1,
+                16,
+                value=d["gamma"],
+                step=1,
+                label="γ (draft length)",
+                elem_id="gamma",
+                info="SD: the block length; PEARL and SpecBranch: the most tokens verified per round (1–16)",
+            )
+            branches = gr.Slider(
+                1,
+                6,
+                value=3,
+                step=1,
+                label="k (branches)",
+                elem_id="branches",
+                info="SpecBranch: the most candidates at a branch point (1–6)",
+            )
+            epsilon = gr.Slider(
+                0,
+                1,
+                value=d["epsilon"],
+                step=0.05,
+                label="ε (where to fork)",
+                elem_id="epsilon",
+                info="fork where the draft's token is accepted less often than this: its "
+                "confidence, read as the acceptance this engine measured at it [0, 1]",
+            )
+            draft_stop = gr.Slider(
+                0,
+                1,
+                value=d["draft_stop"],
+                step=0.05,
+                label="Draft stop",
+                elem_id="draft-stop",
+                info="end a round's drafting below this confidence (0 = off)",
+            )
+            feed_stop = gr.Slider(
+                0,
+                1,
+                value=d["feed_stop"],
+                step=0.05,
+                label="Feed stop",
+                elem_id="feed-stop",
+                info="verify drafted tokens only while the draft's odds that all are accepted "
+                "stay above this (0 = up to γ)",
+            )
+            head_start = gr.Slider(
+                0,
+                1,
+                value=d["head_start"],
+                step=0.01,
+                label="Head start",
+                elem_id="head-start",
+                info="after a rejection, the draft leads the target's next pass while its odds "
+                "that the block is accepted stay above this (0 = off: the target starts "
+                "at once, as in PEARL)",
+            )
+            hold = gr.Slider(
+                0,
+                1,
+                value=d["hold"],
+                step=0.05,
+                label="Hold",
+                elem_id="hold",
+                info="SpecBranch: draft nothing where the odds that it is accepted, the pending "
+                "tokens' included, fall below this; the target takes that token itself (0 = off)",
+            )
+            hold_branches = gr.Checkbox(
+                d["hold_branches"], label="Hold the branches too", info=HOLD_BRANCHES_INFO, elem_id="hold-branches"
+            )
             hrad = gr.Checkbox(d["hrad"], label="H-RAD", info=HRAD_INFO, elem_id="hrad")
             seed = gr.Number(0, precision=0, label="Seed", info="an integer", elem_id="seed")
-            self.chat = gr.Checkbox(True, label="Chat template", info="off: raw text, e.g. code completion",
-                                    elem_id="chat-template")
-        self.settings = {"gamma": gamma, "epsilon": epsilon, "draft_stop": draft_stop, "feed_stop": feed_stop,
-                         "head_start": head_start, "hold": hold, "hold_branches": hold_branches, "hrad": hrad}
-        self.ctx.controls = [max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, feed_stop,
-                             head_start, hold, hold_branches, hrad, seed, self.chat]
+            self.chat = gr.Checkbox(
+                True, label="Chat template", info="off: raw text, e.g. code completion", elem_id="chat-template"
+            )
+        self.settings = {
+            "gamma": gamma,
+            "epsilon": epsilon,
+            "draft_stop": draft_stop,
+            "feed_stop": feed_stop,
+            "head_start": head_start,
+            "hold": hold,
+            "hold_branches": hold_branches,
+            "hrad": hrad,
+        }
+        self.ctx.controls = [
+            max_new,
+            temperature,
+            top_p,
+            gamma,
+            branches,
+            epsilon,
+            draft_stop,
+            feed_stop,
+            head_start,
+            hold,
+            hold_branches,
+            hrad,
+            seed,
+            self.chat,
+        ]
 
     def create_scenarios(self) -> None:
         """The scenario picker: each sets the draft, the method and every setting together (engine/presets.py). Only
@@ -156,11 +256,21 @@ class LiveTab:
         offered = [s for s in SCENARIOS.values() if ctx.drafts and s.draft in ctx.specs]
         if not offered:
             return
-        start = next((s.key for s in offered if s.draft == ctx.specs[0]
-                      and all(ctx.defaults.get(k) == v for k, v in s.preset.settings().items())), None)
-        self.scenario = gr.Radio([(s.label, s.key) for s in offered], value=start, label="Scenario",
-                                 info="sets the draft, the method and the Advanced settings together",
-                                 elem_id="scenario")
+        start = next(
+            (
+                s.key
+                for s in offered
+                if s.draft == ctx.specs[0] and all(ctx.defaults.get(k) == v for k, v in s.preset.settings().items())
+            ),
+            None,
+        )
+        self.scenario = gr.Radio(
+            [(s.label, s.key) for s in offered],
+            value=start,
+            label="Scenario",
+            info="sets the draft, the method and the Advanced settings together",
+            elem_id="scenario",
+        )
         self.scenario_note = gr.HTML(scenario_note(start), elem_id="scenario-note")
 
     def create_chat(self) -> None:
@@ -173,30 +283,73 @@ class LiveTab:
     # ------------------------------------------------------------------ events
     def create_event_handlers(self) -> None:
         ctx = self.ctx
-        views = [self.tokens, self.metrics, self.notices, self.glance, self.tree, self.timeline, self.nav.strip,
-                 self.acceptance, self.cumulative]
+        views = [
+            self.tokens,
+            self.metrics,
+            self.notices,
+            self.glance,
+            self.tree,
+            self.timeline,
+            self.nav.strip,
+            self.acceptance,
+            self.cumulative,
+        ]
         outputs = [self.chatbot, *views, self.nav.slider, self.nav.notice, self.events]
         inputs = [self.prompt, self.chatbot, self.method, *ctx.controls, ctx.browser, self.show_rollbacks, ctx.draft]
         # progress shows on the token view only, minimal: not an animated timer over each of the 13 outputs, which
         # the browser redraws all through the run on the cores the engine needs
         progress = dict(show_progress="minimal", show_progress_on=[self.tokens])
-        run = self.send.click(self.generate, inputs, outputs, concurrency_limit=1, concurrency_id="engine",
-                              api_name="generate", **progress)
-        submit = self.prompt.submit(self.generate, inputs, outputs, concurrency_limit=1, concurrency_id="engine",
-                                    api_name="generate_on_enter", api_visibility="private", **progress)
+        run = self.send.click(
+            self.generate,
+            inputs,
+            outputs,
+            concurrency_limit=1,
+            concurrency_id="engine",
+            api_name="generate",
+            **progress,
+        )
+        submit = self.prompt.submit(
+            self.generate,
+            inputs,
+            outputs,
+            concurrency_limit=1,
+            concurrency_id="engine",
+            api_name="generate_on_enter",
+            api_visibility="private",
+            **progress,
+        )
         self.stop.click(None, cancels=[run, submit], api_name="stop", api_visibility="private")
-        wire_navigator(self.nav, self.show_step, [self.events],
-                       [self.nav.slider, self.nav.notice, self.tree, self.timeline, self.nav.strip])
-        self.show_rollbacks.change(self.rerender_tokens, [self.show_rollbacks, self.events], self.tokens,
-                                   api_name="live_tokens", api_visibility="private")
+        wire_navigator(
+            self.nav,
+            self.show_step,
+            [self.events],
+            [self.nav.slider, self.nav.notice, self.tree, self.timeline, self.nav.strip],
+        )
+        self.show_rollbacks.change(
+            self.rerender_tokens,
+            [self.show_rollbacks, self.events],
+            self.tokens,
+            api_name="live_tokens",
+            api_visibility="private",
+        )
         sliders = [self.settings[key] for key in SLIDER_KEYS]
         if ctx.drafts:  # a draft picked by hand brings the settings chosen for its kind (a scenario brings its own)
             ctx.draft.input(slider_defaults, ctx.draft, sliders, api_name="slider_defaults", api_visibility="private")
         if self.scenario is not None:
-            self.scenario.input(pick_scenario, self.scenario, [ctx.draft, self.method, *sliders, self.scenario_note],
-                                api_name="pick_scenario", api_visibility="private")
-            ctx.draft.input(leave_scenario, ctx.draft, [self.scenario, self.scenario_note],
-                            api_name="leave_scenario", api_visibility="private")
+            self.scenario.input(
+                pick_scenario,
+                self.scenario,
+                [ctx.draft, self.method, *sliders, self.scenario_note],
+                api_name="pick_scenario",
+                api_visibility="private",
+            )
+            ctx.draft.input(
+                leave_scenario,
+                ctx.draft,
+                [self.scenario, self.scenario_note],
+                api_name="leave_scenario",
+                api_visibility="private",
+            )
 
     def prepare(self, prompt, history, method, controls, chat, draft):
         """(config, engine, prompt ids) for a request; raises SpecBranchError with what is wrong."""
@@ -209,21 +362,60 @@ class LiveTab:
         engine.check_prompt(ids)
         return cfg, engine, ids
 
-    def generate(self, prompt, history, method, max_new, temperature, top_p, gamma, branches, epsilon, draft_stop,
-                 feed_stop, head_start, hold, hold_branches, hrad, seed, chat,
-                 browser_id=None, show_rollbacks=False, draft=None, request: gr.Request = None):
+    def generate(
+        self,
+        prompt,
+        history,
+        method,
+        max_new,
+        temperature,
+        top_p,
+        gamma,
+        branches,
+        epsilon,
+        draft_stop,
+        feed_stop,
+        head_start,
+        hold,
+        hold_branches,
+        hrad,
+        seed,
+        chat,
+        browser_id=None,
+        show_rollbacks=False,
+        draft=None,
+        request: gr.Request = None,
+    ):
         history = list(history or [])
         events: list[Event] = []
-        controls = (max_new, temperature, top_p, gamma, branches, epsilon, draft_stop, feed_stop, head_start, hold,
-                    hold_branches, hrad, seed)
+        controls = (
+            max_new,
+            temperature,
+            top_p,
+            gamma,
+            branches,
+            epsilon,
+            draft_stop,
+            feed_stop,
+            head_start,
+            hold,
+            hold_branches,
+            hrad,
+            seed,
+        )
         try:
             cfg, engine, ids = self.prepare(prompt, history, method, controls, chat, draft)
         except SpecBranchError as exc:
             yield (history, *skips(2), notice_html([], str(exc)), *skips(VIEWS - 3 + 2), events)
             return
         except Exception as exc:  # a model that fails to load: say so, keep serving
-            yield (history, *skips(2), notice_html([], f"could not load the models: {exc}"), *skips(VIEWS - 3 + 2),
-                   events)
+            yield (
+                history,
+                *skips(2),
+                notice_html([], f"could not load the models: {exc}"),
+                *skips(VIEWS - 3 + 2),
+                events,
+            )
             return
         history += [{"role": "user", "content": prompt}, {"role": "assistant", "content": ""}]
         owner = owner_of(browser_id, request)
@@ -232,8 +424,13 @@ class LiveTab:
 
         def everything(warning=None):
             steps = replay_steps(events)
-            return (history, *views_at(events, None, warning, show_rollbacks, ar_speed),
-                    slider_update(steps, steps[-1] if steps else None), "", events)
+            return (
+                history,
+                *views_at(events, None, warning, show_rollbacks, ar_speed),
+                slider_update(steps, steps[-1] if steps else None),
+                "",
+                events,
+            )
 
         text, clock = "", self.clock
         last_all, last_text = clock(), float("-inf")  # the first tokens show at once
@@ -255,8 +452,14 @@ class LiveTab:
                         yield (history, token_view(events, show_rollbacks), *skips(VIEWS - 1 + 2), events)
         except Exception as exc:
             message = "out of memory: try fewer tokens or a smaller pair" if "out of memory" in str(exc) else str(exc)
-            yield (history, token_view(events, show_rollbacks), metric_panel(events), notice_html(events, message),
-                   *skips(VIEWS - 3 + 2), events)
+            yield (
+                history,
+                token_view(events, show_rollbacks),
+                metric_panel(events),
+                notice_html(events, message),
+                *skips(VIEWS - 3 + 2),
+                events,
+            )
             return
         finally:  # also on Stop: the run is kept, marked partial when it has no Finished event
             recorder.close()
@@ -269,8 +472,13 @@ class LiveTab:
         step, notice = clamp_step(requested, replay_steps(events))
         if step is None:
             return slider_update([], None), notice_of("no steps yet: generate something first"), *skips(3)
-        return (slider_update(replay_steps(events), step), notice_of(notice), tree_html(events, step),
-                timeline_figure([events], highlight_of(events, step)), step_strip(events, step))
+        return (
+            slider_update(replay_steps(events), step),
+            notice_of(notice),
+            tree_html(events, step),
+            timeline_figure([events], highlight_of(events, step)),
+            step_strip(events, step),
+        )
 
     @staticmethod
     def rerender_tokens(show_rollbacks, events):

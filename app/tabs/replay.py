@@ -1,5 +1,6 @@
 """The Replay tab: list this browser's stored sessions (plus shared ones), re-render any run step by
 step from its stored events (no model needed), compare stored runs, export, import and delete."""
+
 from __future__ import annotations
 
 import atexit
@@ -79,19 +80,40 @@ def step_alignment_figure(by_step: list[dict], labels: list[str]) -> go.Figure:
     fig = go.Figure()
     for i, label in enumerate(labels):
         rows = [row for row in by_step if row["tokens"][i]]
-        fig.add_trace(go.Scatter(x=[row["step"] for row in rows], y=[row["total"][i] for row in rows],
-                                 mode="lines+markers", name=plot_text(label),
-                                 line=dict(dash=LINE_DASHES[i % len(LINE_DASHES)], width=2),
-                                 marker=dict(symbol=MARKERS[i % len(MARKERS)], size=7 + 2 * (len(labels) - 1 - i))))
-    fig.update_layout(title="Committed tokens by step (aligned by step)", height=300, xaxis_title="step",
-                      yaxis_title="tokens committed", margin=dict(l=10, r=10, t=40, b=30))
+        fig.add_trace(
+            go.Scatter(
+                x=[row["step"] for row in rows],
+                y=[row["total"][i] for row in rows],
+                mode="lines+markers",
+                name=plot_text(label),
+                line=dict(dash=LINE_DASHES[i % len(LINE_DASHES)], width=2),
+                marker=dict(symbol=MARKERS[i % len(MARKERS)], size=7 + 2 * (len(labels) - 1 - i)),
+            )
+        )
+    fig.update_layout(
+        title="Committed tokens by step (aligned by step)",
+        height=300,
+        xaxis_title="step",
+        yaxis_title="tokens committed",
+        margin=dict(l=10, r=10, t=40, b=30),
+    )
     return fig
 
 
 def compare_html(result: dict) -> str:
     """The compare table. Its values come from stored or imported runs: every cell is escaped as text."""
-    keys = ["tokens_per_s", "mean_accepted_length", "acceptance_rate", "path_rollback_rate", "wasted_draft_rate",
-            "overlap", "draft_alone_fraction", "pace", "no_waste_headroom", "new_tokens"]
+    keys = [
+        "tokens_per_s",
+        "mean_accepted_length",
+        "acceptance_rate",
+        "path_rollback_rate",
+        "wasted_draft_rate",
+        "overlap",
+        "draft_alone_fraction",
+        "pace",
+        "no_waste_headroom",
+        "new_tokens",
+    ]
     head = "".join(f"<th>{html.escape(h)}</th>" for h in ["run", *keys, "speedup vs first"])
     rows = []
     for i, label in enumerate(result["labels"]):
@@ -115,8 +137,10 @@ class ReplayTab:
     # ------------------------------------------------------------------ UI
     def create_ui(self) -> None:
         with gr.Tab("Replay"):
-            gr.Markdown("Stored runs of this browser (and shared teaching examples), re-rendered from their "
-                        "events: no model is needed. Search matches the prompt as plain text.")
+            gr.Markdown(
+                "Stored runs of this browser (and shared teaching examples), re-rendered from their "
+                "events: no model is needed. Search matches the prompt as plain text."
+            )
             self.create_finder()
             self.create_views()
             with gr.Accordion("Compare and race stored runs", open=False):
@@ -130,8 +154,9 @@ class ReplayTab:
             self.method = gr.Dropdown(["", *METHODS], value="", label="Method", scale=1)
             self.find = gr.Button("Search", scale=1, elem_id="replay-find")
         self.status = gr.HTML(elem_id="replay-status")
-        self.table = gr.Dataframe(headers=["id", "when", "prompt", "methods", "pair", "status", "visibility"],
-                                  interactive=False, wrap=True)
+        self.table = gr.Dataframe(
+            headers=["id", "when", "prompt", "methods", "pair", "status", "visibility"], interactive=False, wrap=True
+        )
         with gr.Row():
             self.session = gr.Dropdown([], label="Session", scale=3, elem_id="replay-session")
             self.open = gr.Button("Open", scale=1, elem_id="replay-open")
@@ -190,46 +215,89 @@ class ReplayTab:
         browser, shown = self.ctx.browser, self.shown
         viewing = [self.run, self.runs, self.show_all, self.ar_speed]
         private = dict(api_visibility="private")  # what only the page calls: the same work as a public endpoint
-        self.find.click(self.search, [self.text, self.method, browser], [self.table, self.session, self.status],
-                        api_name="search")
-        self.text.submit(self.search, [self.text, self.method, browser], [self.table, self.session, self.status],
-                         api_name="search_on_enter", **private)
-        self.open.click(self.open_session, [self.session, browser],
-                        [self.run, self.pick, self.runs, self.status, self.ar_speed], api_name="open_session").then(
-            self.show_run, viewing, shown, api_name="show_opened_run", **private)
+        self.find.click(
+            self.search, [self.text, self.method, browser], [self.table, self.session, self.status], api_name="search"
+        )
+        self.text.submit(
+            self.search,
+            [self.text, self.method, browser],
+            [self.table, self.session, self.status],
+            api_name="search_on_enter",
+            **private,
+        )
+        self.open.click(
+            self.open_session,
+            [self.session, browser],
+            [self.run, self.pick, self.runs, self.status, self.ar_speed],
+            api_name="open_session",
+        ).then(self.show_run, viewing, shown, api_name="show_opened_run", **private)
         self.run.change(self.show_run, viewing, shown, api_name="show_run")
         wire_navigator(self.nav, self.show_step, viewing, shown)
-        self.show_all.change(self.rerender_tokens, [self.nav.slider, self.run, self.runs, self.show_all], self.tokens,
-                             api_name="replay_tokens", **private)
+        self.show_all.change(
+            self.rerender_tokens,
+            [self.nav.slider, self.run, self.runs, self.show_all],
+            self.tokens,
+            api_name="replay_tokens",
+            **private,
+        )
         self.play.click(self.play_timer, [self.speed], self.timer, api_name="replay_play", **private)
         self.pause.click(self.pause_timer, None, self.timer, api_name="replay_pause", **private)
-        self.timer.tick(self.tick, [self.nav.slider, self.run, self.runs], [self.nav.slider, self.timer],
-                        api_name="replay_tick", **private).then(
-            self.show_step, [self.nav.slider, *viewing], shown, api_name="replay_tick_show", **private)
-        self.compare_btn.click(self.compare, [self.pick, self.runs],
-                               [self.compare_table, self.compare_timeline, self.compare_steps], api_name="compare_runs")
-        self.race_btn.click(self.race, [self.pick, self.runs],
-                            [self.race_view, self.compare_table, self.compare_timeline, self.compare_steps],
-                            api_name="race_runs")
-        self.export_btn.click(self.export, [self.session, browser],
-                              [self.session_file, self.trace_file, self.manage_status], api_name="export_session")
+        self.timer.tick(
+            self.tick,
+            [self.nav.slider, self.run, self.runs],
+            [self.nav.slider, self.timer],
+            api_name="replay_tick",
+            **private,
+        ).then(self.show_step, [self.nav.slider, *viewing], shown, api_name="replay_tick_show", **private)
+        self.compare_btn.click(
+            self.compare,
+            [self.pick, self.runs],
+            [self.compare_table, self.compare_timeline, self.compare_steps],
+            api_name="compare_runs",
+        )
+        self.race_btn.click(
+            self.race,
+            [self.pick, self.runs],
+            [self.race_view, self.compare_table, self.compare_timeline, self.compare_steps],
+            api_name="race_runs",
+        )
+        self.export_btn.click(
+            self.export,
+            [self.session, browser],
+            [self.session_file, self.trace_file, self.manage_status],
+            api_name="export_session",
+        )
         self.import_btn.click(self.do_import, [self.upload, browser], [self.manage_status], api_name="import_session")
-        self.share_btn.click(self.share, [self.session, self.shared, browser], [self.manage_status],
-                             api_name="share_session")
+        self.share_btn.click(
+            self.share, [self.session, self.shared, browser], [self.manage_status], api_name="share_session"
+        )
         self.delete_btn.click(self.delete, [self.session, browser], [self.manage_status], api_name="delete_session")
 
     def search(self, text, method, browser_id=None, request: gr.Request = None):
         try:
-            rows = self.ctx.store_or_raise().list_sessions(owner=owner_of(browser_id, request), search=text or None,
-                                                           method=method or None)
+            rows = self.ctx.store_or_raise().list_sessions(
+                owner=owner_of(browser_id, request), search=text or None, method=method or None
+            )
         except SessionStoreError as exc:
             return gr.update(), gr.update(), error_html(str(exc))
-        table = [[r["id"], when(r["created"]), r["prompt"][:80],
-                  ", ".join(r["methods"]), f"{r['target']} / {r['draft']}", r["status"],
-                  "shared" if r["shared"] else ("mine" if r.get("mine") else "")] for r in rows]
+        table = [
+            [
+                r["id"],
+                when(r["created"]),
+                r["prompt"][:80],
+                ", ".join(r["methods"]),
+                f"{r['target']} / {r['draft']}",
+                r["status"],
+                "shared" if r["shared"] else ("mine" if r.get("mine") else ""),
+            ]
+            for r in rows
+        ]
         choices = [(f"{r['id']} · {r['prompt'][:40]}", r["id"]) for r in rows]
-        return table, gr.update(choices=choices, value=choices[0][1] if choices else None), \
-            f"{len(rows)} session(s)" if rows else "no stored sessions yet: generate something in the Live tab"
+        return (
+            table,
+            gr.update(choices=choices, value=choices[0][1] if choices else None),
+            f"{len(rows)} session(s)" if rows else "no stored sessions yet: generate something in the Live tab",
+        )
 
     def open_session(self, session_id, browser_id=None, request: gr.Request = None):
         if not session_id:
@@ -244,8 +312,13 @@ class ReplayTab:
         ar_speed = stored_ar_speed(store, owner, session["prompt"], (session["target"], session["draft"]), session_id)
         choices = [(stored_run_label(r), r["id"]) for r in session["runs"]]
         first = choices[0][1] if choices else None
-        return (gr.update(choices=choices, value=first), gr.update(choices=choices, value=[c[1] for c in choices]),
-                runs, f"opened {html.escape(session_id)}: {len(runs)} run(s)", ar_speed)
+        return (
+            gr.update(choices=choices, value=first),
+            gr.update(choices=choices, value=[c[1] for c in choices]),
+            runs,
+            f"opened {html.escape(session_id)}: {len(runs)} run(s)",
+            ar_speed,
+        )
 
     @staticmethod
     def show_step(requested, run_id, runs, show_all, ar_speed):
@@ -256,8 +329,12 @@ class ReplayTab:
         steps = replay_steps(events)
         step, notice = clamp_step(steps[-1] if requested is None and steps else requested, steps)
         prefix = events if step is None or step == steps[-1] else events_up_to_step(events, step)
-        return (slider_update(steps, step), notice_of(notice), chat_of(prefix),
-                *views_at(prefix, step, None, bool(show_all), ar_speed, events))
+        return (
+            slider_update(steps, step),
+            notice_of(notice),
+            chat_of(prefix),
+            *views_at(prefix, step, None, bool(show_all), ar_speed, events),
+        )
 
     def show_run(self, run_id, runs, show_all, ar_speed):
         return self.show_step(None, run_id, runs, show_all, ar_speed)
@@ -300,8 +377,11 @@ class ReplayTab:
         if len(chosen) < 2:
             return "pick two or more runs", gr.skip(), gr.skip()
         result = compare_runs(chosen)
-        return (compare_html(result), timeline_figure(chosen),
-                step_alignment_figure(result["by_step"], result["labels"]))
+        return (
+            compare_html(result),
+            timeline_figure(chosen),
+            step_alignment_figure(result["by_step"], result["labels"]),
+        )
 
     def race(self, run_ids, runs):
         chosen = self.chosen_runs(run_ids, runs)

@@ -8,6 +8,7 @@ Standard library only. The JSON files are `python -m engine bench --json` report
 summarize` reports (mean ± sample sd over seeds), and `python -m engine costs` reports (forward costs, and the model
 of a bench).
 """
+
 from __future__ import annotations
 
 import json
@@ -44,8 +45,7 @@ class Figures:
         self.stats: dict[str, dict[str, tuple[float, float | None]]] = {}
         if len(runs) == 1 and "methods" in runs[0]:
             for method, metrics in runs[0]["methods"].items():
-                self.stats[method] = {k: (v["mean"], v["sd"] if v["n"] > 1 else None)
-                                      for k, v in metrics.items() if v}
+                self.stats[method] = {k: (v["mean"], v["sd"] if v["n"] > 1 else None) for k, v in metrics.items() if v}
             self.n = len(runs[0]["runs"])
             return
         self.n = len(runs)
@@ -114,30 +114,91 @@ def speed() -> str:
     for draft, t, names, settings, when in SPEED:
         f = Figures(names)
         sb = f.shipped()
-        rows.append([draft, str(t), f.fmt("ar", "tokens_per_s", 1, sd=False), f.fmt("sd", "speedup_vs_ar"),
-                     f.fmt("pearl", "speedup_vs_ar"), f"**{f.fmt(sb, 'speedup_vs_ar')}**",
-                     f.fmt("hf-assisted", "speedup_vs_ar"), f.fmt("pearl", "acceptance_rate", 3, sd=False),
-                     str(f.n), settings, when, link(names)])
-    return table(["draft", "T", "`ar` tok/s", "sd", "pearl", "specbranch", "hf-assisted", "α (pearl)", "runs",
-                  "settings", "measured", "JSON"], rows)
+        rows.append(
+            [
+                draft,
+                str(t),
+                f.fmt("ar", "tokens_per_s", 1, sd=False),
+                f.fmt("sd", "speedup_vs_ar"),
+                f.fmt("pearl", "speedup_vs_ar"),
+                f"**{f.fmt(sb, 'speedup_vs_ar')}**",
+                f.fmt("hf-assisted", "speedup_vs_ar"),
+                f.fmt("pearl", "acceptance_rate", 3, sd=False),
+                str(f.n),
+                settings,
+                when,
+                link(names),
+            ]
+        )
+    return table(
+        [
+            "draft",
+            "T",
+            "`ar` tok/s",
+            "sd",
+            "pearl",
+            "specbranch",
+            "hf-assisted",
+            "α (pearl)",
+            "runs",
+            "settings",
+            "measured",
+            "JSON",
+        ],
+        rows,
+    )
 
 
 # (draft, what it is, α source: (names, method, note), costs JSON or None, speed source at T=0, pick it when)
 DRAFTS = [
-    ("`self`", "the target read in 4 bits", (["draft-self-int4-t0-n10"], "sd", "SD, 30 prompts"),
-     "compiled-costs-lean-compiled", SELF_T0,
-     "speed: the fastest on a CPU, and the default there; little to reject or branch"),
-    ("`self-skip:3,4,5,25`", "the target without 4 of its layers, 4-bit",
-     (["skip3-4-5-25-t0"], "pearl", "PEARL, 6 prompts"), "branchkv-costs-B-self-skip", "skip3-4-5-25-t0",
-     "watching forks rescue (a quarter of them do) at about `ar`'s speed"),
-    ("`self-skip:4,5`", "the target without 2 of its layers, 4-bit", (["skip4-5-t0"], "pearl", "PEARL, 6 prompts"),
-     None, "skip4-5-t0", "a mid-α pair a little faster than `ar`"),
-    ("`embedded`", "distilled 6-layer draft (shipped)", (["draft-v3-alpha"], "sd@runs/draft-v3", "SD, 30 prompts"),
-     "costs-cpu-draft-0e", "ablation-0e-t0", "the default off a CPU; rejections and rollbacks to watch"),
-    ("`embedded-weak`", "distilled 2-layer draft (shipped)", (["draft-embedded-weak-t0-n10"], "sd", "SD, 30 prompts"),
-     None, None, "the poorly aligned regime: rollbacks, holds (α 0.10 on the foreign prompts)"),
-    ("`embedded-head`", "EAGLE-style head on the target's features", (["bench-cpu-head-t0"], "sd", "SD, 12 prompts"),
-     "costs-cpu-head", "bench-cpu-head-t0", "studying feature-conditioned drafting; not for speed here"),
+    (
+        "`self`",
+        "the target read in 4 bits",
+        (["draft-self-int4-t0-n10"], "sd", "SD, 30 prompts"),
+        "compiled-costs-lean-compiled",
+        SELF_T0,
+        "speed: the fastest on a CPU, and the default there; little to reject or branch",
+    ),
+    (
+        "`self-skip:3,4,5,25`",
+        "the target without 4 of its layers, 4-bit",
+        (["skip3-4-5-25-t0"], "pearl", "PEARL, 6 prompts"),
+        "branchkv-costs-B-self-skip",
+        "skip3-4-5-25-t0",
+        "watching forks rescue (a quarter of them do) at about `ar`'s speed",
+    ),
+    (
+        "`self-skip:4,5`",
+        "the target without 2 of its layers, 4-bit",
+        (["skip4-5-t0"], "pearl", "PEARL, 6 prompts"),
+        None,
+        "skip4-5-t0",
+        "a mid-α pair a little faster than `ar`",
+    ),
+    (
+        "`embedded`",
+        "distilled 6-layer draft (shipped)",
+        (["draft-v3-alpha"], "sd@runs/draft-v3", "SD, 30 prompts"),
+        "costs-cpu-draft-0e",
+        "ablation-0e-t0",
+        "the default off a CPU; rejections and rollbacks to watch",
+    ),
+    (
+        "`embedded-weak`",
+        "distilled 2-layer draft (shipped)",
+        (["draft-embedded-weak-t0-n10"], "sd", "SD, 30 prompts"),
+        None,
+        None,
+        "the poorly aligned regime: rollbacks, holds (α 0.10 on the foreign prompts)",
+    ),
+    (
+        "`embedded-head`",
+        "EAGLE-style head on the target's features",
+        (["bench-cpu-head-t0"], "sd", "SD, 12 prompts"),
+        "costs-cpu-head",
+        "bench-cpu-head-t0",
+        "studying feature-conditioned drafting; not for speed here",
+    ),
 ]
 
 
@@ -154,13 +215,16 @@ def drafts() -> str:
             step = "–"
         if fast:
             f = Figures([fast])
-            best = (f"pearl {f.fmt('pearl', 'speedup_vs_ar', sd=False)}, "
-                    f"specbranch {f.fmt(f.shipped(), 'speedup_vs_ar', sd=False)}")
+            best = (
+                f"pearl {f.fmt('pearl', 'speedup_vs_ar', sd=False)}, "
+                f"specbranch {f.fmt(f.shipped(), 'speedup_vs_ar', sd=False)}"
+            )
         else:
             best = "see the rollback table"
         rows.append([draft, what, f"{alpha} ({note}; {link(names)})", step, best, when])
-    return table(["draft", "what it is", "α at T=0", "draft step / target step, ms", "vs `ar` at T=0", "pick it for"],
-                 rows)
+    return table(
+        ["draft", "what it is", "α at T=0", "draft step / target step, ms", "vs `ar` at T=0", "pick it for"], rows
+    )
 
 
 def bound() -> str:
@@ -171,18 +235,39 @@ def bound() -> str:
             bench = load(name)["results"]
             m = {k: model["all"][k] for k in ("sd", "pearl", "specbranch")}
             headroom = m["pearl"]["no_waste"] / m["pearl"]["modelled"]
-            by_set = ", ".join(f"{model[d]['specbranch']['measured'] / model[d]['sd']['measured']:.2f}"
-                               for d in ("mt_bench", "gsm8k", "humaneval"))
-            rows.append([str(t), str(s), f"{m['specbranch']['measured'] / m['pearl']['measured']:.3f}",
-                         f"{headroom:.3f}", f"{bench['pearl']['all']['wasted_draft_rate']:.3f}",
-                         f"{bench['specbranch']['all']['wasted_draft_rate']:.3f}",
-                         f"{m['pearl']['pace']}, {m['pearl']['share_of_limit']:.2f}",
-                         f"{m['specbranch']['pace']}, {m['specbranch']['share_of_limit']:.2f}",
-                         f"{m['specbranch']['measured'] / m['sd']['measured']:.2f} ({by_set})",
-                         f"[bench]({'json/' + name}.json), [model]({'json/' + name}-model.json)"])
-    return table(["T", "seed", "specbranch / pearl", "pearl's no-waste headroom", "pearl wasted draft",
-                  "specbranch wasted draft", "pearl: pace, share of its limit", "specbranch: pace, share of its limit",
-                  "specbranch / sd (MT-Bench, GSM8K, HumanEval)", "JSON"], rows)
+            by_set = ", ".join(
+                f"{model[d]['specbranch']['measured'] / model[d]['sd']['measured']:.2f}"
+                for d in ("mt_bench", "gsm8k", "humaneval")
+            )
+            rows.append(
+                [
+                    str(t),
+                    str(s),
+                    f"{m['specbranch']['measured'] / m['pearl']['measured']:.3f}",
+                    f"{headroom:.3f}",
+                    f"{bench['pearl']['all']['wasted_draft_rate']:.3f}",
+                    f"{bench['specbranch']['all']['wasted_draft_rate']:.3f}",
+                    f"{m['pearl']['pace']}, {m['pearl']['share_of_limit']:.2f}",
+                    f"{m['specbranch']['pace']}, {m['specbranch']['share_of_limit']:.2f}",
+                    f"{m['specbranch']['measured'] / m['sd']['measured']:.2f} ({by_set})",
+                    f"[bench]({'json/' + name}.json), [model]({'json/' + name}-model.json)",
+                ]
+            )
+    return table(
+        [
+            "T",
+            "seed",
+            "specbranch / pearl",
+            "pearl's no-waste headroom",
+            "pearl wasted draft",
+            "specbranch wasted draft",
+            "pearl: pace, share of its limit",
+            "specbranch: pace, share of its limit",
+            "specbranch / sd (MT-Bench, GSM8K, HumanEval)",
+            "JSON",
+        ],
+        rows,
+    )
 
 
 # (regime, draft, T, sources, specbranch's settings)
@@ -206,13 +291,39 @@ def rollback() -> str:
         f = Figures(names)
         sb = f.shipped()
         ratio = lambda key: f.get(sb, key)[0] / f.get("pearl", key)[0]  # noqa: E731
-        rows.append([regime, draft, str(t), f.fmt("sd", "path_rollback_rate", 3, sd=False),
-                     f.fmt("pearl", "path_rollback_rate", 3, sd=False), f.fmt(sb, "path_rollback_rate", 3, sd=False),
-                     settings, f"**{ratio('path_rollback_rate'):.2f}×**", f"{ratio('speedup_vs_ar'):.2f}×",
-                     f.fmt(sb, "branch_rescues", 1, sd=False), str(f.n), link(names)])
-    return table(["regime", "draft", "T", "sd", "pearl", "specbranch", "specbranch's settings",
-                  "specbranch / pearl, path rollback", "specbranch / pearl, speed", "rescues a run", "runs", "JSON"],
-                 rows)
+        rows.append(
+            [
+                regime,
+                draft,
+                str(t),
+                f.fmt("sd", "path_rollback_rate", 3, sd=False),
+                f.fmt("pearl", "path_rollback_rate", 3, sd=False),
+                f.fmt(sb, "path_rollback_rate", 3, sd=False),
+                settings,
+                f"**{ratio('path_rollback_rate'):.2f}×**",
+                f"{ratio('speedup_vs_ar'):.2f}×",
+                f.fmt(sb, "branch_rescues", 1, sd=False),
+                str(f.n),
+                link(names),
+            ]
+        )
+    return table(
+        [
+            "regime",
+            "draft",
+            "T",
+            "sd",
+            "pearl",
+            "specbranch",
+            "specbranch's settings",
+            "specbranch / pearl, path rollback",
+            "specbranch / pearl, speed",
+            "rescues a run",
+            "runs",
+            "JSON",
+        ],
+        rows,
+    )
 
 
 # (draft, how its step runs, costs JSON, measured)
@@ -230,10 +341,31 @@ def costs() -> str:
     for draft, how, name, when in COSTS:
         fw = load(name)["forwards"]
         ms = lambda d: " / ".join(f"{v:.1f}" for v in d.values())  # noqa: E731
-        rows.append([draft, how, ms(fw["target_ms_by_tokens"]), ms(fw["draft_ms_by_rows"]),
-                     ms(fw.get("target_ms_beside_draft_rows", {})) or "–", f"{fw['c']:.2f}", when, link([name])])
-    return table(["draft", "draft's step", "target fed 1, 2, … tokens", "draft on 1, 2, … rows",
-                  "target (1 token) beside 1, 2, … draft rows", "c", "measured", "JSON"], rows)
+        rows.append(
+            [
+                draft,
+                how,
+                ms(fw["target_ms_by_tokens"]),
+                ms(fw["draft_ms_by_rows"]),
+                ms(fw.get("target_ms_beside_draft_rows", {})) or "–",
+                f"{fw['c']:.2f}",
+                when,
+                link([name]),
+            ]
+        )
+    return table(
+        [
+            "draft",
+            "draft's step",
+            "target fed 1, 2, … tokens",
+            "draft on 1, 2, … rows",
+            "target (1 token) beside 1, 2, … draft rows",
+            "c",
+            "measured",
+            "JSON",
+        ],
+        rows,
+    )
 
 
 def model() -> str:
@@ -243,15 +375,42 @@ def model() -> str:
         benches = [load(name)["results"] for name in SEEDS[t]]
         for method in ("sd", "pearl", "specbranch", "specbranch-no-branch", "specbranch-fixed"):
             col = lambda key: [m[method][key] for m in models]  # noqa: E731
-            spread = lambda v, d=2: (f"{min(v):.{d}f}" if f"{min(v):.{d}f}" == f"{max(v):.{d}f}"  # noqa: E731
-                                     else f"{min(v):.{d}f}–{max(v):.{d}f}")
-            rows.append([str(t), method, spread(col("measured")), spread(col("modelled")),
-                         spread(col("share_of_limit")), spread(col("tau")), spread(col("verify_ms"), 1),
-                         spread([b[method]["all"]["draft_forward_ms"] for b in benches], 1),
-                         spread([b[method]["all"]["draft_forwards"] / b[method]["all"]["target_forwards"]
-                                 for b in benches], 1), models[0][method]["pace"]])
-    return table(["T", "method", "measured vs ar", "modelled", "share of the limit", "τ", "T_verify, ms", "D, ms",
-                  "d (draft steps a pass)", "pace"], rows)
+            spread = lambda v, d=2: (
+                f"{min(v):.{d}f}"
+                if f"{min(v):.{d}f}" == f"{max(v):.{d}f}"  # noqa: E731
+                else f"{min(v):.{d}f}–{max(v):.{d}f}"
+            )
+            rows.append(
+                [
+                    str(t),
+                    method,
+                    spread(col("measured")),
+                    spread(col("modelled")),
+                    spread(col("share_of_limit")),
+                    spread(col("tau")),
+                    spread(col("verify_ms"), 1),
+                    spread([b[method]["all"]["draft_forward_ms"] for b in benches], 1),
+                    spread(
+                        [b[method]["all"]["draft_forwards"] / b[method]["all"]["target_forwards"] for b in benches], 1
+                    ),
+                    models[0][method]["pace"],
+                ]
+            )
+    return table(
+        [
+            "T",
+            "method",
+            "measured vs ar",
+            "modelled",
+            "share of the limit",
+            "τ",
+            "T_verify, ms",
+            "D, ms",
+            "d (draft steps a pass)",
+            "pace",
+        ],
+        rows,
+    )
 
 
 def headline() -> str:
@@ -263,27 +422,36 @@ def headline() -> str:
     for method in ("sd", "pearl", "specbranch"):
         bold = method == "specbranch"
         cell = lambda f: f"**{f.fmt(method, 'speedup_vs_ar')}**" if bold else f.fmt(method, "speedup_vs_ar")  # noqa
-        rows.append([f"`{method}`", cell(f0), cell(f1), f0.fmt(method, "acceptance_rate", 3, sd=False),
-                     f0.fmt(method, "path_rollback_rate", 3, sd=False), run["identical_to_ar"][method]])
-    out = table(["method", "vs `ar`, T=0", "vs `ar`, T=1", "α, T=0", "path rollback, T=0", "T=0 output = `ar`'s"],
-                rows)
+        rows.append(
+            [
+                f"`{method}`",
+                cell(f0),
+                cell(f1),
+                f0.fmt(method, "acceptance_rate", 3, sd=False),
+                f0.fmt(method, "path_rollback_rate", 3, sd=False),
+                run["identical_to_ar"][method],
+            ]
+        )
+    out = table(["method", "vs `ar`, T=0", "vs `ar`, T=1", "α, T=0", "path rollback, T=0", "T=0 output = `ar`'s"], rows)
     prompts = run["results"]["ar"]["all"]["prompts"]
-    return out + (f"\n`ar`: {f0.fmt('ar', 'tokens_per_s', 1)} tokens/s at T=0, {f1.fmt('ar', 'tokens_per_s', 1)} at "
-                  f"T=1. {prompts} prompts × {run['settings']['max_new_tokens']} tokens, one run each; draft "
-                  f"`{run['pair']['draft']}`. JSON: {link([HEADLINE_T0, HEADLINE_T1], 'docs/results/json/')}.\n")
+    return out + (
+        f"\n`ar`: {f0.fmt('ar', 'tokens_per_s', 1)} tokens/s at T=0, {f1.fmt('ar', 'tokens_per_s', 1)} at "
+        f"T=1. {prompts} prompts × {run['settings']['max_new_tokens']} tokens, one run each; draft "
+        f"`{run['pair']['draft']}`. JSON: {link([HEADLINE_T0, HEADLINE_T1], 'docs/results/json/')}.\n"
+    )
 
 
 # the costs reports (and the drafts' memory) do not record their command line; these are the commands that wrote them
 COSTS_COMMANDS = {
     "draft-memory": "python docs/results/scripts/draft_memory.py > docs/results/json/draft-memory.json (last line)",
     "compiled-costs-lean": "python -m engine costs --draft self --draft-forward lean --draft-worker thread "
-                           "--max-rows 3 --max-tokens 1 --reps 30",
+    "--max-rows 3 --max-tokens 1 --reps 30",
     "compiled-costs-lean-compiled": "python -m engine costs --draft self --draft-forward lean-compiled "
-                                    "--draft-worker thread --max-rows 3 --max-tokens 1 --reps 30",
+    "--draft-worker thread --max-rows 3 --max-tokens 1 --reps 30",
     "branchkv-costs-B-self-skip": "python -m engine costs --draft self-skip:3,4,5,25 --draft-worker thread "
-                                  "--max-rows 3 --max-tokens 1 --reps 30",
+    "--max-rows 3 --max-tokens 1 --reps 30",
     "costs-cpu-draft-0e": "python -m engine costs --draft embedded --max-rows 3 --max-tokens 4 "
-                          "--json docs/costs-cpu-draft-0e.json",
+    "--json docs/costs-cpu-draft-0e.json",
     "costs-cpu-head": "python -m engine costs --draft embedded-head --reps 30 --bench docs/bench-cpu-head-t0.json",
 }
 
@@ -310,8 +478,16 @@ def sources() -> str:
     return table(["JSON", "command (as recorded; paths as they were then)", "when"], rows)
 
 
-TABLES = {"speed": speed, "drafts": drafts, "bound": bound, "rollback": rollback, "costs": costs, "model": model,
-          "sources": sources, "headline": headline}
+TABLES = {
+    "speed": speed,
+    "drafts": drafts,
+    "bound": bound,
+    "rollback": rollback,
+    "costs": costs,
+    "model": model,
+    "sources": sources,
+    "headline": headline,
+}
 
 
 def render(text: str) -> str:

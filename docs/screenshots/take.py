@@ -9,6 +9,7 @@ forking step (a rescue where there is one) under it. Each scenario's draft first
 is loaded and its compiled step has landed (the app compiles it in the background), then answers PROMPT. "Fastest"
 is a first chat: its glance line compares with the target's one-token step; the other two run `ar` on the prompt
 first, so theirs is the measured comparison with AR."""
+
 from __future__ import annotations
 
 import shutil
@@ -35,8 +36,14 @@ LOG: list[str] = []  # the app's output: says when a draft's compiled step has l
 
 
 def serve(db: Path, *options: str) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, str(ROOT / "app.py"), "--port", str(PORT), "--db", str(db), *options],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "app.py"), "--port", str(PORT), "--db", str(db), *options],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+    )
 
     def read():
         for line in proc.stdout:
@@ -104,8 +111,9 @@ def generate(page, method: str, prompt: str = PROMPT, max_new: str = MAX_NEW, sc
     page.get_by_role("option", name=method, exact=True).click()
     page.locator("#prompt textarea").fill(prompt)
     page.locator("#generate").click()
-    page.wait_for_function(f"document.querySelector('#timeline-plot')?.innerText.includes('{method} ·')",
-                           timeout=600_000)
+    page.wait_for_function(
+        f"document.querySelector('#timeline-plot')?.innerText.includes('{method} ·')", timeout=600_000
+    )
     settle(page, "#metric-panel")
 
 
@@ -126,8 +134,9 @@ def pick_interesting_step(page, root: str) -> None:
 
 def pick_forking_step(page) -> None:
     """A step a branch rescued, else one whose fork the first branch won, else one with a rollback."""
-    click_middle_mark(page, [f"#step-strip .step-mark{kind}" for kind in (".mark-rescued", "[data-fork]",
-                                                                           ".mark-rollback")])
+    click_middle_mark(
+        page, [f"#step-strip .step-mark{kind}" for kind in (".mark-rescued", "[data-fork]", ".mark-rollback")]
+    )
 
 
 def scenarios(browser) -> None:
@@ -154,12 +163,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         # the scenarios: the app as `make run` serves it; the tabs: the layer-skipping draft, its step eager (a
         # compile in the background would stall the timed runs)
-        proc = serve(Path(tmp) / "sessions.db") if only_scenarios else \
-            serve(Path(tmp) / "sessions.db", "--draft", "self-skip:3,4,5,25", "--draft-forward", "lean")
+        proc = (
+            serve(Path(tmp) / "sessions.db")
+            if only_scenarios
+            else serve(Path(tmp) / "sessions.db", "--draft", "self-skip:3,4,5,25", "--draft-forward", "lean")
+        )
         try:
             with sync_playwright() as pw:
-                browser = pw.chromium.launch(executable_path=shutil.which("chromium"),
-                                             args=["--no-sandbox", "--disable-gpu"])
+                browser = pw.chromium.launch(
+                    executable_path=shutil.which("chromium"), args=["--no-sandbox", "--disable-gpu"]
+                )
                 if only_scenarios:
                     scenarios(browser)
                     browser.close()
@@ -174,8 +187,9 @@ def main() -> None:
                 page.locator("#compare-prompt textarea").fill(PROMPT)
                 page.locator("#compare").click()
                 page.wait_for_selector("#compare-race .race-wrap", timeout=600_000)
-                page.wait_for_function("document.querySelector('#compare-race .race-col[data-done=\"true\"]')",
-                                       timeout=120_000)
+                page.wait_for_function(
+                    "document.querySelector('#compare-race .race-col[data-done=\"true\"]')", timeout=120_000
+                )
                 save(page, "compare_race")  # mid-race: the fastest column is done, the others still stream
                 page.wait_for_selector("#compare-table .identical", timeout=120_000)
                 page.wait_for_selector("#compare-timeline .js-plotly-plot", timeout=60_000)

@@ -5,6 +5,7 @@ answers each forward with its logits. After each answer it takes the step the pa
 (step_ahead) while the parent reads the answer. The parent's side (RemoteLM, RemoteCache) never imports this module,
 and this module imports the loader: the loader composes RemoteLM, and nothing imports back.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,6 +29,7 @@ def serve(conn) -> None:
     torch.set_num_threads(1)
     try:
         recipe, low = conn.recv()
+
         def load():
             return load_pair(**recipe).draft
 
@@ -120,6 +122,7 @@ def low_priority(load):
     process that serves, and beside the target; on 2 cores at the same priority the runs meanwhile ran at 0.70-0.75x
     their speed, and at the lowest at 0.84-1.08x: it takes the cores when the app is idle (docs/models.md).
     Where a thread's priority cannot be set (not Linux), it loads at the usual one."""
+
     def run():
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOW_PRIORITY)

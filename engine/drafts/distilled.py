@@ -8,6 +8,7 @@ The shared tensors (embeddings, head) are taken from the target at load time, so
 stays a few tens of MB. With a reduced head the draft's logits are -inf outside the subset, so q is
 still a full-vocabulary distribution (zeros outside) and verification stays exact.
 """
+
 from __future__ import annotations
 
 import copy
@@ -41,8 +42,11 @@ def draft_from_target(target, n_layers: int):
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     draft = type(target)(config)
-    own = {k: v for k, v in target.state_dict().items()
-           if not k.startswith(SHARED_PREFIXES) and (not k.startswith("model.layers.") or int(k.split(".")[2]) < n_layers)}
+    own = {
+        k: v
+        for k, v in target.state_dict().items()
+        if not k.startswith(SHARED_PREFIXES) and (not k.startswith("model.layers.") or int(k.split(".")[2]) < n_layers)
+    }
     draft.load_state_dict({k: v.clone() for k, v in own.items()}, strict=False)
     share_with_target(draft, target)
     return draft.eval()
@@ -88,8 +92,11 @@ def own_state_dict(draft) -> dict[str, torch.Tensor]:
 def save_draft(draft, out: Path, vocab_subset: torch.Tensor | None, meta: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     config = draft.config.to_dict()
-    config["specbranch_draft"] = {"shared_from_target": list(SHARED_PREFIXES),
-                                  "vocab_subset": vocab_subset is not None, **meta}
+    config["specbranch_draft"] = {
+        "shared_from_target": list(SHARED_PREFIXES),
+        "vocab_subset": vocab_subset is not None,
+        **meta,
+    }
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     save_weights(own_state_dict(draft), out)
     if vocab_subset is not None:
@@ -104,9 +111,11 @@ def load_draft_dir(path: Path, target, dtype: torch.dtype, device: torch.device)
     info = raw.pop("specbranch_draft")
     config = AutoConfig.for_model(**raw)
     if config.hidden_size != target.config.hidden_size or config.vocab_size != target.config.vocab_size:
-        raise SpecBranchError(f"draft {path} was trained for another target "
-                              f"(hidden {config.hidden_size}, vocab {config.vocab_size}; the target has "
-                              f"{target.config.hidden_size}, {target.config.vocab_size})")
+        raise SpecBranchError(
+            f"draft {path} was trained for another target "
+            f"(hidden {config.hidden_size}, vocab {config.vocab_size}; the target has "
+            f"{target.config.hidden_size}, {target.config.vocab_size})"
+        )
     draft = type(target)(config)
     missing, unexpected = draft.load_state_dict(load_weights(path, dtype), strict=False)
     missing = [k for k in missing if not k.startswith(SHARED_PREFIXES)]

@@ -21,6 +21,7 @@ On disk (`save_head`): config.json (the target's config with 1..n layers, plus a
 model-NN.safetensors (fc, layers, norm; bfloat16, drafts/storage.py), vocab_subset.safetensors. The embeddings and the LM
 head rows are borrowed from the target at load time.
 """
+
 from __future__ import annotations
 
 import copy
@@ -81,15 +82,27 @@ class FeatureHead(torch.nn.Module):
                 head.fc.weight[:, :h] = 0.1 * torch.eye(h)
         return head
 
-    def forward(self, embeds: torch.Tensor, feats: torch.Tensor, position_ids: torch.Tensor,
-                mask: torch.Tensor | None, cache: DynamicCache | None) -> torch.Tensor:
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        feats: torch.Tensor,
+        position_ids: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: DynamicCache | None,
+    ) -> torch.Tensor:
         """embeds, feats [B, T, H]; position_ids [1, T]; mask: bool [B or 1, 1, T, past + T] (True = attend)
         or None for a single row; returns the predicted features [B, T, H] (post-norm)."""
         x = self.fc(torch.cat([embeds, feats], dim=-1))
         pos = self.rotary_emb(x, position_ids=position_ids)
         for layer in self.layers:
-            x = layer(x, attention_mask=mask, position_embeddings=pos, position_ids=position_ids,
-                      past_key_values=cache, use_cache=cache is not None)
+            x = layer(
+                x,
+                attention_mask=mask,
+                position_embeddings=pos,
+                position_ids=position_ids,
+                past_key_values=cache,
+                use_cache=cache is not None,
+            )
             x = x[0] if isinstance(x, tuple) else x
         return self.norm(x)
 
@@ -159,7 +172,7 @@ class HeadCache:
         out = self.pred.new_zeros(b, n, h)  # row 0 reads zeros
         lo, hi = max(start, 1), min(start + n, self.n_true + 1)  # rows whose f_{r-1} the target computed
         if hi > lo:
-            out[:, lo - start:hi - start] = self.true_feats[lo - 1:hi - 1]
+            out[:, lo - start : hi - start] = self.true_feats[lo - 1 : hi - 1]
         for r in range(max(lo, hi), start + n):  # the rest read the head's own prediction
             out[:, r - start] = self.pred[:, r - 1]
         return out
@@ -175,11 +188,13 @@ class HeadCache:
 
 class HeadLM:
     """A head as the decoders see a draft: forward(input_ids, cache) -> logits [B, T, V] (float32)."""
+
     reads_target_features = True
     lean = False  # the head has a forward of its own (engine/lean.py is for standalone Llama drafts)
 
-    def __init__(self, name: str, head: FeatureHead, target_lm, head_ids: torch.Tensor, tokenizer,
-                 matmul: str = "float32"):
+    def __init__(
+        self, name: str, head: FeatureHead, target_lm, head_ids: torch.Tensor, tokenizer, matmul: str = "float32"
+    ):
         self.name, self.model, self.tokenizer, self.matmul = name, head, tokenizer, matmul
         self.target = target_lm  # borrow embeddings and LM-head rows; never run
         self.vocab_size = target_lm.vocab_size
@@ -206,8 +221,14 @@ class HeadLM:
         return HeadCache(self.model.config, self.context_length + 1, self.device, self.dtype)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, cache: HeadCache, hidden_states: bool = False,
-                features: bool = False, last_only: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: HeadCache,
+        hidden_states: bool = False,
+        features: bool = False,
+        last_only: bool = False,
+    ) -> torch.Tensor:
         """input_ids [B, T]; appends T rows to the cache. Rows whose input features are all known run in one
         pass; a row that needs the previous row's prediction waits for it (drafting beyond the target).
         last_only: the logits of the last row only, [B, 1, V] (the LM head runs on it alone; models.LM.forward)."""
@@ -219,12 +240,12 @@ class HeadLM:
             n = cache.known_run(start, t - done)
             if cache.pred.shape[0] != b:  # a batch of branches fed before the cache was repeated
                 raise ValueError(f"head cache holds {cache.pred.shape[0]} rows, fed {b}")
-            embeds = self._embed(input_ids[:, done:done + n]).to(self.dtype)
+            embeds = self._embed(input_ids[:, done : done + n]).to(self.dtype)
             feats = cache.input_features(start, n)
             mask = causal_mask(n, start, self.device) if n > 1 else None
             position_ids = torch.arange(start, start + n, device=self.device)[None]
             hidden = self.model(embeds, feats, position_ids, mask, cache.kv)  # [B, n, H]
-            cache.pred[:, start:start + n] = hidden
+            cache.pred[:, start : start + n] = hidden
             cache.built_on_pred += [r > 0 and r - 1 >= cache.n_true for r in range(start, start + n)]
             cache.length = start + n
             outs.append(hidden)
@@ -247,8 +268,12 @@ def is_head_dir(path: Path) -> bool:
 def save_head(head: FeatureHead, out: Path, vocab_subset: torch.Tensor, meta: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     config = head.config.to_dict()
-    config[HEAD_KEY] = {"hidden_size": head.config.hidden_size, "vocab_size": head.config.vocab_size,
-                        "target_layers": meta.get("target_layers"), **meta}
+    config[HEAD_KEY] = {
+        "hidden_size": head.config.hidden_size,
+        "vocab_size": head.config.vocab_size,
+        "target_layers": meta.get("target_layers"),
+        **meta,
+    }
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     save_weights({k: v for k, v in head.state_dict().items() if "rotary_emb" not in k}, out)
     save_file({"ids": vocab_subset.to(torch.int64).cpu().contiguous()}, str(out / "vocab_subset.safetensors"))
@@ -261,11 +286,16 @@ def load_head_dir(path: Path, target_model, dtype: torch.dtype, device) -> tuple
     raw = json.loads((path / "config.json").read_text())
     info = raw.pop(HEAD_KEY)
     tc = target_model.config
-    for field, theirs in (("hidden_size", tc.hidden_size), ("vocab_size", tc.vocab_size),
-                          ("target_layers", tc.num_hidden_layers)):
+    for field, theirs in (
+        ("hidden_size", tc.hidden_size),
+        ("vocab_size", tc.vocab_size),
+        ("target_layers", tc.num_hidden_layers),
+    ):
         if info.get(field) is not None and info[field] != theirs:
-            raise SpecBranchError(f"draft head {path} was trained for another target: its {field} is {info[field]}, "
-                                  f"the target's is {theirs}")
+            raise SpecBranchError(
+                f"draft head {path} was trained for another target: its {field} is {info[field]}, "
+                f"the target's is {theirs}"
+            )
     config = AutoConfig.for_model(**raw)
     config._attn_implementation = target_model.config._attn_implementation  # as the target's layers run
     inner = target_model.model

@@ -33,6 +33,7 @@ takes it (RemoteLM.start_compile).
 Only a CPU draft with a recipe runs here: a draft head reads the target's features, and on a GPU the workers'
 streams overlap the models (engine/runtime.py).
 """
+
 from __future__ import annotations
 
 import functools
@@ -58,7 +59,9 @@ from engine.models.lean import compile_report
 from engine.runtime import Measured
 
 START_TIMEOUT_S = 300  # loading the models in the child (a dequantized GGUF loads in seconds; a hub id may download)
-COMPILE_TIMEOUT_S = 900  # loading them and compiling the draft's step (73 s cold for the self-draft beside runs, docs/models.md)
+COMPILE_TIMEOUT_S = (
+    900  # loading them and compiling the draft's step (73 s cold for the self-draft beside runs, docs/models.md)
+)
 
 
 class RemoteCache:
@@ -105,10 +108,15 @@ def _start(recipe: dict, low: bool = False):
     with tempfile.TemporaryDirectory(prefix="specbranch-draft-") as folder:
         listener = Listener(str(Path(folder) / "socket"), "AF_UNIX", authkey=key)
         root = str(Path(__file__).resolve().parents[2])
-        env = dict(os.environ, SPECBRANCH_DRAFT_KEY=key.hex(), HF_HUB_DISABLE_PROGRESS_BARS="1",
-                   PYTHONPATH=os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])]))
-        process = subprocess.Popen([sys.executable, "-m", "engine.drafts.child", listener.address], env=env,
-                                   stdin=subprocess.DEVNULL)
+        env = dict(
+            os.environ,
+            SPECBRANCH_DRAFT_KEY=key.hex(),
+            HF_HUB_DISABLE_PROGRESS_BARS="1",
+            PYTHONPATH=os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])]),
+        )
+        process = subprocess.Popen(
+            [sys.executable, "-m", "engine.drafts.child", listener.address], env=env, stdin=subprocess.DEVNULL
+        )
         with ThreadPoolExecutor(1) as pool:
             accepted = pool.submit(listener.accept)
             while not accepted.done() and process.poll() is None:
@@ -161,8 +169,9 @@ class RemoteLM:
         return getattr(self.__dict__["local"], name)
 
     def _ended(self) -> SpecBranchError:
-        return SpecBranchError(f"the draft's process ended (exit code {self._process.poll()}); "
-                               f"restart with --draft-worker thread")
+        return SpecBranchError(
+            f"the draft's process ended (exit code {self._process.poll()}); restart with --draft-worker thread"
+        )
 
     def _receive(self):
         try:
@@ -185,8 +194,16 @@ class RemoteLM:
         weakref.finalize(cache, self._freed.append, cache.cid)  # list.append: safe wherever collection runs
         return cache
 
-    def forward(self, input_ids: torch.Tensor, cache: RemoteCache, hidden_states: bool = False,
-                features: bool = False, ahead: int = 0, draws: list | None = None, measured: bool = False):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: RemoteCache,
+        hidden_states: bool = False,
+        features: bool = False,
+        ahead: int = 0,
+        draws: list | None = None,
+        measured: bool = False,
+    ):
         """input_ids [B, T] -> logits [B, T, V] float32, appending T positions to `cache`
         (the child runs the local draft's forward on the calling thread's torch thread count). ahead (torch threads; 0 =
         off): the next request will most likely feed the token each row's draw picks (`draws`, sampling.NextDraw, one
@@ -226,8 +243,9 @@ class RemoteLM:
             if on_done is not None:
                 on_done(self.local.compile_message())
         else:
-            self._twin_thread = threading.Thread(target=self._compile_twin, args=(on_done,), daemon=True,
-                                                 name="draft-compile")
+            self._twin_thread = threading.Thread(
+                target=self._compile_twin, args=(on_done,), daemon=True, name="draft-compile"
+            )
             self._twin_thread.start()
 
     def _compile_twin(self, on_done) -> None:
@@ -248,8 +266,14 @@ class RemoteLM:
         else:
             self._twin = twin
         if on_done is not None:
-            on_done(compile_report(self.local.name, why, f"one-token steps compiled in a process of its own "
-                                   f"({time.perf_counter() - start:.0f} s with loading); the next run takes it"))
+            on_done(
+                compile_report(
+                    self.local.name,
+                    why,
+                    f"one-token steps compiled in a process of its own "
+                    f"({time.perf_counter() - start:.0f} s with loading); the next run takes it",
+                )
+            )
 
     def take_compiled(self) -> "RemoteLM":
         """The compiled twin once it is ready (this one closed), else this one: call it between runs only, when no
@@ -309,8 +333,11 @@ def close_distributions(a: torch.Tensor, b: torch.Tensor, tv: float = 0.1) -> bo
 def step_fn(lm, ahead: int, draws: list | None = None):
     """lm.forward; for a draft in its own process, timed by when the child computed (runtime.Measured) and asking it to
     step ahead on `ahead` torch threads (0: not) on the tokens `draws` pick (None: the argmax) (RemoteLM.forward)."""
-    return functools.partial(lm.forward, ahead=ahead, draws=draws, measured=True) if isinstance(lm, RemoteLM) \
+    return (
+        functools.partial(lm.forward, ahead=ahead, draws=draws, measured=True)
+        if isinstance(lm, RemoteLM)
         else lm.forward
+    )
 
 
 def fits(lm) -> str | None:
@@ -342,4 +369,3 @@ def in_process(lm, recipe: dict | None):
         remote.close()
         return lm, "the draft's process computed other logits than this one"
     return remote, ""
-

@@ -6,6 +6,7 @@ drafts were trained into, so the shipped drafts come to about 31 MiB in all (a d
 their acceptance with the target is unchanged within noise (docs/models.md). bfloat16 would not help: float16 is
 already two bytes a weight. Files of other floating dtypes (drafts saved before, or elsewhere) load the same way:
 every tensor is cast to the model's dtype at load. Files are split at MAX_SHARD_BYTES so each stays small."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -23,6 +23,7 @@ the bytes the draft moves beside it. With 4 bits the target itself becomes a che
 minimum), and Int4Matmul's groups of 32 with a scale and a zero point keep their 4-bit codes (the scales and zero
 points are rounded to bfloat16, the kernel's precision).
 """
+
 from __future__ import annotations
 
 import torch
@@ -201,10 +202,16 @@ def fast_linears(model: torch.nn.Module, kind: str = "float32") -> int:
     models.draft_matmul_kind) through draft_matmul; the LM head is left to the caller. Adds a packed and a
     transposed copy of each weight (a draft: one smaller copy) while they fit in COPY_BUDGET bytes. Idempotent: a
     model routed once keeps its first routing. Returns how many layers were routed."""
-    layers = [m for name, m in model.named_modules()
-              if isinstance(m, torch.nn.Linear) and m.bias is None and "lm_head" not in name
-              and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
-              and not getattr(m, "_fast_layout", False)]
+    layers = [
+        m
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear)
+        and m.bias is None
+        and "lm_head" not in name
+        and m.weight.device.type == "cpu"
+        and m.weight.dtype == torch.float32
+        and not getattr(m, "_fast_layout", False)
+    ]
     room = COPY_BUDGET
     for m in layers:
         size = m.weight.numel() * m.weight.element_size()

@@ -1,5 +1,6 @@
 """`python -m engine bench`: every method on the same prompts in the same run, interleaved per
 prompt so that machine drift hits all methods alike; speedups are against `ar` from this run."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,8 +16,17 @@ from tqdm import tqdm
 from engine.config import GenerationConfig, SpecBranchError, writable_file
 from engine.measure.datasets import benchmark_prompts
 
-SUMMED = ("new_tokens", "drafted_tokens", "verified_tokens", "accepted_tokens", "wasted_draft_tokens",
-          "path_drafted_tokens", "path_rolled_back_tokens", "target_forwards", "draft_forwards")
+SUMMED = (
+    "new_tokens",
+    "drafted_tokens",
+    "verified_tokens",
+    "accepted_tokens",
+    "wasted_draft_tokens",
+    "path_drafted_tokens",
+    "path_rolled_back_tokens",
+    "target_forwards",
+    "draft_forwards",
+)
 
 
 def ratio(part: int, whole: int) -> float | None:
@@ -38,11 +48,15 @@ def aggregate(runs: list[dict]) -> dict:
         **tot,
         "decode_s": round(decode_s, 3),
         "tokens_per_s": round(after_prefill / decode_s, 3) if decode_s else 0.0,
-        "acceptance_rate": round(tot["accepted_tokens"] / tot["verified_tokens"], 4) if tot["verified_tokens"] else None,
+        "acceptance_rate": round(tot["accepted_tokens"] / tot["verified_tokens"], 4)
+        if tot["verified_tokens"]
+        else None,
         # τ needs every run's target forwards; hf-assisted's are invisible to us (its runs report None)
-        "mean_accepted_length": (round(tot["new_tokens"] / tot["target_forwards"], 4)
-                                 if tot["target_forwards"] and all(r.get("mean_accepted_length") is not None
-                                                                   for r in runs) else None),
+        "mean_accepted_length": (
+            round(tot["new_tokens"] / tot["target_forwards"], 4)
+            if tot["target_forwards"] and all(r.get("mean_accepted_length") is not None for r in runs)
+            else None
+        ),
         # the two rollback figures (engine.measure.metrics.draft_waste) of finished runs, pooled as ratios of sums
         "path_rollback_rate": ratio(tot["path_rolled_back_tokens"], tot["path_drafted_tokens"]),
         "wasted_draft_rate": ratio(tot["wasted_draft_tokens"], tot["drafted_tokens"]),
@@ -95,10 +109,14 @@ def calibration_report(entries: list[tuple[str, object, GenerationConfig]]) -> d
     tables = {}
     for label, eng, cfg in entries:
         if cfg.method.startswith("specbranch"):
-            tables[label] = {"acceptance_by_confidence": eng.calibration(cfg).table(),
-                             "rescue_by_share": eng.calibration(cfg, "rescue").table()}
-    return {**tables.get("specbranch", {"acceptance_by_confidence": [], "rescue_by_share": []}),
-            "calibration_by_method": tables}
+            tables[label] = {
+                "acceptance_by_confidence": eng.calibration(cfg).table(),
+                "rescue_by_share": eng.calibration(cfg, "rescue").table(),
+            }
+    return {
+        **tables.get("specbranch", {"acceptance_by_confidence": [], "rescue_by_share": []}),
+        "calibration_by_method": tables,
+    }
 
 
 def draft_forward_kind(draft, method: str) -> str | None:
@@ -151,28 +169,63 @@ def run_bench(entries: list[tuple[str, object, GenerationConfig]], args, log=Non
     report = {
         "command": " ".join(sys.argv),
         "when": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-                    "device": str(engine.pair.target.device)},
+        "machine": {
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "device": str(engine.pair.target.device),
+        },
         "pair": {"target": engine.pair.target.name, "draft": engine.pair.draft.name if engine.pair.draft else None},
         "drafts": {label: eng.pair.draft.name if eng.pair.draft else None for label, eng, _ in entries},
-        "draft_matmul": {label: eng.pair.draft.matmul if eng.pair.draft and cfg.method != "ar" else None
-                         for label, eng, cfg in entries},
+        "draft_matmul": {
+            label: eng.pair.draft.matmul if eng.pair.draft and cfg.method != "ar" else None
+            for label, eng, cfg in entries
+        },
         "target_forward": "static" if engine.pair.target.static else "transformers",
         "draft_forward": {label: draft_forward_kind(eng.pair.draft, cfg.method) for label, eng, cfg in entries},
         # hf-assisted runs the local draft's model on transformers' own loop, in this process
-        "draft_worker": {label: (eng.pair.draft_worker if cfg.method != "hf-assisted" else "thread")
-                         if eng.pair.draft and cfg.method != "ar" else None for label, eng, cfg in entries},
-        "settings": {k: getattr(args, k) for k in ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "gamma",
-                                                     "draft_stop", "feed_stop", "head_start", "branches", "epsilon",
-                                                     "hrad", "branch_costs", "calibrate", "hold", "hold_branches", "limit",
-                                                     "dataset")},
+        "draft_worker": {
+            label: (eng.pair.draft_worker if cfg.method != "hf-assisted" else "thread")
+            if eng.pair.draft and cfg.method != "ar"
+            else None
+            for label, eng, cfg in entries
+        },
+        "settings": {
+            k: getattr(args, k)
+            for k in (
+                "max_new_tokens",
+                "temperature",
+                "top_p",
+                "top_k",
+                "seed",
+                "gamma",
+                "draft_stop",
+                "feed_stop",
+                "head_start",
+                "branches",
+                "epsilon",
+                "hrad",
+                "branch_costs",
+                "calibrate",
+                "hold",
+                "hold_branches",
+                "limit",
+                "dataset",
+            )
+        },
         # each entry's own settings: a METHOD@DRAFT entry starts from its draft's preset (engine/presets.py)
         "settings_by_method": {label: cfg.to_dict() for label, _, cfg in entries},
         # --branch-costs: the forward costs measured once per draft and forked by (ms; keys: draft rows)
-        "branch_costs": {eng.pair.draft.name: dataclasses.asdict(eng.measured_branch_costs) for _, eng, _ in entries
-                         if eng.measured_branch_costs is not None},
-        "identical_to_ar": ({m: f"{n}/{len(encoded)}" for m, n in outputs_match.items()}
-                            if args.temperature == 0 and "ar" in methods else None),
+        "branch_costs": {
+            eng.pair.draft.name: dataclasses.asdict(eng.measured_branch_costs)
+            for _, eng, _ in entries
+            if eng.measured_branch_costs is not None
+        },
+        "identical_to_ar": (
+            {m: f"{n}/{len(encoded)}" for m, n in outputs_match.items()}
+            if args.temperature == 0 and "ar" in methods
+            else None
+        ),
         "results": results,
         **calibration_report(entries),
     }
@@ -184,12 +237,42 @@ def run_bench(entries: list[tuple[str, object, GenerationConfig]], args, log=Non
 
 
 def format_table(report: dict) -> str:
-    cols = ["tokens_per_s", "speedup_vs_ar", "acceptance_rate", "mean_accepted_length", "path_rollback_rate",
-            "wasted_draft_rate", "wasted_draft_tokens", "target_idle_fraction", "draft_idle_fraction", "overlap",
-            "draft_alone_fraction", "target_forward_ms", "draft_forward_ms", "host_overhead_ms_per_step",
-            "branch_rescues"]
-    head = ["method", "dataset", "tok/s", "speedup", "α", "τ", "path rollback", "wasted draft", "wasted tokens",
-            "idle T", "idle D", "overlap", "D alone", "T ms", "D ms", "host ms/step", "rescues"]
+    cols = [
+        "tokens_per_s",
+        "speedup_vs_ar",
+        "acceptance_rate",
+        "mean_accepted_length",
+        "path_rollback_rate",
+        "wasted_draft_rate",
+        "wasted_draft_tokens",
+        "target_idle_fraction",
+        "draft_idle_fraction",
+        "overlap",
+        "draft_alone_fraction",
+        "target_forward_ms",
+        "draft_forward_ms",
+        "host_overhead_ms_per_step",
+        "branch_rescues",
+    ]
+    head = [
+        "method",
+        "dataset",
+        "tok/s",
+        "speedup",
+        "α",
+        "τ",
+        "path rollback",
+        "wasted draft",
+        "wasted tokens",
+        "idle T",
+        "idle D",
+        "overlap",
+        "D alone",
+        "T ms",
+        "D ms",
+        "host ms/step",
+        "rescues",
+    ]
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for m, per_ds in report["results"].items():
         for d, agg in per_ds.items():
@@ -200,8 +283,18 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-SPREAD_KEYS = ("tokens_per_s", "speedup_vs_ar", "acceptance_rate", "mean_accepted_length", "path_rollback_rate",
-               "wasted_draft_rate", "branch_rescues", "overlap", "target_idle_fraction", "draft_alone_fraction")
+SPREAD_KEYS = (
+    "tokens_per_s",
+    "speedup_vs_ar",
+    "acceptance_rate",
+    "mean_accepted_length",
+    "path_rollback_rate",
+    "wasted_draft_rate",
+    "branch_rescues",
+    "overlap",
+    "target_idle_fraction",
+    "draft_alone_fraction",
+)
 
 
 def summarize_runs(reports: list[dict], dataset: str = "all") -> dict:
@@ -214,18 +307,40 @@ def summarize_runs(reports: list[dict], dataset: str = "all") -> dict:
         for key in SPREAD_KEYS:
             vals = [r["results"][m][dataset].get(key) for r in reports]
             vals = [v for v in vals if v is not None]
-            row[key] = ({"mean": round(statistics.fmean(vals), 4),
-                         "sd": round(statistics.stdev(vals), 4) if len(vals) > 1 else 0.0, "n": len(vals)}
-                        if vals else None)
+            row[key] = (
+                {
+                    "mean": round(statistics.fmean(vals), 4),
+                    "sd": round(statistics.stdev(vals), 4) if len(vals) > 1 else 0.0,
+                    "n": len(vals),
+                }
+                if vals
+                else None
+            )
         out[m] = row
-    return {"runs": [{"command": r["command"], "seed": r["settings"]["seed"],
-                      "temperature": r["settings"]["temperature"]} for r in reports],
-            "dataset": dataset, "methods": out}
+    return {
+        "runs": [
+            {"command": r["command"], "seed": r["settings"]["seed"], "temperature": r["settings"]["temperature"]}
+            for r in reports
+        ],
+        "dataset": dataset,
+        "methods": out,
+    }
 
 
 def format_spread_table(summary: dict) -> str:
-    head = ["method", "tok/s", "speedup", "α", "τ", "path rollback", "wasted draft", "rescues", "overlap", "idle T",
-            "D alone"]
+    head = [
+        "method",
+        "tok/s",
+        "speedup",
+        "α",
+        "τ",
+        "path rollback",
+        "wasted draft",
+        "rescues",
+        "overlap",
+        "idle T",
+        "D alone",
+    ]
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for m, row in summary["methods"].items():
         cells = [f"{row[k]['mean']:.3g} ± {row[k]['sd']:.2g}" if row[k] else "" for k in SPREAD_KEYS]

@@ -26,6 +26,7 @@ Two parts, both written to one JSON:
              policy can do is to waste none (docs/metrics.md). For PEARL it is SpecBranch's headroom over
              PEARL on that pair.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -58,11 +59,13 @@ def step_of(lm, context: int, w: int, per_row: bool, features: dict | None):
     def step():
         lm.forward(x, cache)
         kv.rollback(cache, context)
+
     return step
 
 
-async def forward_costs(worker, lm, context: int, widths: list[int], per_row: bool = False, reps: int = 15,
-                        features: dict | None = None) -> dict[int, float]:
+async def forward_costs(
+    worker, lm, context: int, widths: list[int], per_row: bool = False, reps: int = 15, features: dict | None = None
+) -> dict[int, float]:
     """ms of one forward of `w` new tokens, or (per_row) of 1 token on each of `w` cache rows (a branch step), on
     `worker` (the model's engine worker), by its spans: the median of `reps`, the widths taken in turn within each
     rep, so that a drift of the machine's speed (a third within seconds on the 2-core CPU, docs/results/README.md)
@@ -89,8 +92,9 @@ async def busy_draft(worker, lm, context: int, rows: int, stop: asyncio.Event, f
     return n
 
 
-async def target_beside_draft(target_worker, target, draft_worker, draft, context: int, rows: int,
-                              features: dict | None, reps: int = 5) -> float:
+async def target_beside_draft(
+    target_worker, target, draft_worker, draft, context: int, rows: int, features: dict | None, reps: int = 5
+) -> float:
     """ms of one target step on its worker while the draft steps on `rows` cache rows beside it, on its own."""
     stop = asyncio.Event()
     busy = asyncio.ensure_future(busy_draft(draft_worker, draft, context, rows, stop, features))
@@ -113,13 +117,17 @@ def draft_features(pair, context: int) -> dict | None:
 def measure(engine, context: int = 200, max_tokens: int = 8, max_rows: int = 4, reps: int = 15) -> dict:
     """The target's and the draft's forward costs, each on its engine worker (forward_costs)."""
     pair = engine.pair
-    target = run_apart(lambda: forward_costs(engine.target_worker, pair.target, context,
-                                             list(range(1, max_tokens + 1)), reps=reps))
+    target = run_apart(
+        lambda: forward_costs(engine.target_worker, pair.target, context, list(range(1, max_tokens + 1)), reps=reps)
+    )
     result = {"context": context, "target_ms_by_tokens": target}
     if pair.draft is not None:
         feats = draft_features(pair, context)
-        result["draft_ms_by_rows"] = run_apart(lambda: forward_costs(engine.draft_worker, pair.draft, context,
-                                                                     list(range(1, max_rows + 1)), True, reps, feats))
+        result["draft_ms_by_rows"] = run_apart(
+            lambda: forward_costs(
+                engine.draft_worker, pair.draft, context, list(range(1, max_rows + 1)), True, reps, feats
+            )
+        )
         result["c"] = round(target[1] / result["draft_ms_by_rows"][1], 2)
     return result
 
@@ -149,21 +157,30 @@ def modelled(report: dict, dataset: str = "all") -> dict[str, dict]:
             pace, headroom = round_pace(t_v, drafting, agg.get("wasted_draft_rate"), serial)
             no_waste = model * (headroom or 1.0)
         measured = agg.get("speedup_vs_ar")
-        out[label] = {"measured": measured, "modelled": None if model is None else round(model, 3),
-                      "share_of_limit": round(measured / model, 3) if model and measured else None,
-                      "pace": pace, "no_waste": None if no_waste is None else round(no_waste, 3),
-                      "tau": tau, "alpha": agg.get("acceptance_rate"), "verify_ms": t_v,
-                      "per_position_acceptance": agg.get("per_position_acceptance")}
+        out[label] = {
+            "measured": measured,
+            "modelled": None if model is None else round(model, 3),
+            "share_of_limit": round(measured / model, 3) if model and measured else None,
+            "pace": pace,
+            "no_waste": None if no_waste is None else round(no_waste, 3),
+            "tau": tau,
+            "alpha": agg.get("acceptance_rate"),
+            "verify_ms": t_v,
+            "per_position_acceptance": agg.get("per_position_acceptance"),
+        }
     return out
 
 
 def format_model(rows: dict[str, dict]) -> str:
-    lines = ["method | measured | modelled (forwards only) | share of limit | pace | no waste | τ | α | "
-             "target ms/forward", "---|---|---|---|---|---|---|---|---"]
+    lines = [
+        "method | measured | modelled (forwards only) | share of limit | pace | no waste | τ | α | target ms/forward",
+        "---|---|---|---|---|---|---|---|---",
+    ]
     for label, r in rows.items():
-        cells = [label] + ["" if r[k] is None else r[k] if isinstance(r[k], str) else f"{r[k]:.3g}" for k in
-                           ("measured", "modelled", "share_of_limit", "pace", "no_waste", "tau", "alpha",
-                            "verify_ms")]
+        cells = [label] + [
+            "" if r[k] is None else r[k] if isinstance(r[k], str) else f"{r[k]:.3g}"
+            for k in ("measured", "modelled", "share_of_limit", "pace", "no_waste", "tau", "alpha", "verify_ms")
+        ]
         lines.append(" | ".join(cells))
     return "\n".join(lines)
 
@@ -182,10 +199,11 @@ def run_costs(engine, args, report: dict | None = None) -> dict:
     out = {}
     if engine is not None:
         torch.set_num_threads(max(1, args.threads))
-        out = {"forwards": measure(engine, args.context, args.max_tokens, args.max_rows, args.reps),
-               "pair": {"target": engine.pair.target.name,
-                        "draft": engine.pair.draft.name if engine.pair.draft else None},
-               "threads": args.threads}
+        out = {
+            "forwards": measure(engine, args.context, args.max_tokens, args.max_rows, args.reps),
+            "pair": {"target": engine.pair.target.name, "draft": engine.pair.draft.name if engine.pair.draft else None},
+            "threads": args.threads,
+        }
         if engine.pair.draft is not None:  # what a fork's k rows do to the target step beside them
             out["forwards"]["target_ms_beside_draft_rows"] = engine.branch_costs(args.max_rows).target_busy_ms
         print(json.dumps(out["forwards"]))

@@ -4,6 +4,7 @@ the training split (used for distillation and H-RAD) never appears in a benchmar
   gsm8k      rows 1000-1318 (chat)                          -- training used rows 0-999
   humaneval  rows 100-163 (raw text, code completion)       -- training used rows 0-99
 """
+
 from __future__ import annotations
 
 import json

@@ -16,6 +16,7 @@ crashes or runs out of time costs only itself, and what ran is kept. Sections:
   krow       a draft step on 1..4 rows, and the target's step alone and beside it, for each target
 --dry-run runs every section on the CPU with tiny shapes, so CI proves the check itself works.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,6 +41,7 @@ VOCAB = 49152  # the embedded target's vocabulary: synthetic targets share its t
 @dataclass(frozen=True)
 class Shape:
     """A Llama target's shape (synthetic: random weights, timing only)."""
+
     name: str
     hidden: int
     layers: int
@@ -49,7 +51,10 @@ class Shape:
     draft_layers: int  # its truncated draft
 
 
-SHAPES = {"1b": Shape("synthetic-1b", 2048, 16, 32, 8, 8192, 2), "7b": Shape("synthetic-7b", 4096, 32, 32, 32, 11008, 2)}
+SHAPES = {
+    "1b": Shape("synthetic-1b", 2048, 16, 32, 8, 8192, 2),
+    "7b": Shape("synthetic-7b", 4096, 32, 32, 32, 11008, 2),
+}
 TINY = Shape("synthetic-tiny", 64, 4, 4, 2, 128, 1)
 
 
@@ -69,6 +74,7 @@ class Saved(dict):
 @dataclass
 class Setup:
     """What a section runs on: the real pair's device and dtype, or tiny CPU stand-ins for the dry run."""
+
     dry: bool
     device: str
     prompts: int
@@ -87,6 +93,7 @@ def tokenizer():
     from transformers import AutoTokenizer
 
     from engine.models.loading import resolve_source
+
     return AutoTokenizer.from_pretrained(resolve_source("embedded"))
 
 
@@ -96,10 +103,19 @@ def synthetic_llama(shape: Shape, device: str, dtype: torch.dtype, seed: int = 0
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from engine.models.devices import cast_model
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=shape.hidden, num_hidden_layers=shape.layers,
-                         num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
-                         intermediate_size=shape.intermediate, max_position_embeddings=4096,
-                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=shape.hidden,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        intermediate_size=shape.intermediate,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     with torch.device(device):
@@ -140,6 +156,7 @@ def prompt_ids(engine, n: int) -> list[list[int]]:
 
 def config(method: str, new_tokens: int, **extra):
     from engine.config import GenerationConfig
+
     return GenerationConfig(method=method, max_new_tokens=new_tokens, temperature=0.0, **extra).validate()
 
 
@@ -147,16 +164,28 @@ def config(method: str, new_tokens: int, **extra):
 def section_env(setup: Setup, out: Saved) -> dict:
     import transformers
 
-    out.update(python=platform.python_version(), torch=torch.__version__, transformers=transformers.__version__,
-               cuda_available=torch.cuda.is_available(), device=setup.device, dry_run=setup.dry)
+    out.update(
+        python=platform.python_version(),
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        cuda_available=torch.cuda.is_available(),
+        device=setup.device,
+        dry_run=setup.dry,
+    )
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        out.update(gpu=props.name, capability=f"{props.major}.{props.minor}", multiprocessors=props.multi_processor_count,
-                   memory_gib=round(props.total_memory / 2**30, 1), cuda=torch.version.cuda)
+        out.update(
+            gpu=props.name,
+            capability=f"{props.major}.{props.minor}",
+            multiprocessors=props.multi_processor_count,
+            memory_gib=round(props.total_memory / 2**30, 1),
+            cuda=torch.version.cuda,
+        )
         query = "name,driver_version,clocks.sm,clocks.mem,clocks.max.sm,power.draw,temperature.gpu,memory.used"
         try:
-            smi = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv"], capture_output=True,
-                                 text=True, timeout=20)
+            smi = subprocess.run(
+                ["nvidia-smi", f"--query-gpu={query}", "--format=csv"], capture_output=True, text=True, timeout=20
+            )
             out["nvidia_smi"] = smi.stdout.strip()
         except (OSError, subprocess.TimeoutExpired) as exc:
             out["nvidia_smi"] = f"not read: {exc}"
@@ -184,9 +213,14 @@ def top2_margin(model, ids: list[int]) -> float:
 def reference(model, ids: list[int], new_tokens: int, eos: set[int]) -> list[int]:
     """transformers' own greedy continuation of ids."""
     device = next(model.parameters()).device
-    out = model.generate(torch.tensor([ids], device=device), max_new_tokens=new_tokens, do_sample=False,
-                         eos_token_id=sorted(eos), pad_token_id=sorted(eos)[0])
-    return out[0, len(ids):].tolist()
+    out = model.generate(
+        torch.tensor([ids], device=device),
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        eos_token_id=sorted(eos),
+        pad_token_id=sorted(eos)[0],
+    )
+    return out[0, len(ids) :].tolist()
 
 
 def greedy_in(setup: Setup, dtype: str, out: Saved, margin_model=None):
@@ -236,6 +270,7 @@ def step_loop(worker, lm, cache_len: int, steps: int, rows: int = 1):
             _, span = await worker.run(lm.forward, x, cache, kind="decode", step=i + 1, t0=0.0, tokens=rows)
             spans.append(span)
         return [settled(s) for s in spans]  # read from their CUDA events once all are queued
+
     return job
 
 
@@ -269,14 +304,19 @@ def overlap_arrangements(pair, steps: int, cache_len: int = 128) -> dict:
         t, d = workers(shared)
 
         async def both():
-            return await asyncio.gather(step_loop(t, pair.target, cache_len, steps)(),
-                                        step_loop(d, pair.draft, cache_len, steps)())
+            return await asyncio.gather(
+                step_loop(t, pair.target, cache_len, steps)(), step_loop(d, pair.draft, cache_len, steps)()
+            )
+
         spans = [s for group in run(both()) for s in group]
-        out[name] = {"t_both_s": round(busy_s(spans), 6),
-                     "efficiency": round((alone_t + alone_d) / max(busy_s(spans), 1e-9), 4)}
+        out[name] = {
+            "t_both_s": round(busy_s(spans), 6),
+            "efficiency": round((alone_t + alone_d) / max(busy_s(spans), 1e-9), 4),
+        }
     t, d = workers(False)
-    one_after = busy_s(run(step_loop(t, pair.target, cache_len, steps)())) + \
-        busy_s(run(step_loop(d, pair.draft, cache_len, steps)()))
+    one_after = busy_s(run(step_loop(t, pair.target, cache_len, steps)())) + busy_s(
+        run(step_loop(d, pair.draft, cache_len, steps)())
+    )
     out["sequential"] = {"t_both_s": round(one_after, 6), "efficiency": round((alone_t + alone_d) / one_after, 4)}
     loop.close()
     return out
@@ -289,7 +329,9 @@ def section_overlap(setup: Setup, result: Saved, out_dir: Path) -> dict:
     result["real_pair"] = overlap_arrangements(pair, 8 if setup.dry else 32)
     if not setup.dry:
         for key in ("1b", "7b"):
-            result[key] = overlap_arrangements(synthetic_pair(SHAPES[key], setup.device, torch.bfloat16, tokenizer()), 16)
+            result[key] = overlap_arrangements(
+                synthetic_pair(SHAPES[key], setup.device, torch.bfloat16, tokenizer()), 16
+            )
             torch.cuda.empty_cache()
     engine = Engine(pair)
     ids = prompt_ids(engine, 1)[0]
@@ -301,16 +343,32 @@ def section_overlap(setup: Setup, result: Saved, out_dir: Path) -> dict:
         run = engine.run(ids, config("specbranch", 16 if not setup.dry else 6))
     trace = out_dir / "specbranch-trace.json.gz"  # Perfetto opens it gzipped
     prof.export_chrome_trace(str(trace))
-    result["trace"] = {"file": trace.name, "bytes": trace.stat().st_size,
-                       "steps": sum(1 for e in run.events if e.type == "step_started")}
+    result["trace"] = {
+        "file": trace.name,
+        "bytes": trace.stat().st_size,
+        "steps": sum(1 for e in run.events if e.type == "step_started"),
+    }
     return result
 
 
 def section_sanitizer(setup: Setup, out: Saved) -> dict:
     """pearl and specbranch under torch's CUDA sanitizer, each in a process of its own (it hooks CUDA at import)."""
     for method in ("pearl", "specbranch"):
-        argv = [sys.executable, "-m", "engine", "generate", "--method", method, "--prompt", "Explain a hash map.",
-                "--chat", "--max-new-tokens", "16", "--draft-worker", "thread"]
+        argv = [
+            sys.executable,
+            "-m",
+            "engine",
+            "generate",
+            "--method",
+            method,
+            "--prompt",
+            "Explain a hash map.",
+            "--chat",
+            "--max-new-tokens",
+            "16",
+            "--draft-worker",
+            "thread",
+        ]
         if setup.dry:
             out[method] = {"skipped": "the CUDA sanitizer has nothing to check on the CPU"}
             continue
@@ -335,15 +393,37 @@ def bench_engines(entries, setup: Setup, label: str) -> dict:
     from engine.config import config_from
     from engine.measure.bench import run_bench
 
-    args = parse(["bench", "--dataset", "all", "--limit", "1", "--warmup", "1", "--draft", "embedded",
-                  "--max-new-tokens", str(setup.new_tokens)])
-    report = run_bench([(name, eng, config_from(with_preset(args, draft), m)) for name, eng, m, draft in entries],
-                       args)
-    keys = ("tokens_per_s", "speedup_vs_ar", "acceptance_rate", "mean_accepted_length", "overlap",
-            "target_forward_ms", "draft_forward_ms")
-    return {"label": label, "identical_to_ar": report["identical_to_ar"],
-            "summary": {m: {k: per["all"].get(k) for k in keys} for m, per in report["results"].items()},
-            "report": report}
+    args = parse(
+        [
+            "bench",
+            "--dataset",
+            "all",
+            "--limit",
+            "1",
+            "--warmup",
+            "1",
+            "--draft",
+            "embedded",
+            "--max-new-tokens",
+            str(setup.new_tokens),
+        ]
+    )
+    report = run_bench([(name, eng, config_from(with_preset(args, draft), m)) for name, eng, m, draft in entries], args)
+    keys = (
+        "tokens_per_s",
+        "speedup_vs_ar",
+        "acceptance_rate",
+        "mean_accepted_length",
+        "overlap",
+        "target_forward_ms",
+        "draft_forward_ms",
+    )
+    return {
+        "label": label,
+        "identical_to_ar": report["identical_to_ar"],
+        "summary": {m: {k: per["all"].get(k) for k in keys} for m, per in report["results"].items()},
+        "report": report,
+    }
 
 
 def section_bench(setup: Setup, out: Saved) -> dict:
@@ -354,22 +434,27 @@ def section_bench(setup: Setup, out: Saved) -> dict:
     if setup.dry:
         pair = real_pair(setup, "float32")
         engine = Engine(pair)
-        out["real_pair"] = bench_engines([(m, engine, m, "embedded") for m in methods], setup,
-                                         "tiny stand-in for the real pair")
+        out["real_pair"] = bench_engines(
+            [(m, engine, m, "embedded") for m in methods], setup, "tiny stand-in for the real pair"
+        )
         return out
     pair = real_pair(setup, "bfloat16", draft="embedded")
     engines = {"embedded": Engine(pair)}
     for draft in ("embedded-head", "self-skip:4,5,6,7"):
         engines[draft] = Engine(with_draft(pair.target, draft))
     entries = [(m, engines["embedded"], m, "embedded") for m in methods]
-    entries += [(f"{m}@{d}", engines[d], m, d) for d in ("embedded-head", "self-skip:4,5,6,7")
-                for m in ("sd", "pearl", "specbranch")]
+    entries += [
+        (f"{m}@{d}", engines[d], m, d)
+        for d in ("embedded-head", "self-skip:4,5,6,7")
+        for m in ("sd", "pearl", "specbranch")
+    ]
     out["real_pair"] = bench_engines(entries, setup, "embedded target, bf16")
     tok = tokenizer()
     for key in ("1b", "7b"):
         engine = Engine(synthetic_pair(SHAPES[key], setup.device, torch.bfloat16, tok))
-        out[key] = bench_engines([(m, engine, m, "embedded") for m in methods], setup,
-                                 SHAPES[key].name + " (random weights)")
+        out[key] = bench_engines(
+            [(m, engine, m, "embedded") for m in methods], setup, SHAPES[key].name + " (random weights)"
+        )
         del engine
         torch.cuda.empty_cache()
     return out
@@ -407,9 +492,14 @@ def section_krow(setup: Setup, out: Saved) -> dict:
 def run_section(name: str, setup: Setup, out_dir: Path) -> dict:
     """The section `name`, its result saved item by item to out_dir/NAME.json as it goes."""
     out = Saved(out_dir / f"{name}.json")
-    sections = {"env": section_env, "greedy": section_greedy, "sanitizer": section_sanitizer,
-                "bench": section_bench, "krow": section_krow,
-                "overlap": lambda setup, out: section_overlap(setup, out, out_dir)}
+    sections = {
+        "env": section_env,
+        "greedy": section_greedy,
+        "sanitizer": section_sanitizer,
+        "bench": section_bench,
+        "krow": section_krow,
+        "overlap": lambda setup, out: section_overlap(setup, out, out_dir),
+    }
     if name not in sections:
         raise ValueError(f"unknown section {name!r}")
     return dict(sections[name](setup, out))
@@ -429,13 +519,20 @@ def section_main(name: str, out_dir: Path, dry: bool) -> int:
         result, status = run_section(name, Setup.of(dry), out_dir), "ok"
     except Exception as exc:  # noqa: BLE001 - a section's failure is its result, the check goes on
         result, status = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-4000:]}, "error"
-    write_json(out_dir / f"{name}.json", {"status": status, "seconds": round(time.perf_counter() - started, 1),
-                                          "result": result})
+    write_json(
+        out_dir / f"{name}.json",
+        {"status": status, "seconds": round(time.perf_counter() - started, 1), "result": result},
+    )
     return 0
 
 
-def run_check(out_dir: Path, dry: bool = False, sections: tuple[str, ...] = SECTIONS, log=print,
-              caps: dict[str, float] | None = None) -> dict:
+def run_check(
+    out_dir: Path,
+    dry: bool = False,
+    sections: tuple[str, ...] = SECTIONS,
+    log=print,
+    caps: dict[str, float] | None = None,
+) -> dict:
     """Every section in a process of its own under its cap (caps: seconds by section, default CAPS_S, or DRY_CAPS_S
     for the dry run); results.json rewritten after each one."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -448,8 +545,11 @@ def run_check(out_dir: Path, dry: bool = False, sections: tuple[str, ...] = SECT
         try:
             proc = subprocess.run(argv, capture_output=True, text=True, timeout=caps[name])
             part = out_dir / f"{name}.json"
-            done = json.loads(part.read_text()) if part.exists() else \
-                {"status": "error", "result": {"error": f"exit {proc.returncode}", "stderr": proc.stderr[-3000:]}}
+            done = (
+                json.loads(part.read_text())
+                if part.exists()
+                else {"status": "error", "result": {"error": f"exit {proc.returncode}", "stderr": proc.stderr[-3000:]}}
+            )
             part.unlink(missing_ok=True)  # results.json holds it: few files to bring back from a device
         except subprocess.TimeoutExpired:
             part = out_dir / f"{name}.json"

@@ -16,31 +16,43 @@ Definitions (docs/specbranch.md (Metrics)):
   pace                which model sets a round's length (round_pace): draft, target, or serial (SD)
   no-waste headroom   a round's length / its length with only the draft steps whose tokens were committed
 """
+
 from __future__ import annotations
 
-from engine.events import (ACCEPTED, RESCUED, BranchResolved, DraftProposed, Event, Finished, Rollback, RunStarted,
-                     TimingSpan, TokensEmitted, Verified)
+from engine.events import (
+    ACCEPTED,
+    RESCUED,
+    BranchResolved,
+    DraftProposed,
+    Event,
+    Finished,
+    Rollback,
+    RunStarted,
+    TimingSpan,
+    TokensEmitted,
+    Verified,
+)
 
 FORMULAS = {
     "tokens_per_s": "tokens emitted after prefill / decode wall time",
     "acceptance_rate": "accepted draft tokens / verified draft tokens",
     "mean_accepted_length": "emitted tokens / target forward passes",
     "wasted_draft_rate": "drafted tokens never committed (rejected, drafted after a rejection, superseded, "
-                         "on losing branches, or pending at the end) / all drafted tokens",
+    "on losing branches, or pending at the end) / all drafted tokens",
     "path_rollback_rate": "drafted tokens on the path the target followed, never committed / drafted tokens on "
-                          "that path. The path: linear drafted tokens, and at each branch point the surviving "
-                          "candidate and its branch (the draft's first choice and its branch when none survived "
-                          "or the branch point was never verified); other branches are a hedge, not counted",
+    "that path. The path: linear drafted tokens, and at each branch point the surviving "
+    "candidate and its branch (the draft's first choice and its branch when none survived "
+    "or the branch point was never verified); other branches are a hedge, not counted",
     "per_position_acceptance": "P(accept at i | all before i accepted)",
     "idle_fraction": "1 - busy time / decode wall time (per model)",
     "overlap": "time both models compute at once / decode wall time",
     "wall_split": "decode wall time: both compute / the target alone / the draft alone (the target waits on it) / "
-                  "neither (host); adds up to 1",
+    "neither (host); adds up to 1",
     "pace": "which model sets a round (one target forward and the draft steps of it): draft if draft forwards a "
-            "round × mean draft forward > mean target forward, else target; serial for SD (one, then the other)",
+    "round × mean draft forward > mean target forward, else target; serial for SD (one, then the other)",
     "no_waste_headroom": "a round's modelled length / its length with draft forwards a round × (1 - wasted draft "
-                         "rate). Where the draft sets the pace, the most that any branch or rollback policy could "
-                         "speed this run up at the same forward costs: each committed draft token costs a draft step",
+    "rate). Where the draft sets the pace, the most that any branch or rollback policy could "
+    "speed this run up at the same forward costs: each committed draft token costs a draft step",
 }
 
 
@@ -50,16 +62,19 @@ def round_ms(verify_ms: float, draft_ms_a_round: float, serial: bool) -> float:
     return verify_ms + draft_ms_a_round if serial else max(verify_ms, draft_ms_a_round)
 
 
-def round_pace(verify_ms: float | None, draft_ms_a_round: float, wasted: float | None,
-               serial: bool) -> tuple[str | None, float | None]:
+def round_pace(
+    verify_ms: float | None, draft_ms_a_round: float, wasted: float | None, serial: bool
+) -> tuple[str | None, float | None]:
     """(pace, no-waste headroom) of a run whose rounds are one target forward of `verify_ms` and draft forwards
     worth `draft_ms_a_round`. With only the draft steps whose tokens were committed, d · (1 - wasted), a round would
     last less (round_ms); the ratio is 1 where the target sets the pace. (None, None) where nothing was measured."""
     if not verify_ms or not draft_ms_a_round:
         return None, None
     pace = "serial" if serial else "draft" if draft_ms_a_round > verify_ms else "target"
-    return pace, (round_ms(verify_ms, draft_ms_a_round, serial)
-                  / round_ms(verify_ms, draft_ms_a_round * (1 - (wasted or 0.0)), serial))
+    return pace, (
+        round_ms(verify_ms, draft_ms_a_round, serial)
+        / round_ms(verify_ms, draft_ms_a_round * (1 - (wasted or 0.0)), serial)
+    )
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -89,8 +104,13 @@ def _intersection(a, b) -> float:
 
 
 def busy_intervals(spans: list[TimingSpan], worker: str, start: float, end: float):
-    return _union([(max(s.start, start), min(s.end, end)) for s in spans
-                   if s.worker == worker and s.end > start and s.start < end])
+    return _union(
+        [
+            (max(s.start, start), min(s.end, end))
+            for s in spans
+            if s.worker == worker and s.end > start and s.start < end
+        ]
+    )
 
 
 def compute_metrics(events: list[Event]) -> dict:
@@ -179,9 +199,11 @@ def wall_split(spans: list[TimingSpan], start: float, decode_s: float, steps: in
     }
 
 
-def forward_pace(events: list[Event], spans: list[TimingSpan], draft_forwards: int, wasted: float | None,
-                 opaque: bool) -> dict:
+def forward_pace(
+    events: list[Event], spans: list[TimingSpan], draft_forwards: int, wasted: float | None, opaque: bool
+) -> dict:
     """The mean forward of each model, which one sets a round's pace and the no-waste headroom (round_pace)."""
+
     def mean_ms(worker, kinds):
         d = [s.end - s.start for s in spans if s.worker == worker and s.kind in kinds]
         return round(1000 * sum(d) / len(d), 3) if d else None
@@ -190,10 +212,19 @@ def forward_pace(events: list[Event], spans: list[TimingSpan], draft_forwards: i
     verify_ms, draft_ms = mean_ms("target", ("decode", "verify")), mean_ms("draft", ("draft", "branch_draft"))
     target_forwards = sum(1 for s in spans if s.worker == "target")
     rounds = target_forwards - any(s.kind == "prefill" and s.worker == "target" for s in spans)
-    pace, headroom = (None, None) if opaque or not rounds or draft_ms is None else round_pace(
-        verify_ms, draft_forwards / rounds * draft_ms, wasted, started is not None and started.method == "sd")
-    return {"target_forward_ms": verify_ms, "draft_forward_ms": draft_ms, "pace": pace,
-            "no_waste_headroom": None if headroom is None else round(headroom, 4)}
+    pace, headroom = (
+        (None, None)
+        if opaque or not rounds or draft_ms is None
+        else round_pace(
+            verify_ms, draft_forwards / rounds * draft_ms, wasted, started is not None and started.method == "sd"
+        )
+    )
+    return {
+        "target_forward_ms": verify_ms,
+        "draft_forward_ms": draft_ms,
+        "pace": pace,
+        "no_waste_headroom": None if headroom is None else round(headroom, 4),
+    }
 
 
 def branch_counts(forks: list[BranchResolved]) -> dict:

@@ -1,4 +1,5 @@
 """Plain autoregressive decoding of the target: the baseline every speedup is measured against."""
+
 from __future__ import annotations
 
 from engine.methods.decoding import RunState, decode_one_token, step_loop

@@ -2,6 +2,7 @@
 pair, as an external peer in the bench. It is a black box to us: we see the tokens as its streamer
 receives them, not its drafts. Its tokens/s counts from the first streamed tokens (which arrive after
 its prefill and first step) to the end, so that prefill is excluded as for our methods."""
+
 from __future__ import annotations
 
 import time
@@ -15,6 +16,7 @@ from engine.runtime import settled
 
 class _Clock:
     """A transformers streamer that only timestamps what arrives."""
+
     def __init__(self):
         self.times: list[tuple[float, int]] = []
         self.prompt_seen = False
@@ -31,14 +33,24 @@ class _Clock:
 
 def _generate(state: RunState, streamer: _Clock) -> list[int]:
     target, draft = state.pair.target.model, state.pair.draft.model
-    kwargs = dict(do_sample=False) if state.cfg.greedy else dict(
-        do_sample=True, temperature=state.cfg.temperature, top_p=state.cfg.top_p, top_k=state.cfg.top_k or None)
+    kwargs = (
+        dict(do_sample=False)
+        if state.cfg.greedy
+        else dict(
+            do_sample=True, temperature=state.cfg.temperature, top_p=state.cfg.top_p, top_k=state.cfg.top_k or None
+        )
+    )
     torch.manual_seed(state.cfg.seed)
     with torch.inference_mode():
-        out = target.generate(torch.tensor([state.tokens], device=target.device), assistant_model=draft,
-                              max_new_tokens=state.budget, streamer=streamer,
-                              pad_token_id=state.pair.tokenizer.eos_token_id, **kwargs)
-    return out[0, state.prompt_len:].tolist()
+        out = target.generate(
+            torch.tensor([state.tokens], device=target.device),
+            assistant_model=draft,
+            max_new_tokens=state.budget,
+            streamer=streamer,
+            pad_token_id=state.pair.tokenizer.eos_token_id,
+            **kwargs,
+        )
+    return out[0, state.prompt_len :].tolist()
 
 
 async def assisted_decode(state: RunState):

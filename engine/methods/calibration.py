@@ -23,6 +23,7 @@ reads the table (Policy.reads_rescues), every rejection of the draft's own token
 there would have decided; sampled, one play of that fork.
 SpecBranch's hold (parallel.Policy.held_back) reads both tables to decide whether to draft at all.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -67,5 +68,13 @@ class AcceptanceCalibration:
 
     def table(self) -> list[dict]:
         """The bins that have verdicts: their confidence range, verdicts and measured acceptance (for the bench)."""
-        return [{"confidence": [b / self.bins, (b + 1) / self.bins], "judged": n, "accepted": round(a, 4),
-                 "rate": round(a / n, 4)} for b, (n, a) in enumerate(zip(self.judged, self.accepted)) if n]
+        return [
+            {
+                "confidence": [b / self.bins, (b + 1) / self.bins],
+                "judged": n,
+                "accepted": round(a, 4),
+                "rate": round(a / n, 4),
+            }
+            for b, (n, a) in enumerate(zip(self.judged, self.accepted))
+            if n
+        ]

@@ -1,6 +1,7 @@
 """State and primitives shared by every decoder: prefill, decode_one_token, draft_block,
 verify_and_commit, emit. The decoders (ar.py, sd.py, ...) are short loops over these.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -13,8 +14,21 @@ import torch
 from engine.models import cache as kv
 from engine.config import GenerationConfig
 from engine.drafts.process import step_fn
-from engine.events import (BONUS, CORRECTION, DECODE, DRAFT, PREFILL, TARGET, VERIFY, DraftProposed, Event, Rollback,
-                     StepStarted, TokensEmitted, Verified)
+from engine.events import (
+    BONUS,
+    CORRECTION,
+    DECODE,
+    DRAFT,
+    PREFILL,
+    TARGET,
+    VERIFY,
+    DraftProposed,
+    Event,
+    Rollback,
+    StepStarted,
+    TokensEmitted,
+    Verified,
+)
 from engine.models.loading import LM, ModelPair, Out
 from engine.runtime import Worker, settled
 from engine.methods.sampling import NextDraw, draw_u, logits_to_probs, sample, top_alternatives, verify_block
@@ -23,6 +37,7 @@ from engine.methods.sampling import NextDraw, draw_u, logits_to_probs, sample, t
 @dataclass
 class RunState:
     """Everything one generation owns. Caches are per run, so a cancelled run leaves nothing behind."""
+
     pair: ModelPair
     cfg: GenerationConfig
     target_worker: Worker
@@ -54,8 +69,10 @@ class RunState:
         self.target_cache = self.pair.target.new_cache()
         if self.pair.draft is not None:
             self.draft_cache = self.pair.draft.new_cache()
-        room = min(self.pair.target.context_length,
-                   self.pair.draft.context_length if self.pair.draft else 1 << 30) - self.prompt_len
+        room = (
+            min(self.pair.target.context_length, self.pair.draft.context_length if self.pair.draft else 1 << 30)
+            - self.prompt_len
+        )
         self.budget = min(self.cfg.max_new_tokens, room)
 
     @property
@@ -83,25 +100,48 @@ class RunState:
         """How each of `rows` draft rows will pick its next token, drawn before the forward that computes them (the
         draft's own generator; no draw when greedy), so a draft in its own process can step on them ahead."""
         c = self.cfg
-        return [NextDraw(c.temperature, c.top_k, c.top_p, 0.0 if c.greedy else draw_u(self.draft_generator))
-                for _ in range(rows)]
+        return [
+            NextDraw(c.temperature, c.top_k, c.top_p, 0.0 if c.greedy else draw_u(self.draft_generator))
+            for _ in range(rows)
+        ]
 
     def pieces(self, ids: list[int]) -> list[str]:
         tok = self.pair.tokenizer
         return [tok.decode([i]) for i in ids]
 
 
-async def forward(state: RunState, lm: LM, worker: Worker, cache, ids: list[int], kind: str,
-                  events: list[Event], hidden_states: bool = False, features: bool = False, solo: bool = False,
-                  ahead: int = 0, draws: list[NextDraw] | None = None):
+async def forward(
+    state: RunState,
+    lm: LM,
+    worker: Worker,
+    cache,
+    ids: list[int],
+    kind: str,
+    events: list[Event],
+    hidden_states: bool = False,
+    features: bool = False,
+    solo: bool = False,
+    ahead: int = 0,
+    draws: list[NextDraw] | None = None,
+):
     """Feed `ids` (appended to `cache`) on `worker` and record the span. Returns logits [T, V]; with
     hidden_states/features, Out(logits [T, V], every layer's states [1, T, H] each, last features [T, H]).
     solo: the other model waits on this forward (Worker.run). ahead: a draft in its own process steps at once on the
     token `draws` will pick (state.next_draws; None: the argmax), on that many torch threads (draft_process.step_fn;
     0 = not)."""
     x = torch.tensor([ids], dtype=torch.long)
-    out, span = await worker.run(step_fn(lm, ahead, draws), x, cache, hidden_states, features, kind=kind,
-                                 step=state.step, t0=state.t0, tokens=len(ids), solo=solo)
+    out, span = await worker.run(
+        step_fn(lm, ahead, draws),
+        x,
+        cache,
+        hidden_states,
+        features,
+        kind=kind,
+        step=state.step,
+        t0=state.t0,
+        tokens=len(ids),
+        solo=solo,
+    )
     events.append(span)
     if hidden_states or features:
         return Out(out.logits[0], out.hidden_states, None if out.features is None else out.features[0])
@@ -127,8 +167,18 @@ async def prefill(state: RunState, events: list[Event]) -> None:
     """Run the prompt through the target and the draft (at once, on their workers) and commit the
     target's first token. A head draft waits for the target's features instead (its first step feeds them)."""
     prompt = state.tokens
-    jobs = [forward(state, state.pair.target.last_row, state.target_worker, state.target_cache, prompt, PREFILL, events,
-                    features=True)]
+    jobs = [
+        forward(
+            state,
+            state.pair.target.last_row,
+            state.target_worker,
+            state.target_cache,
+            prompt,
+            PREFILL,
+            events,
+            features=True,
+        )
+    ]
     if state.pair.draft is not None and not state.head_draft:
         jobs.append(forward(state, state.pair.draft, state.draft_worker, state.draft_cache, prompt, PREFILL, events))
     out = (await asyncio.gather(*jobs))[0]
@@ -141,7 +191,7 @@ async def prefill(state: RunState, events: list[Event]) -> None:
 
 async def decode_one_token(state: RunState, events: list[Event]) -> None:
     """One plain autoregressive step of the target."""
-    feed = state.tokens[kv.cache_length(state.target_cache):]
+    feed = state.tokens[kv.cache_length(state.target_cache) :]
     logits = await forward(state, state.pair.target, state.target_worker, state.target_cache, feed, DECODE, events)
     token = sample(state.probs(logits[-1]), state.generator)
     events.append(emit(state, [token], [TARGET]))
@@ -151,7 +201,7 @@ async def draft_block(state: RunState, gamma: int, events: list[Event], kind: st
     """Draft gamma tokens autoregressively on top of the committed tokens.
     Returns (tokens, q_rows [gamma, V]); the last drafted token is not fed to the draft cache."""
     draft = state.pair.draft
-    feed = state.tokens[kv.cache_length(state.draft_cache):]  # committed tokens the draft has not seen yet
+    feed = state.tokens[kv.cache_length(state.draft_cache) :]  # committed tokens the draft has not seen yet
     tokens, q_rows = [], []
     for i in range(gamma):
         # the target waits on the whole block: the draft may have the cores (Engine's solo_threads); a draft in its own
@@ -159,16 +209,25 @@ async def draft_block(state: RunState, gamma: int, events: list[Event], kind: st
         # the last: the target's pass comes next)
         ahead = state.draft_worker.solo_threads if i < gamma - 1 else 0
         draw = state.next_draws(1)
-        logits = await forward(state, draft, state.draft_worker, state.draft_cache, feed, kind, events, solo=True,
-                               ahead=ahead, draws=draw)
+        logits = await forward(
+            state, draft, state.draft_worker, state.draft_cache, feed, kind, events, solo=True, ahead=ahead, draws=draw
+        )
         q = state.probs(logits[-1])
         x = draw[0].token(q)
         tokens.append(x)
         q_rows.append(q)
         feed = [x]
     q_rows = torch.stack(q_rows)
-    events.append(DraftProposed(state.step, tokens, state.pieces(tokens), [float(q_rows[i, x]) for i, x in enumerate(tokens)],
-                                parent_position=len(state.tokens), top=[top_alternatives(q) for q in q_rows]))
+    events.append(
+        DraftProposed(
+            state.step,
+            tokens,
+            state.pieces(tokens),
+            [float(q_rows[i, x]) for i, x in enumerate(tokens)],
+            parent_position=len(state.tokens),
+            top=[top_alternatives(q) for q in q_rows],
+        )
+    )
     return tokens, q_rows
 
 
@@ -177,14 +236,27 @@ async def verify_and_commit(state: RunState, tokens: list[int], q_rows: torch.Te
     commit accepted tokens plus the correction or bonus token. Returns the Verdict."""
     start = kv.cache_length(state.target_cache)
     feed = state.tokens[start:] + tokens
-    out = await forward(state, state.pair.target, state.target_worker, state.target_cache, feed, VERIFY, events,
-                        features=True)
-    p_rows = state.probs(out.logits[-(len(tokens) + 1):])  # p at the positions predicting x_1..x_g and the bonus
+    out = await forward(
+        state, state.pair.target, state.target_worker, state.target_cache, feed, VERIFY, events, features=True
+    )
+    p_rows = state.probs(out.logits[-(len(tokens) + 1) :])  # p at the positions predicting x_1..x_g and the bonus
     verdict = verify_block(tokens, q_rows, p_rows, state.generator, state.cfg.greedy)
     n = verdict.accepted
-    events.append(Verified(state.step, len(tokens), n, verdict.p, verdict.q, verdict.u, verdict.next_token,
-                           BONUS if verdict.bonus else CORRECTION, verdict.next_p, tokens=list(tokens),
-                           pieces=state.pieces(tokens)))
+    events.append(
+        Verified(
+            state.step,
+            len(tokens),
+            n,
+            verdict.p,
+            verdict.q,
+            verdict.u,
+            verdict.next_token,
+            BONUS if verdict.bonus else CORRECTION,
+            verdict.next_p,
+            tokens=list(tokens),
+            pieces=state.pieces(tokens),
+        )
+    )
     keep = len(state.tokens) + n
     kv.rollback(state.target_cache, keep)
     share_features(state, start, out.features, keep)
@@ -220,6 +292,7 @@ class TextStream:
     prefix's (the tokens [prefix, read)) is new. The prefix gives the tokenizer the context a piece's text may depend
     on (a SentencePiece word's leading space). So a step decodes the last complete chunk, what is held back, and its
     own tokens, whatever the output's length: decoding the whole output each step was O(n^2) in its length."""
+
     __slots__ = ("tokenizer", "prefix", "read", "prefix_chars", "sent")
 
     def __init__(self, tokenizer, start: int):
@@ -231,15 +304,15 @@ class TextStream:
     def delta(self, tokens: list[int], final: bool) -> str:
         """The text the tokens added since the last call (`final`: the run has ended; nothing is held back)."""
         decode = self.tokenizer.decode
-        text = decode(tokens[self.prefix:], skip_special_tokens=True)
+        text = decode(tokens[self.prefix :], skip_special_tokens=True)
         held = text.endswith("\ufffd")
         shown = text.rstrip("\ufffd") if held and not final else text
-        new = shown[self.prefix_chars + self.sent:]
+        new = shown[self.prefix_chars + self.sent :]
         if held and not final:  # the window stays open until the character is complete
             self.sent += len(new)
         else:  # everything up to here is text: the next window starts at this chunk
             self.prefix, self.read, self.sent = self.read, len(tokens), 0
-            self.prefix_chars = len(decode(tokens[self.prefix:self.read], skip_special_tokens=True))
+            self.prefix_chars = len(decode(tokens[self.prefix : self.read], skip_special_tokens=True))
         return new
 
 

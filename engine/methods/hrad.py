@@ -12,6 +12,7 @@ Classes, from the run of draft tokens accepted after that position before the ne
   2  all accepted   (run >= L)         -> draft linearly, no branch this round
 L is the label horizon (default 4).
 """
+
 from __future__ import annotations
 
 import json
@@ -63,18 +64,26 @@ def features(hidden_states: tuple, position: int, next_embedding: torch.Tensor) 
 
 def pair_signature(pair) -> dict:
     """What an H-RAD classifier depends on: the target's features and the draft's confidence."""
+
     def sig(lm):
         c = lm.model.config
-        return {"hidden_size": c.hidden_size, "num_hidden_layers": c.num_hidden_layers,
-                "vocab_rows": len(lm.head_ids) if lm.head_ids is not None else lm.vocab_size}
+        return {
+            "hidden_size": c.hidden_size,
+            "num_hidden_layers": c.num_hidden_layers,
+            "vocab_rows": len(lm.head_ids) if lm.head_ids is not None else lm.vocab_size,
+        }
+
     return {"target": sig(pair.target), "draft": sig(pair.draft)}
 
 
 def save_hrad(model: HRAD, path: Path, meta: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
-    path.with_suffix(".json").write_text(json.dumps(
-        {"in_dim": model.in_dim, "proj_dim": model.proj_dim, "hidden": model.fc1.out_features, **meta}, indent=2))
+    path.with_suffix(".json").write_text(
+        json.dumps(
+            {"in_dim": model.in_dim, "proj_dim": model.proj_dim, "hidden": model.fc1.out_features, **meta}, indent=2
+        )
+    )
 
 
 def load_hrad(path: Path, signature: dict) -> HRAD:
@@ -86,10 +95,15 @@ def load_hrad(path: Path, signature: dict) -> HRAD:
     for model in ("target", "draft"):
         made_for = meta.get("pair", {}).get(model)
         if made_for != signature[model]:
-            diff = ", ".join(f"{k} {(made_for or {}).get(k, '?')} (this {model}: {v})"
-                             for k, v in signature[model].items() if (made_for or {}).get(k) != v)
-            raise SpecBranchError(f"H-RAD weights at {path} were trained for another {model}: {diff}; "
-                                  f"retrain them with `python -m engine train-hrad`")
+            diff = ", ".join(
+                f"{k} {(made_for or {}).get(k, '?')} (this {model}: {v})"
+                for k, v in signature[model].items()
+                if (made_for or {}).get(k) != v
+            )
+            raise SpecBranchError(
+                f"H-RAD weights at {path} were trained for another {model}: {diff}; "
+                f"retrain them with `python -m engine train-hrad`"
+            )
     model = HRAD(meta["in_dim"], meta["proj_dim"], meta["hidden"])
     model.load_state_dict(load_file(str(path)))
     return model.eval()
@@ -116,5 +130,3 @@ def find_hrad(pair) -> tuple[HRAD | None, str]:
         return load_hrad(path, pair_signature(pair)), ""
     except SpecBranchError as exc:
         return None, str(exc)
-
-

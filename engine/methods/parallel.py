@@ -23,6 +23,7 @@ q the draft's confidence read as the acceptance this engine measured at that con
 With --hold, SpecBranch is rollback-aware: it drafts nothing where the measured odds that it holds up (the pending
 path's times its own token's, or a fork's) fall below the hold, and the target takes that position (Policy.held_back).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -36,10 +37,32 @@ from engine.methods import hrad
 from engine.methods.calibration import AcceptanceCalibration
 from engine.methods.decoding import RunState, crop_draft, emit, forward, share_features, step_loop
 from engine.drafts.process import step_fn
-from engine.events import (ACCEPTED, BONUS, BRANCH_DRAFT, CORRECTION, DRAFT, RESCUED, VERIFY, BranchResolved, DraftProposed,
-                     Event, Rollback, Verified)
-from engine.methods.sampling import (NO_REPLACEMENT, TOPK, candidate_q, check_block, check_candidates, draw_candidates,
-                                     residual_distribution, settle, top_alternatives, verify_candidates)
+from engine.events import (
+    ACCEPTED,
+    BONUS,
+    BRANCH_DRAFT,
+    CORRECTION,
+    DRAFT,
+    RESCUED,
+    VERIFY,
+    BranchResolved,
+    DraftProposed,
+    Event,
+    Rollback,
+    Verified,
+)
+from engine.methods.sampling import (
+    NO_REPLACEMENT,
+    TOPK,
+    candidate_q,
+    check_block,
+    check_candidates,
+    draw_candidates,
+    residual_distribution,
+    settle,
+    top_alternatives,
+    verify_candidates,
+)
 
 REJECT_AT_ONCE, PARTLY, ALL_ACCEPTED = 0, 1, 2  # H-RAD classes
 
@@ -47,6 +70,7 @@ REJECT_AT_ONCE, PARTLY, ALL_ACCEPTED = 0, 1, 2  # H-RAD classes
 @dataclass
 class Fork:
     """k candidates for one position, each followed by its own drafted branch."""
+
     q: torch.Tensor  # the draft row [V] the candidates were drawn from
     candidates: list[int]
     scheme: str
@@ -64,6 +88,7 @@ class Fork:
 @dataclass
 class Speculation:
     """What the draft has proposed beyond the committed tokens: a linear path, then maybe a fork."""
+
     path: list[int] = field(default_factory=list)
     path_q: list[torch.Tensor] = field(default_factory=list)
     fork: Fork | None = None
@@ -75,7 +100,9 @@ class Speculation:
     # rejection there tells the rescue table whether a fork would have rescued it (missed_rescue; None: not known)
 
     def tokens(self) -> list[int]:
-        extra = [] if self.fork is None else [t for c, b in zip(self.fork.candidates, self.fork.branches) for t in [c, *b]]
+        extra = (
+            [] if self.fork is None else [t for c, b in zip(self.fork.candidates, self.fork.branches) for t in [c, *b]]
+        )
         return self.path + extra
 
 
@@ -84,6 +111,7 @@ class BranchCosts:
     """Measured forward costs that decide whether a fork pays (Engine.branch_costs): draft_ms[k] is one draft
     step on k cache rows, target_busy_ms[k] one target step while the draft steps on k rows beside it (on a CPU
     the two share cores and memory bandwidth)."""
+
     draft_ms: dict[int, float]
     target_busy_ms: dict[int, float]
 
@@ -103,6 +131,7 @@ class BranchCosts:
 @dataclass
 class Policy:
     """Where to branch and how wide. max_branches = 1 gives PEARL."""
+
     max_branches: int = 1
     epsilon: float = 0.5  # branch at the first token whose draft confidence is below this
     hrad: object | None = None  # engine.methods.hrad.HRAD, or None for confidence only
@@ -149,13 +178,16 @@ class Policy:
         at its own). The two differ when sampling: the rule accepts a token drawn from q with probability
         sum(min(p, q)) whichever token it is, so a near-copy of the target is accepted almost always, also where it
         drew a token it gave 0.1, and only a measured table can say so (docs/methods.md)."""
+
         def read(tops, confs, n):
             tops = list(tops[:n]) + [None] * (n - len(tops))
             confs = list(confs[:n]) + [None] * (n - len(confs))
             if self.calibration is None:
                 return [1.0 if c is None else c for c in confs]
-            return [1.0 if t is None and c is None else self.acceptance(c if t is None else t)
-                    for t, c in zip(tops, confs)]
+            return [
+                1.0 if t is None and c is None else self.acceptance(c if t is None else t) for t, c in zip(tops, confs)
+            ]
+
         out = read(spec.path_top, spec.path_conf, len(spec.path))
         if spec.fork is not None:
             f = spec.fork
@@ -174,8 +206,9 @@ class Policy:
         would only be rolled back, so it proposes nothing and leaves the position to the target's own next token."""
         return self.hold > 0 and odds < self.hold
 
-    def branch_width(self, top: list[float], fresh: bool, hrad_class: int | None, linear_steps: int = 0,
-                     steps_left: int = 1) -> int:
+    def branch_width(
+        self, top: list[float], fresh: bool, hrad_class: int | None, linear_steps: int = 0, steps_left: int = 1
+    ) -> int:
         """How many candidates to fork at this draft position (1 = no fork). `top`: the draft's largest
         (untempered) probabilities here, best first; `fresh`: the first draft step after a verdict, where
         H-RAD's prediction applies; `steps_left`: branch steps the depth cap leaves after this one."""
@@ -235,8 +268,9 @@ class DraftState:
         return self.after_hold and 2 * self.holds_again[0] > self.holds_again[1]
 
 
-async def draft_step(state: RunState, spec: Speculation, ds: DraftState, policy: Policy, events: list[Event],
-                     solo: bool = False) -> None:
+async def draft_step(
+    state: RunState, spec: Speculation, ds: DraftState, policy: Policy, events: list[Event], solo: bool = False
+) -> None:
     """One draft forward: extend the path by a token, or fork here, or extend every branch by one.
     solo: the target waits on this step (the head start), so it may have the cores (Worker.run)."""
     if spec.fork is None:
@@ -245,16 +279,18 @@ async def draft_step(state: RunState, spec: Speculation, ds: DraftState, policy:
         await branch_step(state, spec, ds, policy, events, solo)
 
 
-async def path_step(state: RunState, spec: Speculation, ds: DraftState, policy: Policy, events: list[Event],
-                    solo: bool) -> None:
+async def path_step(
+    state: RunState, spec: Speculation, ds: DraftState, policy: Policy, events: list[Event], solo: bool
+) -> None:
     """The draft's next token on the path; or, where the policy expects a rejection, a fork here (fork_here); or,
     where what it would draft would most likely be rolled back, nothing (a hold)."""
     draft, cache = state.pair.draft, state.draft_cache
     seq = state.tokens + spec.path
-    feed = seq[len(ds.rows[0]):]
+    feed = seq[len(ds.rows[0]) :]
     draw = state.next_draws(1)  # drawn before the row is seen: a fork or a hold below leaves it unused
-    logits = await forward(state, draft, state.draft_worker, cache, feed, DRAFT, events, solo=solo,
-                           ahead=ahead_threads(state), draws=draw)
+    logits = await forward(
+        state, draft, state.draft_worker, cache, feed, DRAFT, events, solo=solo, ahead=ahead_threads(state), draws=draw
+    )
     ds.rows[0] = seq
     raw = logits[-1].float().softmax(-1)  # confidence is read from the untempered distribution
     q = state.probs(logits[-1])
@@ -264,10 +300,14 @@ async def path_step(state: RunState, spec: Speculation, ds: DraftState, policy: 
     best = raw.topk(min(policy.max_branches, raw.shape[-1])) if policy.max_branches > 1 else None
     top = best.values.tolist() if best is not None else [float(raw.max())]
     # the fork the draft could make here: where its token is rejected, missed_rescue plays it for the rescue table
-    alts = (alternatives_share(top, len(top)), best.indices.tolist()) \
-        if best is not None and policy.reads_rescues else None
-    k = policy.branch_width(top, ds.fresh, ds.hrad_class, ds.linear_steps,
-                            steps_left=2 * state.cfg.gamma - len(spec.path) - 1)
+    alts = (
+        (alternatives_share(top, len(top)), best.indices.tolist())
+        if best is not None and policy.reads_rescues
+        else None
+    )
+    k = policy.branch_width(
+        top, ds.fresh, ds.hrad_class, ds.linear_steps, steps_left=2 * state.cfg.gamma - len(spec.path) - 1
+    )
     ds.fresh = False
     ds.linear_steps += 1
     odds = policy.path_odds(spec) * policy.holds_up(top, k) if policy.hold > 0 else 1.0
@@ -277,8 +317,9 @@ async def path_step(state: RunState, spec: Speculation, ds: DraftState, policy: 
         ds.after_hold = False
     if policy.held_back(odds):
         ds.held, ds.held_top, ds.held_alts = q, top[0], alts
-        events.append(DraftProposed(state.step, [], [], [], parent_position=len(seq), kind="held",
-                                    confidence=top[0], odds=odds))
+        events.append(
+            DraftProposed(state.step, [], [], [], parent_position=len(seq), kind="held", confidence=top[0], odds=odds)
+        )
         return
     if k > 1 and fork_here(state, spec, ds, policy, events, k, raw, q, top, len(seq)):
         return
@@ -289,12 +330,25 @@ async def path_step(state: RunState, spec: Speculation, ds: DraftState, policy: 
     spec.path_conf.append(float(raw[x]))
     spec.path_top.append(top[0])
     spec.path_alts.append(alts)
-    events.append(DraftProposed(state.step, [x], state.pieces([x]), [float(q[x])],
-                                parent_position=len(seq), top=[top_alternatives(q)]))
+    events.append(
+        DraftProposed(
+            state.step, [x], state.pieces([x]), [float(q[x])], parent_position=len(seq), top=[top_alternatives(q)]
+        )
+    )
 
 
-def fork_here(state: RunState, spec: Speculation, ds: DraftState, policy: Policy, events: list[Event], k: int,
-              raw: torch.Tensor, q: torch.Tensor, top: list[float], position: int) -> bool:
+def fork_here(
+    state: RunState,
+    spec: Speculation,
+    ds: DraftState,
+    policy: Policy,
+    events: list[Event],
+    k: int,
+    raw: torch.Tensor,
+    q: torch.Tensor,
+    top: list[float],
+    position: int,
+) -> bool:
     """Fork k branches here from the draft's candidates (raw: its untempered row [V], q: the row tokens are drawn
     from); False where fewer than two distinct candidates came out, so the path goes on."""
     # greedy: the draft's top-k (point masses; the rule needs only p, so the untempered row serves);
@@ -303,20 +357,41 @@ def fork_here(state: RunState, spec: Speculation, ds: DraftState, policy: Policy
     cands = draw_candidates(row, k, scheme, state.draft_generator)
     if len(cands) < 2:
         return False
-    spec.fork = Fork(row, cands, scheme, len(spec.path), [[] for _ in cands], [[] for _ in cands],
-                     [float(raw[c]) for c in cands], [[] for _ in cands], top[0],
-                     alternatives_share(top, len(cands)), policy.holds_up(top, len(cands)))
+    spec.fork = Fork(
+        row,
+        cands,
+        scheme,
+        len(spec.path),
+        [[] for _ in cands],
+        [[] for _ in cands],
+        [float(raw[c]) for c in cands],
+        [[] for _ in cands],
+        top[0],
+        alternatives_share(top, len(cands)),
+        policy.holds_up(top, len(cands)),
+    )
     # the draft is as sure as the mass its candidates cover: a fork hedges an unsure token, so the draft-stop rule
     # must not end the round before the branches are drafted
     ds.confidence = float(raw[cands].sum())
-    events.append(DraftProposed(state.step, cands, state.pieces(cands), [float(q[c]) for c in cands],
-                                parent_position=position, top=[top_alternatives(q)], kind="candidates",
-                                confidence=top[0], odds=policy.acceptance(top[0])))
+    events.append(
+        DraftProposed(
+            state.step,
+            cands,
+            state.pieces(cands),
+            [float(q[c]) for c in cands],
+            parent_position=position,
+            top=[top_alternatives(q)],
+            kind="candidates",
+            confidence=top[0],
+            odds=policy.acceptance(top[0]),
+        )
+    )
     return True
 
 
-async def branch_step(state: RunState, spec: Speculation, ds: DraftState, policy: Policy, events: list[Event],
-                      solo: bool) -> None:
+async def branch_step(
+    state: RunState, spec: Speculation, ds: DraftState, policy: Policy, events: list[Event], solo: bool
+) -> None:
     """Every branch of the fork one token further, in one k-row forward; or none, where the branches hold."""
     draft, cache = state.pair.draft, state.draft_cache
     fork = spec.fork
@@ -327,8 +402,16 @@ async def branch_step(state: RunState, spec: Speculation, ds: DraftState, policy
     last = [(b[-1] if b else c) for c, b in zip(fork.candidates, fork.branches)]
     x = torch.tensor(last, dtype=torch.long)[:, None]  # [k, 1]
     draws = state.next_draws(k)
-    logits, span = await state.draft_worker.run(step_fn(draft, ahead_threads(state), draws), x, cache,
-                                                kind=BRANCH_DRAFT, step=state.step, t0=state.t0, tokens=k, solo=solo)
+    logits, span = await state.draft_worker.run(
+        step_fn(draft, ahead_threads(state), draws),
+        x,
+        cache,
+        kind=BRANCH_DRAFT,
+        step=state.step,
+        t0=state.t0,
+        tokens=k,
+        solo=solo,
+    )
     events.append(span)
     raw = logits[:, -1].float().softmax(-1)  # [k, V], untempered
     ds.fresh = False
@@ -340,8 +423,19 @@ async def branch_step(state: RunState, spec: Speculation, ds: DraftState, policy
     if policy.held_back(odds):
         kv.rollback(cache, len(ds.rows[0]))  # undo what the step fed
         fork.held = True
-        events.append(DraftProposed(state.step, [], [], [], branch=1, parent_position=len(ds.rows[0]) + 1,
-                                    kind="held", confidence=float(raw[0].max()), odds=odds))
+        events.append(
+            DraftProposed(
+                state.step,
+                [],
+                [],
+                [],
+                branch=1,
+                parent_position=len(ds.rows[0]) + 1,
+                kind="held",
+                confidence=float(raw[0].max()),
+                odds=odds,
+            )
+        )
         return
     ds.confidence = float(raw.amax(-1).max())  # the surest branch's
     for i in range(k):
@@ -351,8 +445,18 @@ async def branch_step(state: RunState, spec: Speculation, ds: DraftState, policy
         fork.branches[i].append(t)
         fork.branch_q[i].append(q)
         fork.branch_conf[i].append(float(raw[i, t]))
-        events.append(DraftProposed(state.step, [t], state.pieces([t]), [float(q[t])], branch=i + 1,
-                                    parent_position=len(ds.rows[i]), top=[top_alternatives(q)], kind="branch"))
+        events.append(
+            DraftProposed(
+                state.step,
+                [t],
+                state.pieces([t]),
+                [float(q[t])],
+                branch=i + 1,
+                parent_position=len(ds.rows[i]),
+                top=[top_alternatives(q)],
+                kind="branch",
+            )
+        )
 
 
 def ahead_threads(state: RunState) -> int:
@@ -418,22 +522,36 @@ def check_line(state: RunState, tokens: list[int], qs: list[torch.Tensor], rows:
     run, so one spare row draws the bonus token."""
     checked = tokens[: len(rows)]
     use = rows if ends and len(rows) > len(checked) else rows[: len(checked)]
-    return checked, check_block(checked, torch.stack(qs[: len(checked)]) if checked else rows[:0], use,
-                                state.generator, state.cfg.greedy)
+    return checked, check_block(
+        checked, torch.stack(qs[: len(checked)]) if checked else rows[:0], use, state.generator, state.cfg.greedy
+    )
 
 
 def record_line(state: RunState, checked: list[int], verdict, branch: int, events: list[Event]):
     """The Verified event of a verdict on a linear run (check_line); returns the verdict."""
-    events.append(Verified(state.step, len(checked), verdict.accepted, verdict.p, verdict.q, verdict.u,
-                           -1 if verdict.next_token is None else verdict.next_token,
-                           "" if verdict.next_token is None else (BONUS if verdict.bonus else CORRECTION),
-                           verdict.next_p, branch=branch, tokens=list(checked), pieces=state.pieces(checked)))
+    events.append(
+        Verified(
+            state.step,
+            len(checked),
+            verdict.accepted,
+            verdict.p,
+            verdict.q,
+            verdict.u,
+            -1 if verdict.next_token is None else verdict.next_token,
+            "" if verdict.next_token is None else (BONUS if verdict.bonus else CORRECTION),
+            verdict.next_p,
+            branch=branch,
+            tokens=list(checked),
+            pieces=state.pieces(checked),
+        )
+    )
     return verdict
 
 
 @dataclass
 class Outcome:
     """What a verdict commits, what stays speculative, and what the draft loses."""
+
     tokens: list[int]
     kinds: list[str]
     pending: Speculation
@@ -452,8 +570,14 @@ def judged_path(spec: Speculation, accepted: int, rejected: bool) -> list[tuple[
     return [(top, i < accepted) for i, top in enumerate(tops) if top is not None]
 
 
-def missed_rescue(p: torch.Tensor, q: torch.Tensor, alts: tuple[float, list[int]] | None, first: int | None,
-                  greedy: bool, probe: torch.Generator) -> tuple[float, bool] | None:
+def missed_rescue(
+    p: torch.Tensor,
+    q: torch.Tensor,
+    alts: tuple[float, list[int]] | None,
+    first: int | None,
+    greedy: bool,
+    probe: torch.Generator,
+) -> tuple[float, bool] | None:
     """At a position where the draft made no fork (alts: the fork it could have made, Speculation.path_alts; p, q:
     the target's and the draft's rows there): (the alternatives' share, whether that fork would have rescued the
     position), where its first candidate is rejected; None where it would have been accepted. `first`: the draft's
@@ -470,8 +594,14 @@ def missed_rescue(p: torch.Tensor, q: torch.Tensor, alts: tuple[float, list[int]
         cv = verify_candidates(p, q, cands, TOPK if greedy else NO_REPLACEMENT, probe, greedy)
         return None if cv.index == 0 else (share, cv.index is not None)
     rest = candidate_q(q, [first], NO_REPLACEMENT)  # the draft's token was rejected: the rest of the fork
-    cv = verify_candidates(residual_distribution(p, q), rest, draw_candidates(rest, len(top_k) - 1, NO_REPLACEMENT,
-                                                                             probe), NO_REPLACEMENT, probe, False)
+    cv = verify_candidates(
+        residual_distribution(p, q),
+        rest,
+        draw_candidates(rest, len(top_k) - 1, NO_REPLACEMENT, probe),
+        NO_REPLACEMENT,
+        probe,
+        False,
+    )
     return share, cv.index is not None
 
 
@@ -485,36 +615,71 @@ def resolve(state: RunState, spec: Speculation, rows: torch.Tensor, events: list
     checked, path_check = check_line(state, path, spec.path_q, rows, fork is None)
     fork_check = branch_check = None
     if fork is not None and len(rows) > len(path):  # a target row reaches the branch point
-        fork_check = check_candidates(rows[len(path)], fork.q, fork.candidates, fork.scheme, state.generator,
-                                      state.cfg.greedy)
+        fork_check = check_candidates(
+            rows[len(path)], fork.q, fork.candidates, fork.scheme, state.generator, state.cfg.greedy
+        )
         if len(rows) > len(path) + 1:  # the target was fed the first branch
-            branch_checked, branch_check = check_line(state, fork.branches[0], fork.branch_q[0], rows[len(path) + 1:],
-                                                      True)
+            branch_checked, branch_check = check_line(
+                state, fork.branches[0], fork.branch_q[0], rows[len(path) + 1 :], True
+            )
     verdict, cv, branch_verdict = settle(path_check, fork_check, branch_check)
     record_line(state, checked, verdict, 0, events)
     n = verdict.accepted
     if verdict.next_token is not None:  # a rejection on the path, or a bonus after it
         kind = BONUS if verdict.bonus else CORRECTION
-        missed = None if verdict.bonus or n >= len(spec.path_alts) else missed_rescue(
-            rows[n], spec.path_q[n], spec.path_alts[n], path[n], state.cfg.greedy, state.probe_generator)
-        return Outcome(path[:n] + [verdict.next_token], [ACCEPTED] * n + [kind], Speculation(), spec.tokens()[n:],
-                       "superseded" if verdict.bonus else "rejected", judged=judged_path(spec, n, not verdict.bonus),
-                       rescue=missed)
+        missed = (
+            None
+            if verdict.bonus or n >= len(spec.path_alts)
+            else missed_rescue(
+                rows[n], spec.path_q[n], spec.path_alts[n], path[n], state.cfg.greedy, state.probe_generator
+            )
+        )
+        return Outcome(
+            path[:n] + [verdict.next_token],
+            [ACCEPTED] * n + [kind],
+            Speculation(),
+            spec.tokens()[n:],
+            "superseded" if verdict.bonus else "rejected",
+            judged=judged_path(spec, n, not verdict.bonus),
+            rescue=missed,
+        )
     judged = judged_path(spec, n, False)
     if cv is None:  # the path holds up; the rest waits for the next round
-        return Outcome(path[:n], [ACCEPTED] * n, Speculation(path[n:], spec.path_q[n:], spec.fork, spec.path_conf[n:],
-                                                             spec.path_top[n:], spec.path_alts[n:]), judged=judged)
+        return Outcome(
+            path[:n],
+            [ACCEPTED] * n,
+            Speculation(
+                path[n:], spec.path_q[n:], spec.fork, spec.path_conf[n:], spec.path_top[n:], spec.path_alts[n:]
+            ),
+            judged=judged,
+        )
     rescued = cv.index is not None and cv.index > 0  # the path was accepted and a target row reaches the branch point
     if fork.top is not None:  # the first candidate is the draft's own token here, judged like a path token
         judged.append((fork.top, cv.index == 0))
     rescue = (fork.share, rescued) if fork.share is not None and cv.index != 0 else None
-    events.append(BranchResolved(
-        state.step, len(state.tokens) + n, fork.candidates, state.pieces(fork.candidates),
-        [float(fork.q[c]) for c in fork.candidates], cv.p, cv.u, fork.scheme, [list(b) for b in fork.branches],
-        [state.pieces(b) for b in fork.branches], -1 if cv.index is None else cv.index, cv.token, rescued, fork.depth))
+    events.append(
+        BranchResolved(
+            state.step,
+            len(state.tokens) + n,
+            fork.candidates,
+            state.pieces(fork.candidates),
+            [float(fork.q[c]) for c in fork.candidates],
+            cv.p,
+            cv.u,
+            fork.scheme,
+            [list(b) for b in fork.branches],
+            [state.pieces(b) for b in fork.branches],
+            -1 if cv.index is None else cv.index,
+            cv.token,
+            rescued,
+            fork.depth,
+        )
+    )
     losers = [t for i, (c, b) in enumerate(zip(fork.candidates, fork.branches)) if i != cv.index for t in [c, *b]]
-    tokens, kinds = path + [cv.token], [ACCEPTED] * n + [(RESCUED if rescued else ACCEPTED) if cv.index is not None
-                                                          else CORRECTION]
+    tokens, kinds = (
+        path + [cv.token],
+        [ACCEPTED] * n + [(RESCUED if rescued else ACCEPTED) if cv.index is not None else CORRECTION],
+    )
     if cv.index is None:
         return Outcome(tokens, kinds, Speculation(), losers, "all branches rejected", judged=judged, rescue=rescue)
     branch, branch_q = fork.branches[cv.index], fork.branch_q[cv.index]
@@ -527,19 +692,41 @@ def resolve(state: RunState, spec: Speculation, rows: torch.Tensor, events: list
         if verdict.next_token is not None:
             losers += branch[m:]
             why = "rejected on the first branch, and the losing branches"
-            return Outcome(tokens + [verdict.next_token], kinds + [BONUS if verdict.bonus else CORRECTION],
-                           Speculation(), losers, why, judged=judged)
+            return Outcome(
+                tokens + [verdict.next_token],
+                kinds + [BONUS if verdict.bonus else CORRECTION],
+                Speculation(),
+                losers,
+                why,
+                judged=judged,
+            )
         branch, branch_q, branch_conf = branch[m:], branch_q[m:], branch_conf[m:]
-    return Outcome(tokens, kinds, Speculation(branch, branch_q, None, branch_conf, [None] * len(branch),
-                                              [None] * len(branch)), losers, why,
-                   cv.index, judged, rescue)
+    return Outcome(
+        tokens,
+        kinds,
+        Speculation(branch, branch_q, None, branch_conf, [None] * len(branch), [None] * len(branch)),
+        losers,
+        why,
+        cv.index,
+        judged,
+        rescue,
+    )
 
 
-async def verify_round(state: RunState, spec: Speculation, n_fed: int, logits: torch.Tensor, hidden, feats,
-                       ds: DraftState, policy: Policy, events: list[Event]) -> Speculation:
+async def verify_round(
+    state: RunState,
+    spec: Speculation,
+    n_fed: int,
+    logits: torch.Tensor,
+    hidden,
+    feats,
+    ds: DraftState,
+    policy: Policy,
+    events: list[Event],
+) -> Speculation:
     """Apply the target's verdict on line_of(spec)[:n_fed] and the node right after it; returns what stays
     speculative. Both caches are rolled back to what still hangs off the committed tokens."""
-    rows = state.probs(logits[-(n_fed + 1):])
+    rows = state.probs(logits[-(n_fed + 1) :])
     out = resolve(state, spec, rows, events)
     if policy.calibration is not None:
         for top, accepted in out.judged:
@@ -588,8 +775,9 @@ def release_hold(state: RunState, rows: torch.Tensor, out: Outcome, ds: DraftSta
     elif len(state.tokens) + len(out.tokens) > at:
         if policy.calibration is not None:
             policy.calibration.record(ds.held_top, float(torch.minimum(rows[at - len(state.tokens)], ds.held).sum()))
-        missed = missed_rescue(rows[at - len(state.tokens)], ds.held, ds.held_alts, None, state.cfg.greedy,
-                               state.probe_generator)
+        missed = missed_rescue(
+            rows[at - len(state.tokens)], ds.held, ds.held_alts, None, state.cfg.greedy, state.probe_generator
+        )
         if policy.rescues is not None and missed is not None:
             policy.rescues.record(*missed)
         ds.held, ds.held_alts, ds.after_hold = None, None, True
@@ -618,8 +806,9 @@ def depth(spec: Speculation) -> int:
     return len(spec.path) + (0 if spec.fork is None else 1 + max(map(len, spec.fork.branches)))
 
 
-async def draft_until_verdict(state: RunState, spec: Speculation, ds: DraftState, policy: Policy,
-                              target_job: asyncio.Future, events: list[Event]) -> None:
+async def draft_until_verdict(
+    state: RunState, spec: Speculation, ds: DraftState, policy: Policy, target_job: asyncio.Future, events: list[Event]
+) -> None:
     """Draft while the target verifies: at least one step, then on until the verdict lands, the speculation
     reaches the depth cap (2γ: one block of γ under verification, one block ahead of it, as in PEARL's
     post-verify mode; never beyond the tokens the run may still emit), or the draft's confidence in its last
@@ -648,8 +837,11 @@ async def head_start(state: RunState, spec: Speculation, ds: DraftState, policy:
     if state.cfg.head_start <= 0 or ds.follows:
         return
     cap = min(state.cfg.gamma, state.remaining - 1)
-    while not ds.holding(spec) and len(line_of(spec)) < cap and \
-            math.prod(policy.line_acceptance(spec)) >= state.cfg.head_start:
+    while (
+        not ds.holding(spec)
+        and len(line_of(spec)) < cap
+        and math.prod(policy.line_acceptance(spec)) >= state.cfg.head_start
+    ):
         await draft_step(state, spec, ds, policy, events, solo=True)
 
 
@@ -665,12 +857,27 @@ def parallel_decode(state: RunState, policy: Policy):
         # verify at most one block of γ along the first branch (the rest waits for the next round), never
         # past the token budget, nor past where the draft's odds fall below cfg.feed_stop
         line = line_of(spec)
-        n_fed = min(len(line), state.cfg.gamma, max(state.remaining - 1, 0),
-                    feed_limit(policy.line_acceptance(spec), state.cfg.feed_stop))
-        feed = state.tokens[len(state.target_seq):] + line[:n_fed]
+        n_fed = min(
+            len(line),
+            state.cfg.gamma,
+            max(state.remaining - 1, 0),
+            feed_limit(policy.line_acceptance(spec), state.cfg.feed_stop),
+        )
+        feed = state.tokens[len(state.target_seq) :] + line[:n_fed]
         need_hidden = policy.hrad is not None or state.hrad_samples is not None
-        target_job = asyncio.ensure_future(forward(state, state.pair.target, state.target_worker, state.target_cache,
-                                                   feed, VERIFY, events, hidden_states=need_hidden, features=True))
+        target_job = asyncio.ensure_future(
+            forward(
+                state,
+                state.pair.target,
+                state.target_worker,
+                state.target_cache,
+                feed,
+                VERIFY,
+                events,
+                hidden_states=need_hidden,
+                features=True,
+            )
+        )
         state.target_seq = state.target_seq + feed
         try:  # the draft drafts ahead while the target verifies
             await draft_until_verdict(state, spec, ds, policy, target_job, events)

@@ -5,6 +5,7 @@ applies temperature, top-k and top-p and returns the float32 row that `sample` t
 so the q recorded for a draft token is precisely the q it was sampled from.
 Temperature 0 gives a one-hot row (greedy); the same rules then reduce to "accept iff argmax matches".
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -67,6 +68,7 @@ class NextDraw:
     greedy, whose row is one-hot). So a draft in its own process can take the step on that token at once, while the
     engine reads the row (draft_process.step_ahead), when sampling as when greedy. The engine picks by its own
     probabilities (`token`); the child's guess (`guess`) is only a guess: where it differs the step is undone."""
+
     temperature: float
     top_k: int
     top_p: float
@@ -161,6 +163,7 @@ class Verdict:
 class Pending:
     """A verdict computed on the rows' device, not read yet: `values` [n] float64 is all the host needs of it, and
     `read` makes the verdict from those numbers. `settle` reads any number of them in one transfer."""
+
     values: torch.Tensor
     read: Callable[[list[float]], object]
 
@@ -175,7 +178,7 @@ def settle(*pending: Pending | None) -> list:
             out.append(None)
             continue
         n = p.values.shape[0]
-        out.append(p.read(values[at: at + n]))
+        out.append(p.read(values[at : at + n]))
         at += n
     return out
 
@@ -185,16 +188,26 @@ def first_false(flags: torch.Tensor) -> torch.Tensor:
     return flags.long().cumprod(0).sum().view(1)
 
 
-def verify_block(tokens: list[int], q_rows: torch.Tensor, p_rows: torch.Tensor,
-                 generator: torch.Generator | Draws | None, greedy: bool) -> Verdict:
+def verify_block(
+    tokens: list[int],
+    q_rows: torch.Tensor,
+    p_rows: torch.Tensor,
+    generator: torch.Generator | Draws | None,
+    greedy: bool,
+) -> Verdict:
     """Verify draft tokens x_1..x_g (q_rows [g, V]) against target rows p_rows [g+1, V] (or [g, V]:
     then nothing is drawn when all are accepted, because the caller resolves that position itself).
     Computed on the rows' device; the verdict comes to the host in one transfer."""
     return settle(check_block(tokens, q_rows, p_rows, generator, greedy))[0]
 
 
-def check_block(tokens: list[int], q_rows: torch.Tensor, p_rows: torch.Tensor,
-                generator: torch.Generator | Draws | None, greedy: bool) -> Pending:
+def check_block(
+    tokens: list[int],
+    q_rows: torch.Tensor,
+    p_rows: torch.Tensor,
+    generator: torch.Generator | Draws | None,
+    greedy: bool,
+) -> Pending:
     """verify_block's arithmetic, left on the rows' device (Pending). Every token's acceptance is decided at once
     and the first rejection found there; the correction is drawn from the residual at that row, or the bonus from
     the row after the block. Greedy, rows are one-hot (logits_to_probs at T = 0): the rule accepts where p(x) = 1,
@@ -228,12 +241,12 @@ def check_block(tokens: list[int], q_rows: torch.Tensor, p_rows: torch.Tensor,
     def read(v: list[float]) -> Verdict:
         n, token, next_p = int(v[-3]), int(v[-2]), v[-1]
         m = min(n + 1, g)  # the tokens tried: the accepted ones and the one rejected
-        us = [-1.0] * m if greedy else v[2 * g: 2 * g + m]
+        us = [-1.0] * m if greedy else v[2 * g : 2 * g + m]
         if n < g:
-            return Verdict(n, token, next_p, False, v[:m], v[g: g + m], us)
+            return Verdict(n, token, next_p, False, v[:m], v[g : g + m], us)
         if not bonus_row:
-            return Verdict(g, None, 0.0, False, v[:m], v[g: g + m], us)
-        return Verdict(g, token, next_p, True, v[:m], v[g: g + m], us)
+            return Verdict(g, None, 0.0, False, v[:m], v[g : g + m], us)
+        return Verdict(g, token, next_p, True, v[:m], v[g : g + m], us)
 
     return Pending(torch.cat(packed).double(), read)
 
@@ -295,15 +308,27 @@ class CandidateVerdict:
     u: list[float]  # the uniform draw for each tried candidate (-1 where greedy needs none)
 
 
-def verify_candidates(p: torch.Tensor, q: torch.Tensor, candidates: list[int], scheme: str,
-                      generator: torch.Generator | Draws | None, greedy: bool) -> CandidateVerdict:
+def verify_candidates(
+    p: torch.Tensor,
+    q: torch.Tensor,
+    candidates: list[int],
+    scheme: str,
+    generator: torch.Generator | Draws | None,
+    greedy: bool,
+) -> CandidateVerdict:
     """The multi-candidate rule at one position, computed on the rows' device; the verdict comes to the host in one
     transfer."""
     return settle(check_candidates(p, q, candidates, scheme, generator, greedy))[0]
 
 
-def check_candidates(p: torch.Tensor, q: torch.Tensor, candidates: list[int], scheme: str,
-                     generator: torch.Generator | Draws | None, greedy: bool) -> Pending:
+def check_candidates(
+    p: torch.Tensor,
+    q: torch.Tensor,
+    candidates: list[int],
+    scheme: str,
+    generator: torch.Generator | Draws | None,
+    greedy: bool,
+) -> Pending:
     """verify_candidates' arithmetic, left on the rows' device (Pending): the whole chain p_1..p_{k+1} is computed,
     every candidate's acceptance decided at once, and the first accepted one found there; where none is, the token
     is drawn from p_{k+1} (greedy: p's argmax)."""
@@ -330,7 +355,7 @@ def check_candidates(p: torch.Tensor, q: torch.Tensor, candidates: list[int], sc
     def read(v: list[float]) -> CandidateVerdict:
         index, token, prob = int(v[0]), int(v[1]), v[2]
         tried = min(index + 1, k)
-        us = [-1.0] * tried if greedy else v[3 + k: 3 + k + tried]
-        return CandidateVerdict(None if index == k else index, token, prob, v[3: 3 + k], us)
+        us = [-1.0] * tried if greedy else v[3 + k : 3 + k + tried]
+        return CandidateVerdict(None if index == k else index, token, prob, v[3 : 3 + k], us)
 
     return Pending(torch.cat(packed).double(), read)

@@ -1,6 +1,7 @@
 """Vanilla speculative decoding (Leviathan et al. 2023): draft gamma tokens, verify them in one
 target forward, keep the accepted prefix plus a correction or bonus token. Serial: while one model
 computes the other waits (the "bubbles" the parallel methods remove)."""
+
 from __future__ import annotations
 
 from engine.methods.decoding import RunState, decode_one_token, draft_block, step_loop, verify_and_commit

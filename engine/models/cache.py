@@ -3,6 +3,7 @@ step, some speculative tokens); rolling back means cropping it to a shorter pref
 
 transformers 5 `DynamicCache.crop(n)` takes a *negative* n: the number of positions to remove.
 """
+
 from __future__ import annotations
 
 from transformers import DynamicCache

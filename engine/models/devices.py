@@ -13,6 +13,7 @@ bfloat16 dtype leaves them float32, and the rotary forward computes its cos and 
 head cast to bfloat16 by `.to()` had them rounded to bfloat16, so its positions rotated otherwise than the target's.
 cast_model moves or casts a module and puts those buffers back in float32, with their float32 values.
 """
+
 from __future__ import annotations
 
 import torch
@@ -36,8 +37,12 @@ def same_device(a: torch.device | str | None, b: torch.device | str | None) -> b
 
 def rotary_buffers(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
     """(owner, name) of every rotary-table buffer in `module` (transformers' inv_freq and original_inv_freq)."""
-    return [(m, name) for m in module.modules() for name, buf in m.named_buffers(recurse=False)
-            if name in ROTARY_BUFFERS and buf is not None]
+    return [
+        (m, name)
+        for m in module.modules()
+        for name, buf in m.named_buffers(recurse=False)
+        if name in ROTARY_BUFFERS and buf is not None
+    ]
 
 
 def _fresh_table(owner: torch.nn.Module, name: str) -> torch.Tensor | None:
@@ -50,14 +55,16 @@ def _fresh_table(owner: torch.nn.Module, name: str) -> torch.Tensor | None:
             inv, _ = owner.compute_default_rope_parameters(config)
         else:
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
             inv, _ = ROPE_INIT_FUNCTIONS[rope_type](config)
     except Exception:  # noqa: BLE001 - an unknown module or rope type: the caller upcasts what it has
         return None
     return inv.float()
 
 
-def cast_model(module: torch.nn.Module, device: torch.device | str | None = None,
-               dtype: torch.dtype | None = None) -> torch.nn.Module:
+def cast_model(
+    module: torch.nn.Module, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+) -> torch.nn.Module:
     """module.to(device, dtype) (either may be None: left as it is), with its rotary tables (rotary_buffers) kept in
     float32 on the new device, holding their float32 values. Returns the module (cast in place, as .to() does)."""
     saved = [(owner, name, getattr(owner, name)) for owner, name in rotary_buffers(module)]

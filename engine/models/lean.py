@@ -30,6 +30,7 @@ written in place at positions given as a tensor (index_copy_), attention over th
 the step from those positions, and no host read inside the step. The static target (static_forward.py) runs the same
 GenericDecoder there.
 """
+
 from __future__ import annotations
 
 import threading
@@ -71,11 +72,13 @@ def fits(model) -> str | None:
     if type(model).__name__ != "LlamaForCausalLM" or config is None:
         return f"{type(model).__name__} is not a LlamaForCausalLM"
     rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
-    reasons = {"attention_bias": getattr(config, "attention_bias", False),
-               "mlp_bias": getattr(config, "mlp_bias", False),
-               f"hidden_act {config.hidden_act}": config.hidden_act != "silu",
-               f"rope_type {rope}": rope in ("dynamic", "longrope"),
-               "pretraining_tp": getattr(config, "pretraining_tp", 1) != 1}
+    reasons = {
+        "attention_bias": getattr(config, "attention_bias", False),
+        "mlp_bias": getattr(config, "mlp_bias", False),
+        f"hidden_act {config.hidden_act}": config.hidden_act != "silu",
+        f"rope_type {rope}": rope in ("dynamic", "longrope"),
+        "pretraining_tp": getattr(config, "pretraining_tp", 1) != 1,
+    }
     bad = [name for name, flag in reasons.items() if flag]
     return ", ".join(bad) or None
 
@@ -85,8 +88,17 @@ class KVBuffer:
     [0, length) hold tokens. The surface engine.cache and the parallel loop use (get_seq_length, crop,
     batch_repeat_interleave, batch_select_indices) works as on a transformers cache."""
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 capacity: int = CAPACITY, static: bool = False, buffers: tuple[list, list] | None = None):
+    def __init__(
+        self,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        capacity: int = CAPACITY,
+        static: bool = False,
+        buffers: tuple[list, list] | None = None,
+    ):
         """static: for GenericDecoder's steps, which attend over whole buffers: every buffer is marked as a static
         address (a CUDA graph reads and writes it in place), and room made by a fork is zeros, never left empty (a
         masked position must hold a finite value). buffers: (keys, values) of a cache that is gone, reused."""
@@ -152,8 +164,8 @@ class KVBuffer:
         """Store k, v [B, kv_heads, T, head_dim] at [length, length + T) of `layer`; returns that layer's K and V
         up to them (views). `length` moves once every layer is written (advance)."""
         end = self.length + k.shape[2]
-        self.keys[layer][:, :, self.length:end] = k
-        self.values[layer][:, :, self.length:end] = v
+        self.keys[layer][:, :, self.length : end] = k
+        self.values[layer][:, :, self.length : end] = v
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
 
     def advance(self, n: int) -> None:
@@ -178,7 +190,7 @@ class KVBuffer:
             for i, t in enumerate(buf):
                 if len(rows) == 1:
                     row = rows[0] % t.shape[0]
-                    buf[i] = self._mark(t[row: row + 1])
+                    buf[i] = self._mark(t[row : row + 1])
                 else:
                     new = self._new(t, len(rows))
                     new[:, :, : self.length] = t[idx.to(t.device), :, : self.length]
@@ -233,13 +245,14 @@ class BranchKV(KVBuffer):
         depth-major layout (a copy of depth · len(parents) positions a layer)."""
         k, depth = len(parents), self.depth
         if depth:
-            old = torch.tensor([self.shared + self.branches * s + p for s in range(depth) for p in parents],
-                               device=self.keys[0].device)
+            old = torch.tensor(
+                [self.shared + self.branches * s + p for s in range(depth) for p in parents], device=self.keys[0].device
+            )
             super().reserve(max(0, k - self.branches) * depth)
             with torch.inference_mode():  # no autograd bookkeeping for the copies
                 for buf in (self.keys, self.values):
                     for t in buf:
-                        t[:, :, self.shared: self.shared + k * depth] = t.index_select(2, old)
+                        t[:, :, self.shared : self.shared + k * depth] = t.index_select(2, old)
         self._settle(self.shared, depth, k)
 
     def batch_repeat_interleave(self, k: int) -> None:
@@ -267,8 +280,9 @@ class BranchKV(KVBuffer):
             return None
         own = torch.arange(self.length + t * k, device=device) - self.shared  # past the shared: depth·k + branch
         new = torch.arange(t * k, device=device)  # the new tokens, depth-major
-        sees = (own[None, :] < 0) | ((own[None, :] % k == new[:, None] % k)
-                                     & (own[None, :] // k <= self.depth + new[:, None] // k))
+        sees = (own[None, :] < 0) | (
+            (own[None, :] % k == new[:, None] % k) & (own[None, :] // k <= self.depth + new[:, None] // k)
+        )
         return sees.repeat(rep, 1)
 
 
@@ -317,8 +331,15 @@ class GenericDecoder:
     @staticmethod
     def _weights(block) -> dict:
         a, m = block.self_attn, block.mlp
-        return {"q": a.q_proj.weight, "k": a.k_proj.weight, "v": a.v_proj.weight, "o": a.o_proj.weight,
-                "gate": m.gate_proj.weight, "up": m.up_proj.weight, "down": m.down_proj.weight}
+        return {
+            "q": a.q_proj.weight,
+            "k": a.k_proj.weight,
+            "v": a.v_proj.weight,
+            "o": a.o_proj.weight,
+            "gate": m.gate_proj.weight,
+            "up": m.up_proj.weight,
+            "down": m.down_proj.weight,
+        }
 
     @property
     def device(self) -> torch.device:
@@ -339,8 +360,16 @@ class GenericDecoder:
             spare, self._spare = self._spare, None
         if spare is not None and (spare[0][0].shape[0] != 1 or spare[0][0].shape[2] != capacity):
             spare = None
-        cache = kind(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device, capacity,
-                     static=True, buffers=spare)
+        cache = kind(
+            len(self.layers),
+            self.kv_heads,
+            self.head_dim,
+            self.dtype,
+            self.device,
+            capacity,
+            static=True,
+            buffers=spare,
+        )
         weakref.finalize(cache, self._release, cache.keys, cache.values)  # the lists: what the cache holds at its end
         return cache
 
@@ -384,8 +413,16 @@ class GenericDecoder:
         slots = cache.length + torch.arange(n, device=self.device)  # where the n new tokens are stored
         shared = torch.full((1,), cache.shared_length(), dtype=torch.long, device=self.device)
         cos, sin = self.rope_table(cache.get_seq_length() + t)
-        args = (ids, cache.keys, cache.values, slots, shared, cos[positions].to(self.dtype),
-                sin[positions].to(self.dtype), branches)
+        args = (
+            ids,
+            cache.keys,
+            cache.values,
+            slots,
+            shared,
+            cos[positions].to(self.dtype),
+            sin[positions].to(self.dtype),
+            branches,
+        )
         if self._graph is not None and not hidden_states and rows * n <= GRAPH_TOKENS:
             x, hidden = self._compiled(args)
         else:
@@ -407,8 +444,18 @@ class GenericDecoder:
             return self._step(*args, False)
         return (x.clone() if self.cuda_graphs else x), None  # a CUDA graph's output lives until its next replay
 
-    def _step(self, ids: torch.Tensor, keys: list, values: list, slots: torch.Tensor, shared: torch.Tensor,
-              cos: torch.Tensor, sin: torch.Tensor, branches: int, hidden_states: bool = False):
+    def _step(
+        self,
+        ids: torch.Tensor,
+        keys: list,
+        values: list,
+        slots: torch.Tensor,
+        shared: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        branches: int,
+        hidden_states: bool = False,
+    ):
         """ids [R, n]; keys, values: the cache's buffers [R, Hkv, C, D], written at `slots` [n] in place; shared [1]:
         the positions every new token sees; cos, sin [n, D] at the new tokens' rotary positions; branches: k, the new
         tokens' branches in turn (1: each row one sequence) -> (final-norm states [R, n, H], per-layer states)."""
@@ -419,8 +466,9 @@ class GenericDecoder:
         s = torch.arange(capacity, device=ids.device)
         j = torch.arange(n, device=ids.device)
         own = s - shared  # [C]: < 0 for the shared positions
-        sees = (own < 0)[None, :] | (((own % branches)[None, :] == (j % branches)[:, None])
-                                     & (s[None, :] <= slots[:, None]))  # [n, C]
+        sees = (own < 0)[None, :] | (
+            ((own % branches)[None, :] == (j % branches)[:, None]) & (s[None, :] <= slots[:, None])
+        )  # [n, C]
         # grouped-query attention without repeating K and V: the rep query heads that share a KV head are stacked as
         # rows of one head (the mask repeats per group)
         mask = sees.repeat(rep, 1)  # [rep · n, C]
@@ -434,8 +482,9 @@ class GenericDecoder:
             q, k = (q * cos) + (_rotate_half(q) * sin), (k * cos) + (_rotate_half(k) * sin)
             keys[i].index_copy_(2, slots, k)
             values[i].index_copy_(2, slots, v)
-            o = F.scaled_dot_product_attention(q.reshape(r, hkv, rep * n, d), keys[i], values[i], attn_mask=mask,
-                                               scale=self.scaling)  # [R, Hkv, rep · n, D]
+            o = F.scaled_dot_product_attention(
+                q.reshape(r, hkv, rep * n, d), keys[i], values[i], attn_mask=mask, scale=self.scaling
+            )  # [R, Hkv, rep · n, D]
             x = x + F.linear(o.view(r, hq, n, d).transpose(1, 2).reshape(r, n, hq * d), w["o"])
             h = layer.post_attention_layernorm(x)
             x = x + F.linear(layer.mlp.act_fn(F.linear(h, w["gate"])) * F.linear(h, w["up"]), w["down"])
@@ -500,8 +549,9 @@ class LeanLlama(torch.nn.Module):
             self._compile_generic(backend)
             return
         if self.kind == "bfloat16":
-            self.compile_why = ("a bfloat16 draft's oneDNN-packed matmuls do not compile; "
-                                "use --draft-matmul int4 or float32")
+            self.compile_why = (
+                "a bfloat16 draft's oneDNN-packed matmuls do not compile; use --draft-matmul int4 or float32"
+            )
             return
         start, threads = time.perf_counter(), torch.get_num_threads()
         torch.set_num_threads(STEP_THREADS)
@@ -536,7 +586,7 @@ class LeanLlama(torch.nn.Module):
 
     @property
     def compile_state(self) -> str:
-        """"compiled", "eager" (compiling failed: compile_why says why) or "off" (not tried)."""
+        """ "compiled", "eager" (compiling failed: compile_why says why) or "off" (not tried)."""
         if self._generic is not None:
             self._step = self._generic._graph  # a compiled step that failed later leaves it eager
             self.compile_why = self.compile_why or self._generic.compile_why
@@ -547,16 +597,25 @@ class LeanLlama(torch.nn.Module):
         a, m = block.self_attn, block.mlp
         qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach()  # [(Hq + 2 Hkv) D, H]
         gate_up = torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach()  # [2 I, H]
+
         def mm(w):  # a bfloat16 or 4-bit matmul keeps no float32 copy: the fused ones would double the weights
             return draft_matmul(kind, w, keep_weight=False)
-        return {"attn_norm": block.input_layernorm.weight, "mlp_norm": block.post_attention_layernorm.weight,
-                "qkv": mm(qkv), "o": mm(a.o_proj.weight), "gate_up": mm(gate_up), "down": mm(m.down_proj.weight)}
+
+        return {
+            "attn_norm": block.input_layernorm.weight,
+            "mlp_norm": block.post_attention_layernorm.weight,
+            "qkv": mm(qkv),
+            "o": mm(a.o_proj.weight),
+            "gate_up": mm(gate_up),
+            "down": mm(m.down_proj.weight),
+        }
 
     def new_cache(self, capacity: int | None = None) -> BranchKV:
         if self._generic is not None:  # static: the context's positions from the start (GenericDecoder.new_cache)
             return self._generic.new_cache(capacity, BranchKV)
-        return BranchKV(len(self.layers), self.kv_heads, self.head_dim, self.norm.dtype, self.norm.device,
-                        capacity or CAPACITY)
+        return BranchKV(
+            len(self.layers), self.kv_heads, self.head_dim, self.norm.dtype, self.norm.device, capacity or CAPACITY
+        )
 
     def _rope_table(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [end, D] (at least), float32 whatever the weights' dtype: computed once by the model's rotary
@@ -605,13 +664,19 @@ class LeanLlama(torch.nn.Module):
         cache.reserve(t)
         cos, sin = self._rope_table(cache.get_seq_length() + t)  # the last new token's position + 1
         dtype = self.norm.dtype
-        out = (decode or self._decode)(input_ids, cache, cos[positions].to(dtype), sin[positions].to(dtype),
-                                       cache.mask(t, self.heads // self.kv_heads))
+        out = (decode or self._decode)(
+            input_ids,
+            cache,
+            cos[positions].to(dtype),
+            sin[positions].to(dtype),
+            cache.mask(t, self.heads // self.kv_heads),
+        )
         cache.advance(t)
         return out
 
-    def _decode(self, input_ids: torch.Tensor, cache: BranchKV, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None) -> torch.Tensor:
+    def _decode(
+        self, input_ids: torch.Tensor, cache: BranchKV, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
         """input_ids [b, t]; cos, sin [n, D] at the new tokens' positions; mask (BranchKV.mask) -> [b, t, H]."""
         b, t = input_ids.shape
         hq, hkv, d = self.heads, self.kv_heads, self.head_dim
@@ -621,7 +686,7 @@ class LeanLlama(torch.nn.Module):
             h = F.rms_norm(x, (self.hidden,), layer["attn_norm"], self.eps)
             qkv = layer["qkv"](h).view(1, n, hq + 2 * hkv, d).transpose(1, 2)  # [1, Hq + 2 Hkv, n, D]
             qk = self._rotate(qkv[:, : hq + hkv], cos, sin)  # q and k in one pass
-            k, v = cache.write(i, qk[:, hq:], qkv[:, hq + hkv:])  # [1, Hkv, length + n, D]
+            k, v = cache.write(i, qk[:, hq:], qkv[:, hq + hkv :])  # [1, Hkv, length + n, D]
             # grouped-query attention without repeating K and V: the rep query heads that share a KV head are
             # stacked as rows of one head (the mask repeats per group)
             q = qk[:, :hq].reshape(1, hkv, rep * n, d)

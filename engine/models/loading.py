@@ -14,6 +14,7 @@ A model spec is one of:
   DIR                 a local transformers directory
   owner/name          a Hugging Face Hub id
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -67,20 +68,29 @@ def pick_device(device: str | None = None) -> torch.device:
     if dev.type not in ("cpu", "cuda"):
         raise SpecBranchError(f"device {device!r} is not supported; use cpu, cuda or cuda:N")
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise SpecBranchError(f"device {device!r}: CUDA is not available here (no GPU, or a CPU-only torch); "
-                              f"use --device cpu")
+        raise SpecBranchError(
+            f"device {device!r}: CUDA is not available here (no GPU, or a CPU-only torch); use --device cpu"
+        )
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
         n = torch.cuda.device_count()
-        raise SpecBranchError(f"device {device!r}: there is no such GPU; this machine has {n} "
-                              f"({', '.join(f'cuda:{i}' for i in range(n))})")
+        raise SpecBranchError(
+            f"device {device!r}: there is no such GPU; this machine has {n} "
+            f"({', '.join(f'cuda:{i}' for i in range(n))})"
+        )
     return canonical_device(dev)
 
 
 def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     if dtype is None:  # float32 on CPU so greedy output matches generate() token for token
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16}
+    table = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
     if dtype not in table:
         raise SpecBranchError(f"unknown dtype {dtype!r}; choose one of {', '.join(table)}")
     return table[dtype]
@@ -99,13 +109,17 @@ def draft_matmul_kind(choice: str, device: torch.device, dtype: torch.dtype, sel
         return "int4"
     if choice == "int4":
         if not (cpu32 and int4_supported()):
-            raise SpecBranchError("--draft-matmul int4 needs a float32 draft on the CPU and a torch with its int4 "
-                                  "kernel (aten._weight_int4pack_mm_for_cpu); use float32 or auto")
+            raise SpecBranchError(
+                "--draft-matmul int4 needs a float32 draft on the CPU and a torch with its int4 "
+                "kernel (aten._weight_int4pack_mm_for_cpu); use float32 or auto"
+            )
         return "int4"
     fits = cpu32 and bf16_supported()
     if choice == "bfloat16" and not fits:
-        raise SpecBranchError("--draft-matmul bfloat16 needs a float32 draft on a CPU that runs bfloat16 natively "
-                              "(avx512_bf16 or AMX); this one does not, so use float32 or auto")
+        raise SpecBranchError(
+            "--draft-matmul bfloat16 needs a float32 draft on a CPU that runs bfloat16 natively "
+            "(avx512_bf16 or AMX); this one does not, so use float32 or auto"
+        )
     return "bfloat16" if fits and choice != "float32" else "float32"
 
 
@@ -174,6 +188,7 @@ PLAIN_HEAD = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwe
 @dataclass
 class LM:
     """A causal LM with its tokenizer, used by the decoders through `forward` only."""
+
     name: str
     model: torch.nn.Module
     tokenizer: object
@@ -191,15 +206,21 @@ class LM:
     def __post_init__(self):
         if self.layouts:
             fast_linears(self.model, self.matmul)  # a decode step's one row and a verify pass's few rows, each fast
-        self._lean = LeanLlama(self.model, self.matmul, self.compiled and not self.compile_later, self.kernels) \
-            if self.lean else None
+        self._lean = (
+            LeanLlama(self.model, self.matmul, self.compiled and not self.compile_later, self.kernels)
+            if self.lean
+            else None
+        )
         head = self.model.get_output_embeddings()
         self._head = None
         if self.head_ids is not None:  # the rows of the (shared, frozen) head that the draft computes
             self._head = draft_matmul(self.matmul, head.weight[self.head_ids], head=True)
         elif type(self.model).__name__ in PLAIN_HEAD and getattr(head, "bias", None) is None:
-            self._head = draft_matmul(self.matmul, head.weight, head=True) if self.layouts else \
-                HeadMatmul(head.weight, one_row=False, packed=False)  # F.linear: no copies
+            self._head = (
+                draft_matmul(self.matmul, head.weight, head=True)
+                if self.layouts
+                else HeadMatmul(head.weight, one_row=False, packed=False)
+            )  # F.linear: no copies
         # the static path returns the final-norm states: only a plain head turns them into the model's logits; and it
         # runs only where it gives transformers' bits on this machine (StaticLlama.agrees)
         self._static = static_llama(self.model, self.kernels) if self.static and self._head is not None else None
@@ -247,8 +268,14 @@ class LM:
         return fast.new_cache() if fast is not None else kv.new_cache(self.model)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, cache, hidden_states: bool = False, features: bool = False,
-                last_only: bool = False):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache,
+        hidden_states: bool = False,
+        features: bool = False,
+        last_only: bool = False,
+    ):
         """input_ids [B, T] (on any device) -> logits [B, T, V] float32, appending T positions to `cache`.
         With hidden_states and/or features: Out(logits, per-layer hidden states, post-norm last hidden state
         [B, T, H]). The features come from the same pass (a draft head reads them; no second forward).
@@ -266,13 +293,15 @@ class LM:
             return self._logits(last, hidden, features, last_only)
         if self._head is None:  # a model whose logits are more than a matmul of its last state (or unknown)
             keep = {"logits_to_keep": 1} if last_only else {}  # transformers' CausalLMs take it (generate passes it)
-            out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True,
-                             output_hidden_states=hidden_states, **keep)
+            out = self.model(
+                input_ids=input_ids, past_key_values=cache, use_cache=True, output_hidden_states=hidden_states, **keep
+            )
             logits = out.logits[:, -1:] if last_only else out.logits  # [:, -1:]: a model that ignored it
             logits = logits[..., : self.vocab_size].float()
             return Out(logits, out.hidden_states if hidden_states else None) if hidden_states or features else logits
-        out = self.model.base_model(input_ids=input_ids, past_key_values=cache, use_cache=True,
-                                    output_hidden_states=hidden_states)
+        out = self.model.base_model(
+            input_ids=input_ids, past_key_values=cache, use_cache=True, output_hidden_states=hidden_states
+        )
         return self._logits(out.last_hidden_state, out.hidden_states if hidden_states else None, features, last_only)
 
     @property
@@ -311,6 +340,7 @@ class LastRow:
 
 class Out(NamedTuple):
     """A forward's outputs beyond the logits, when asked for."""
+
     logits: torch.Tensor
     hidden_states: tuple | None = None
     features: torch.Tensor | None = None
@@ -357,7 +387,8 @@ def check_tokenizers(target_tok, draft_tok, target_name: str, draft_name: str) -
         raise SpecBranchError(
             f"incompatible tokenizers: draft {draft_name!r} and target {target_name!r} differ "
             f"({len(mismatched)} of {shared} shared ids map to different tokens, e.g. id {example}: "
-            f"{t_by_id.get(example)!r} vs {d_by_id.get(example)!r}); a draft must share the target's vocabulary")
+            f"{t_by_id.get(example)!r} vs {d_by_id.get(example)!r}); a draft must share the target's vocabulary"
+        )
 
 
 def load_draft(spec: str, target_model, target_tok, device, dtype, trust_remote_code: bool):
@@ -391,7 +422,7 @@ SKIP_PREFIX = "self-skip:"
 def skipped_layers(spec: str, total: int) -> tuple[int, ...]:
     """The layers a `self-skip:I,J,...` spec leaves out, checked against the target's depth."""
     try:
-        skip = tuple(sorted({int(part) for part in spec[len(SKIP_PREFIX):].split(",") if part.strip()}))
+        skip = tuple(sorted({int(part) for part in spec[len(SKIP_PREFIX) :].split(",") if part.strip()}))
     except ValueError:
         raise SpecBranchError(f"{SKIP_PREFIX}I,J,... needs layer indices, got {spec!r}") from None
     if not skip or skip[0] < 0 or skip[-1] >= total or len(skip) >= total:
@@ -409,26 +440,61 @@ def is_self_draft(spec: str | None) -> bool:
     return spec == "self" or is_skip_draft(spec)
 
 
-def load_pair(target: str = "embedded", draft: str | None = "embedded", device: str | None = None,
-              draft_device: str | None = None, dtype: str | None = None, trust_remote_code: bool = False,
-              draft_matmul: str = "auto", draft_forward: str = "lean", target_forward: str = "static",
-              draft_worker: str = "thread", target_layouts: bool = True, compile_later: bool = False) -> ModelPair:
+def load_pair(
+    target: str = "embedded",
+    draft: str | None = "embedded",
+    device: str | None = None,
+    draft_device: str | None = None,
+    dtype: str | None = None,
+    trust_remote_code: bool = False,
+    draft_matmul: str = "auto",
+    draft_forward: str = "lean",
+    target_forward: str = "static",
+    draft_worker: str = "thread",
+    target_layouts: bool = True,
+    compile_later: bool = False,
+) -> ModelPair:
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     target_model, target_tok = load_model(target, dev, dt, trust_remote_code)
     target_vocab = target_model.get_output_embeddings().weight.shape[0]
-    lm = LM(target, target_model, target_tok, target_vocab, static=static_target(target_model, target_forward),
-            layouts=target_layouts)
+    lm = LM(
+        target,
+        target_model,
+        target_tok,
+        target_vocab,
+        static=static_target(target_model, target_forward),
+        layouts=target_layouts,
+    )
     if draft is None:
         return ModelPair(lm, None)
     ddev = pick_device(draft_device) if draft_device else dev
-    return with_draft(lm, draft, ddev, pick_dtype(dtype, ddev), trust_remote_code, draft_matmul, draft_forward,
-                      same_device=same_device(ddev, dev), draft_worker=draft_worker, compile_later=compile_later)
+    return with_draft(
+        lm,
+        draft,
+        ddev,
+        pick_dtype(dtype, ddev),
+        trust_remote_code,
+        draft_matmul,
+        draft_forward,
+        same_device=same_device(ddev, dev),
+        draft_worker=draft_worker,
+        compile_later=compile_later,
+    )
 
 
-def with_draft(target: "LM", draft: str, device: torch.device | None = None, dtype: torch.dtype | None = None,
-               trust_remote_code: bool = False, draft_matmul: str = "auto", draft_forward: str = "lean",
-               same_device: bool = True, draft_worker: str = "thread", compile_later: bool = False) -> ModelPair:
+def with_draft(
+    target: "LM",
+    draft: str,
+    device: torch.device | None = None,
+    dtype: torch.dtype | None = None,
+    trust_remote_code: bool = False,
+    draft_matmul: str = "auto",
+    draft_forward: str = "lean",
+    same_device: bool = True,
+    draft_worker: str = "thread",
+    compile_later: bool = False,
+) -> ModelPair:
     """An already-loaded target paired with the draft `draft` (a spec, loaded here, on `device` in `dtype`: the
     target's unless given): the second half of load_pair, and how the bench and the app put several drafts on one
     loaded target. same_device: whether the draft sits where the target does (a draft head must). draft_worker
@@ -440,8 +506,9 @@ def with_draft(target: "LM", draft: str, device: torch.device | None = None, dty
         raise SpecBranchError(f"unknown draft worker {draft_worker!r}; choose one of {', '.join(DRAFT_WORKERS)}")
     device = device if device is not None else target.device
     dtype = dtype if dtype is not None else next(target.model.parameters()).dtype
-    draft_model, draft_tok, head_ids = load_draft(draft, target.model, target.tokenizer, device, dtype,
-                                                  trust_remote_code)
+    draft_model, draft_tok, head_ids = load_draft(
+        draft, target.model, target.tokenizer, device, dtype, trust_remote_code
+    )
     check_tokenizers(target.tokenizer, draft_tok, target.name, draft)
     if isinstance(draft_model, FeatureHead) and not same_device:
         raise SpecBranchError("a draft head reads the target's features: it must sit on the target's device")
@@ -449,10 +516,18 @@ def with_draft(target: "LM", draft: str, device: torch.device | None = None, dty
     pair = pair_of(target, draft, draft_model, draft_tok, head_ids, kind, draft_forward, compile_later)
     if draft_worker == "thread":
         return pair
-    recipe = dict(target=target.name, draft=draft, device=str(device), dtype=DTYPE_NAMES.get(dtype),
-                  trust_remote_code=trust_remote_code, draft_matmul=kind, draft_forward=draft_forward,
-                  target_forward="transformers", target_layouts=False,  # the child needs the target's weights only
-                  compile_later=compile_later)
+    recipe = dict(
+        target=target.name,
+        draft=draft,
+        device=str(device),
+        dtype=DTYPE_NAMES.get(dtype),
+        trust_remote_code=trust_remote_code,
+        draft_matmul=kind,
+        draft_forward=draft_forward,
+        target_forward="transformers",
+        target_layouts=False,  # the child needs the target's weights only
+        compile_later=compile_later,
+    )
     return ModelPair(pair.target, *in_process(pair.draft, recipe))
 
 
@@ -477,12 +552,19 @@ def lean_draft(draft_model, target_model, forward: str) -> bool:
     CUDA graphs when compiled). docs/models.md has what it saves."""
     if forward not in DRAFT_FORWARDS:
         raise SpecBranchError(f"unknown draft forward {forward!r}; choose one of {', '.join(DRAFT_FORWARDS)}")
-    return (forward in ("lean", "lean-compiled") and draft_model is not target_model
-            and lean_misfit(draft_model) is None)
+    return forward in ("lean", "lean-compiled") and draft_model is not target_model and lean_misfit(draft_model) is None
 
 
-def pair_of(target: LM, draft_name: str, draft_model, draft_tok, head_ids, matmul: str = "float32",
-            forward: str = "lean", compile_later: bool = False) -> ModelPair:
+def pair_of(
+    target: LM,
+    draft_name: str,
+    draft_model,
+    draft_tok,
+    head_ids,
+    matmul: str = "float32",
+    forward: str = "lean",
+    compile_later: bool = False,
+) -> ModelPair:
     """Wrap a loaded draft for the decoders: a head reads the target's features; an LM's logits are sliced
     to the vocabulary both models share. matmul: how the draft's matmuls read its weights (draft_matmul_kind);
     the target as its own draft then gets modules of its own over the same weights (drafts.twin_of). forward:
@@ -490,9 +572,11 @@ def pair_of(target: LM, draft_name: str, draft_model, draft_tok, head_ids, matmu
     step too, at load or (compile_later) when LM.start_compile is called."""
     if isinstance(draft_model, FeatureHead):
         if target._head is None:  # its features would not be what its logits are computed from
-            raise SpecBranchError(f"a draft head needs a target whose logits are its LM head applied to its last "
-                                  f"hidden state ({', '.join(sorted(PLAIN_HEAD))}); {type(target.model).__name__} "
-                                  f"is not one")
+            raise SpecBranchError(
+                f"a draft head needs a target whose logits are its LM head applied to its last "
+                f"hidden state ({', '.join(sorted(PLAIN_HEAD))}); {type(target.model).__name__} "
+                f"is not one"
+            )
         return ModelPair(target, HeadLM(draft_name, draft_model, target, head_ids, target.tokenizer, matmul))
     if draft_model is target.model and matmul != "float32":  # route a twin's modules, never the target's
         draft_model = twin_of(target.model)
@@ -500,5 +584,17 @@ def pair_of(target: LM, draft_name: str, draft_model, draft_tok, head_ids, matmu
     if common != target.vocab_size:  # else the target's LM serves as it is (its head's copies are not made again)
         target = LM(target.name, target.model, target.tokenizer, common, static=target.static, kernels=target.kernels)
     lean = lean_draft(draft_model, target.model, forward)
-    return ModelPair(target, LM(draft_name, draft_model, draft_tok, common, head_ids, matmul, lean,
-                                compiled=lean and forward == "lean-compiled", compile_later=compile_later))
+    return ModelPair(
+        target,
+        LM(
+            draft_name,
+            draft_model,
+            draft_tok,
+            common,
+            head_ids,
+            matmul,
+            lean,
+            compiled=lean and forward == "lean-compiled",
+            compile_later=compile_later,
+        ),
+    )

@@ -26,6 +26,7 @@ lean.GRAPH_TOKENS tokens) compile with torch.compile(mode="reduce-overhead") int
 (lean.compile_mode). Its states equal transformers' up to float rounding (attention sums over the masked positions
 too), not bit for bit: StaticLlama.agrees then checks closeness, not equality.
 """
+
 from __future__ import annotations
 
 import torch
@@ -63,8 +64,10 @@ def fuse(linears: list, room: int):
     layers were not routed alike, the separate matmuls, concatenated. Returns (the matmul, bytes of copies)."""
     routed = [m.forward for m in linears]
     separate = (lambda x: torch.cat([r(x) for r in routed], -1)), 0
-    if not all(isinstance(r, HeadMatmul) and r.cpu for r in routed) or \
-            len({(r.wt is None, r.packed is None) for r in routed}) > 1:
+    if (
+        not all(isinstance(r, HeadMatmul) and r.cpu for r in routed)
+        or len({(r.wt is None, r.packed is None) for r in routed}) > 1
+    ):
         return separate
     one_row, packed = routed[0].wt is not None, routed[0].packed is not None
     size = sum(m.weight.numel() * m.weight.element_size() for m in linears) * (1 + one_row + packed)
@@ -103,6 +106,7 @@ class StaticLlama:
             raise ValueError(f"the static-cache forward does not fit this model: {why}")
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
         from transformers.models.llama.modeling_llama import rotate_half
+
         self.config = model.config
         self.model = model.model
         self.attention = ALL_ATTENTION_FUNCTIONS["sdpa"]
@@ -172,7 +176,7 @@ class StaticLlama:
             qkv = self.qkv[i](h).view(b, t, hq + 2 * hkv, d).transpose(1, 2)  # [B, Hq + 2 Hkv, T, D]
             qk = qkv[:, : hq + hkv]  # apply_rotary_pos_emb's arithmetic, on q and k in one pass
             qk = (qk * cos) + (self.rotate_half(qk) * sin)
-            k, v = cache.write(i, qk[:, hq:], qkv[:, hq + hkv:])  # [B, Hkv, start + T, D]: views of the buffers
+            k, v = cache.write(i, qk[:, hq:], qkv[:, hq + hkv :])  # [B, Hkv, start + T, D]: views of the buffers
             o, _ = self.attention(a, qk[:, :hq], k, v, mask, dropout=0.0, scaling=a.scaling)  # [B, T, Hq, D]
             x = x + a.o_proj.forward(o.reshape(b, t, -1).contiguous())
             h = layer.post_attention_layernorm.forward(x)

@@ -1,5 +1,6 @@
 """What the training tools share: reading corpora, batching (prompt, response) rows, splitting them by prompt,
 capping a corpus at a token budget, the frequent-token vocabulary of a reduced head, and one optimizer step."""
+
 from __future__ import annotations
 
 import gzip
@@ -17,7 +18,7 @@ def read_jsonl(path: Path) -> list[dict]:
     """Rows of a JSON-lines file, plain or gzipped (name ending .gz: the shipped training corpora are)."""
     rows = []
     try:
-        with (gzip.open(path, "rt") if str(path).endswith(".gz") else open(path)) as f:
+        with gzip.open(path, "rt") if str(path).endswith(".gz") else open(path) as f:
             for n, line in enumerate(f, 1):
                 if line.strip():
                     try:
@@ -32,7 +33,7 @@ def read_jsonl(path: Path) -> list[dict]:
 def batches(rows: list[dict], batch_size: int, shuffle: bool, seed: int = 0):
     """Length-bucketed batches of (input_ids [B, T], mask [B, T], response start per row)."""
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]["prompt_ids"]) + len(rows[i]["response_ids"]))
-    chunks = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    chunks = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     if shuffle:
         random.Random(seed).shuffle(chunks)
     for chunk in chunks:

@@ -8,6 +8,7 @@ Three resumable stages, each writing into --work-dir:
                trained with KL(p_target || q_draft) over a reduced (FR-Spec) vocabulary
 The draft is saved with `drafts.save_draft`, which `--draft PATH` loads.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,9 @@ def encode_prompt(tokenizer, row: dict) -> list[int]:
     if "prompt" not in row:
         raise SpecBranchError("each prompt row needs a 'prompt' (text) or 'prompt_ids' field")
     if row.get("chat", True) and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=False)
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": row["prompt"]}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         return list(ids["input_ids"] if isinstance(ids, dict) else ids)
     return tokenizer.encode(row["prompt"])
 
@@ -45,8 +47,16 @@ def stop_ids(target, tokenizer) -> set[int]:
 
 
 @torch.inference_mode()
-def generate_responses(target, tokenizer, prompts: list[dict], out: Path, max_new_tokens: int, batch_size: int,
-                       temperature: float, seed: int) -> None:
+def generate_responses(
+    target,
+    tokenizer,
+    prompts: list[dict],
+    out: Path,
+    max_new_tokens: int,
+    batch_size: int,
+    temperature: float,
+    seed: int,
+) -> None:
     """Append {prompt_ids, response_ids} rows to `out`; rows already there (by position) are skipped."""
     done = len(read_jsonl(out)) if out.exists() else 0
     stops = stop_ids(target, tokenizer)
@@ -54,13 +64,20 @@ def generate_responses(target, tokenizer, prompts: list[dict], out: Path, max_ne
     torch.manual_seed(seed + done)
     with open(out, "a") as f, tqdm(total=len(prompts), initial=done, desc="generate", unit="prompt") as bar:
         for start in range(done, len(prompts), batch_size):
-            batch = [encode_prompt(tokenizer, r) for r in prompts[start:start + batch_size]]
+            batch = [encode_prompt(tokenizer, r) for r in prompts[start : start + batch_size]]
             width = max(map(len, batch))
             ids = torch.tensor([[pad] * (width - len(b)) + b for b in batch])  # left padding
             mask = torch.tensor([[0] * (width - len(b)) + [1] * len(b) for b in batch])
-            kwargs = dict(do_sample=True, temperature=temperature, top_p=0.95) if temperature > 0 else dict(do_sample=False)
-            gen = target.generate(input_ids=ids.to(target.device), attention_mask=mask.to(target.device),
-                                  max_new_tokens=max_new_tokens, pad_token_id=pad, **kwargs)[:, width:].tolist()
+            kwargs = (
+                dict(do_sample=True, temperature=temperature, top_p=0.95) if temperature > 0 else dict(do_sample=False)
+            )
+            gen = target.generate(
+                input_ids=ids.to(target.device),
+                attention_mask=mask.to(target.device),
+                max_new_tokens=max_new_tokens,
+                pad_token_id=pad,
+                **kwargs,
+            )[:, width:].tolist()
             for b, resp in zip(batch, gen):
                 end = next((i for i, t in enumerate(resp) if t in stops), None)
                 resp = resp if end is None else resp[: end + 1]  # keep the stop token: the draft learns to end
@@ -88,12 +105,20 @@ def pre_query_ids(tokenizer) -> tuple[list[int], int]:
 
 def shingles(text: str, n: int = 8) -> set[tuple[str, ...]]:
     words = re.findall(r"\w+", text.lower())
-    return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
+    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
 
 
 @torch.inference_mode()
-def generate_self_prompts(target, tokenizer, n: int, out: Path, batch_size: int, seed: int,
-                          exclude: set[tuple[str, ...]], max_new_tokens: int = 48) -> None:
+def generate_self_prompts(
+    target,
+    tokenizer,
+    n: int,
+    out: Path,
+    batch_size: int,
+    seed: int,
+    exclude: set[tuple[str, ...]],
+    max_new_tokens: int = 48,
+) -> None:
     """Magpie (Xu et al. 2024, arXiv 2406.08464): given only the template up to the user turn, an
     instruction-tuned target writes a user question. Sampled at T=1, top-p 0.95; kept when the turn
     ends within max_new_tokens, is new, and shares no 8-word run with a benchmark prompt (`exclude`,
@@ -106,9 +131,16 @@ def generate_self_prompts(target, tokenizer, n: int, out: Path, batch_size: int,
         while len(seen) < n:
             torch.manual_seed(seed * 100_003 + len(seen) * 7 + rounds)  # resumable, yet new samples each round
             rounds += 1
-            gen = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
-                                  top_p=0.95, max_new_tokens=max_new_tokens, eos_token_id=end_id,
-                                  pad_token_id=end_id)[:, len(prefix):].tolist()
+            gen = target.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=True,
+                temperature=1.0,
+                top_p=0.95,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=end_id,
+                pad_token_id=end_id,
+            )[:, len(prefix) :].tolist()
             for resp in gen:
                 if end_id not in resp:
                     continue  # unfinished question
@@ -182,9 +214,23 @@ def evaluate(draft, rows, labels, head, remap, batch_size) -> float:
     return agree / max(total, 1)
 
 
-def train_draft(target, rows: list[dict], labels: list[dict], val_rows, val_labels, *, layers: int, vocab: int,
-                epochs: float, lr: float, batch_size: int, seed: int, log_path: Path, max_minutes: float | None,
-                init: Path | None = None):
+def train_draft(
+    target,
+    rows: list[dict],
+    labels: list[dict],
+    val_rows,
+    val_labels,
+    *,
+    layers: int,
+    vocab: int,
+    epochs: float,
+    lr: float,
+    batch_size: int,
+    seed: int,
+    log_path: Path,
+    max_minutes: float | None,
+    init: Path | None = None,
+):
     torch.manual_seed(seed)
     draft = initial_draft(target, layers, init).train()
     for module in (draft.model.embed_tokens, draft.lm_head):  # shared with the target: frozen
@@ -198,7 +244,9 @@ def train_draft(target, rows: list[dict], labels: list[dict], val_rows, val_labe
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     steps_per_epoch = math.ceil(len(rows) / batch_size)
     total_steps = max(1, int(epochs * steps_per_epoch))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps)))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps))
+    )
     log = open(log_path, "w")  # one log per training run (generation and labels are what resume)
     start, step = time.time(), 0
     first = evaluate(draft, val_rows, val_labels, head, remap, batch_size)
@@ -215,22 +263,46 @@ def train_draft(target, rows: list[dict], labels: list[dict], val_rows, val_labe
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.3f}", agree=f"{agree / max(total, 1):.3f}")
             if step % 25 == 0 or step == total_steps:
-                print(json.dumps({"step": step, "epoch": round(step / steps_per_epoch, 3), "loss": round(loss.item(), 4),
-                                  "train_agreement": round(agree / max(total, 1), 4),
-                                  "lr": sched.get_last_lr()[0], "minutes": round((time.time() - start) / 60, 2)}),
-                      file=log, flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "step": step,
+                            "epoch": round(step / steps_per_epoch, 3),
+                            "loss": round(loss.item(), 4),
+                            "train_agreement": round(agree / max(total, 1), 4),
+                            "lr": sched.get_last_lr()[0],
+                            "minutes": round((time.time() - start) / 60, 2),
+                        }
+                    ),
+                    file=log,
+                    flush=True,
+                )
             if step >= total_steps or (max_minutes and time.time() - start > 60 * max_minutes):
                 stopped = True
                 break
         val = evaluate(draft, val_rows, val_labels, head, remap, batch_size)
-        print(json.dumps({"step": step, "epoch": round(step / steps_per_epoch, 3), "val_agreement": round(val, 4),
-                          "epoch_loss": round(sum(epoch_losses) / len(epoch_losses), 4)}), file=log, flush=True)
+        print(
+            json.dumps(
+                {
+                    "step": step,
+                    "epoch": round(step / steps_per_epoch, 3),
+                    "val_agreement": round(val, 4),
+                    "epoch_loss": round(sum(epoch_losses) / len(epoch_losses), 4),
+                }
+            ),
+            file=log,
+            flush=True,
+        )
         tqdm.write(f"epoch {epoch + 1}: held-out greedy agreement {val:.4f}")
         if stopped:
             break
     bar.close()
     draft.eval()
-    return draft, subset, {"val_agreement": round(val, 4), "steps": step, "minutes": round((time.time() - start) / 60, 2)}
+    return (
+        draft,
+        subset,
+        {"val_agreement": round(val, 4), "steps": step, "minutes": round((time.time() - start) / 60, 2)},
+    )
 
 
 def initial_draft(target, layers: int, init: Path | None):
@@ -254,7 +326,9 @@ def check_inputs(args) -> None:
     if args.init and args.kind == "head":
         raise SpecBranchError("--init continues a standalone draft; a head starts from the target's last layer")
     if args.init and not is_specbranch_draft(Path(args.init)):
-        raise SpecBranchError(f"--init {args.init}: not a draft directory (no config.json with a specbranch_draft entry)")
+        raise SpecBranchError(
+            f"--init {args.init}: not a draft directory (no config.json with a specbranch_draft entry)"
+        )
     if not (args.corpus or args.prompts or args.self_prompts):
         raise SpecBranchError("distill needs training data: give --corpus, --prompts or --self-prompts")
 
@@ -275,49 +349,80 @@ def run_distill(args) -> dict:
     if args.prompts:
         generated = work / "generated.jsonl"
         prompts = read_jsonl(Path(args.prompts))[: args.limit or None]
-        generate_responses(target, tok, prompts, generated, args.max_new_tokens, args.gen_batch_size,
-                           args.gen_temperature, args.seed)
+        generate_responses(
+            target, tok, prompts, generated, args.max_new_tokens, args.gen_batch_size, args.gen_temperature, args.seed
+        )
         rows += read_jsonl(generated)
     if args.self_prompts:
         from engine.measure.datasets import DATASETS, benchmark_prompts
+
         exclude = set().union(*(shingles(p.text) for d in DATASETS for p in benchmark_prompts(d)))
         prompt_file, generated = work / "self_prompts.jsonl", work / "self_generated.jsonl"
         generate_self_prompts(target, tok, args.self_prompts, prompt_file, args.gen_batch_size, args.seed, exclude)
         prompts = read_jsonl(prompt_file)[: args.self_prompts]
-        generate_responses(target, tok, prompts, generated, args.max_new_tokens, args.gen_batch_size,
-                           args.gen_temperature, args.seed)
+        generate_responses(
+            target, tok, prompts, generated, args.max_new_tokens, args.gen_batch_size, args.gen_temperature, args.seed
+        )
         rows += read_jsonl(generated)[: args.self_prompts]
     rows = [r for r in rows if r["response_ids"]]
     if args.generate_only:
         print(f"distill: generated; {len(rows)} rows, {sum(len(r['response_ids']) for r in rows)} response tokens")
         return {"rows": len(rows)}
     if len(rows) < 2:
-        raise SpecBranchError("distill needs at least two (prompt, response) rows: give --corpus, --prompts or --self-prompts")
+        raise SpecBranchError(
+            "distill needs at least two (prompt, response) rows: give --corpus, --prompts or --self-prompts"
+        )
     if args.kind == "head":
         from engine.training.head_distill import run_head_distill
+
         return run_head_distill(args, target, rows, work)
     train_rows, val_rows = split_by_prompt(rows, args.val_fraction, args.seed)
-    labels = label_topk(target, train_rows + val_rows, work / f"labels_top{args.top_k}_{len(rows)}_{args.seed}.pt",
-                        args.top_k, args.label_batch_size)
-    train_labels, val_labels = labels[: len(train_rows)], labels[len(train_rows):]
+    labels = label_topk(
+        target,
+        train_rows + val_rows,
+        work / f"labels_top{args.top_k}_{len(rows)}_{args.seed}.pt",
+        args.top_k,
+        args.label_batch_size,
+    )
+    train_labels, val_labels = labels[: len(train_rows)], labels[len(train_rows) :]
     if args.max_tokens:  # a data-size curve: fewer training rows, the same held-out rows and labels
         kept = capped_rows(train_rows, args.max_tokens, args.seed)
         train_rows, train_labels = [train_rows[i] for i in kept], [train_labels[i] for i in kept]
     n_tokens = sum(len(r["response_ids"]) for r in train_rows)
     print(f"distill: {len(train_rows)} training rows ({n_tokens} response tokens), {len(val_rows)} held-out rows")
     draft, subset, summary = train_draft(
-        target, train_rows, train_labels, val_rows, val_labels, layers=args.layers, vocab=args.vocab,
-        epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, seed=args.seed,
-        log_path=work / "train_log.jsonl", max_minutes=args.max_minutes, init=Path(args.init) if args.init else None)
-    meta = {"target": args.target, "layers": draft.config.num_hidden_layers, "init": args.init,
-            "vocab_subset_size": int(len(subset)),
-            "train_rows": len(train_rows), "train_response_tokens": n_tokens, "held_out_rows": len(val_rows),
-            "epochs": args.epochs, "lr": args.lr, "batch_size": args.batch_size, "seed": args.seed,
-            "top_k_labels": args.top_k, **summary}
+        target,
+        train_rows,
+        train_labels,
+        val_rows,
+        val_labels,
+        layers=args.layers,
+        vocab=args.vocab,
+        epochs=args.epochs,
+        lr=args.lr,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        log_path=work / "train_log.jsonl",
+        max_minutes=args.max_minutes,
+        init=Path(args.init) if args.init else None,
+    )
+    meta = {
+        "target": args.target,
+        "layers": draft.config.num_hidden_layers,
+        "init": args.init,
+        "vocab_subset_size": int(len(subset)),
+        "train_rows": len(train_rows),
+        "train_response_tokens": n_tokens,
+        "held_out_rows": len(val_rows),
+        "epochs": args.epochs,
+        "lr": args.lr,
+        "batch_size": args.batch_size,
+        "seed": args.seed,
+        "top_k_labels": args.top_k,
+        **summary,
+    }
     use_subset = args.vocab < target.get_output_embeddings().weight.shape[0]
     save_draft(draft, Path(args.out), subset if use_subset else None, meta)
     (Path(args.out) / "training_log.jsonl").write_text((work / "train_log.jsonl").read_text())
     print(json.dumps(meta))
     return meta
-
-

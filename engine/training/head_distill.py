@@ -9,6 +9,7 @@ Two resumable stages in --work-dir, after distill's own generate stage:
             target's distribution over the reduced vocabulary (from the true feature, so no labels are
             stored) against the head's, plus a smooth-L1 pull of the predicted feature to the true one.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,11 +39,11 @@ def extract_features(target, rows: list[dict], work: Path, batch_size: int = 8) 
     out: list[torch.Tensor | None] = [None] * len(rows)
     for c0 in tqdm(range(0, len(rows), CHUNK_ROWS), desc="features", unit="chunk"):
         path = work / f"features_{len(rows)}_{c0:06d}.pt"
-        part = rows[c0:c0 + CHUNK_ROWS]
+        part = rows[c0 : c0 + CHUNK_ROWS]
         if path.exists():
             saved = torch.load(path)
             if len(saved) == len(part):
-                out[c0:c0 + len(part)] = saved
+                out[c0 : c0 + len(part)] = saved
                 continue
         feats: list[torch.Tensor | None] = [None] * len(part)
         for chunk, ids, mask in batches(part, batch_size, shuffle=False):
@@ -52,7 +53,7 @@ def extract_features(target, rows: list[dict], work: Path, batch_size: int = 8) 
                 n = len(part[i]["prompt_ids"]) + len(part[i]["response_ids"])
                 feats[i] = hidden[b, :n].to("cpu", torch.float16).clone()
         torch.save(feats, path)
-        out[c0:c0 + len(part)] = feats
+        out[c0 : c0 + len(part)] = feats
     return out
 
 
@@ -67,7 +68,7 @@ def feature_batches(rows, feats, batch_size: int, shuffle: bool, seed: int, devi
             n = feats[i].shape[0]
             f[b, :n] = feats[i].float()
             p, r = len(rows[i]["prompt_ids"]), len(rows[i]["response_ids"])
-            loss_mask[b, p - 1:p + r - 1] = True
+            loss_mask[b, p - 1 : p + r - 1] = True
         yield ids.to(device), f.to(device), loss_mask.to(device)
 
 
@@ -132,9 +133,24 @@ def evaluate(head, rows, feats, embed, sub_head, steps: int, batch_size: int) ->
     return [round(x / max(y, 1), 4) for x, y in zip(a, n)]
 
 
-def train_head(target, rows, feats, val_rows, val_feats, *, layers: int, vocab: int, steps: int, epochs: float,
-               lr: float, batch_size: int, seed: int, log_path: Path, max_minutes: float | None,
-               reg_weight: float = 0.5):
+def train_head(
+    target,
+    rows,
+    feats,
+    val_rows,
+    val_feats,
+    *,
+    layers: int,
+    vocab: int,
+    steps: int,
+    epochs: float,
+    lr: float,
+    batch_size: int,
+    seed: int,
+    log_path: Path,
+    max_minutes: float | None,
+    reg_weight: float = 0.5,
+):
     torch.manual_seed(seed)
     device = next(target.parameters()).device
     head = FeatureHead.from_target(target, layers).float().to(device).train()
@@ -147,7 +163,8 @@ def train_head(target, rows, feats, val_rows, val_feats, *, layers: int, vocab: 
     per_epoch = math.ceil(len(rows) / batch_size)
     total_steps = max(1, int(epochs * per_epoch))
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps)))
+        opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps))
+    )
     log = open(log_path, "w")
     val = evaluate(head, val_rows, val_feats, embed, sub_head, steps, batch_size)
     print(json.dumps({"step": 0, "val_agreement_by_depth": val}), file=log, flush=True)
@@ -163,22 +180,38 @@ def train_head(target, rows, feats, val_rows, val_feats, *, layers: int, vocab: 
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.3f}", d1=f"{agree[0][0] / max(agree[0][1], 1):.3f}")
             if step % 25 == 0:
-                print(json.dumps({"step": step, "epoch": round(step / per_epoch, 3), "loss": round(loss.item(), 4),
-                                  "train_agreement_by_depth": [round(x / max(y, 1), 4) for x, y in agree],
-                                  "lr": sched.get_last_lr()[0], "minutes": round((time.time() - start) / 60, 2)}),
-                      file=log, flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "step": step,
+                            "epoch": round(step / per_epoch, 3),
+                            "loss": round(loss.item(), 4),
+                            "train_agreement_by_depth": [round(x / max(y, 1), 4) for x, y in agree],
+                            "lr": sched.get_last_lr()[0],
+                            "minutes": round((time.time() - start) / 60, 2),
+                        }
+                    ),
+                    file=log,
+                    flush=True,
+                )
             if step >= total_steps or (max_minutes and time.time() - start > 60 * max_minutes):
                 stopped = True
                 break
         val = evaluate(head, val_rows, val_feats, embed, sub_head, steps, batch_size)
-        print(json.dumps({"step": step, "epoch": round(step / per_epoch, 3), "val_agreement_by_depth": val}),
-              file=log, flush=True)
+        print(
+            json.dumps({"step": step, "epoch": round(step / per_epoch, 3), "val_agreement_by_depth": val}),
+            file=log,
+            flush=True,
+        )
         tqdm.write(f"epoch {epoch + 1}: held-out agreement by depth {val}")
         if stopped:
             break
     bar.close()
-    return head.eval(), subset, {"val_agreement_by_depth": val, "steps": step,
-                                 "minutes": round((time.time() - start) / 60, 2)}
+    return (
+        head.eval(),
+        subset,
+        {"val_agreement_by_depth": val, "steps": step, "minutes": round((time.time() - start) / 60, 2)},
+    )
 
 
 def run_head_distill(args, target, rows: list[dict], work: Path) -> dict:
@@ -187,20 +220,46 @@ def run_head_distill(args, target, rows: list[dict], work: Path) -> dict:
     train_rows, val_rows = split_by_prompt(rows, args.val_fraction, args.seed)
     ordered = train_rows + val_rows
     feats = extract_features(target, ordered, work, args.label_batch_size)
-    train_feats, val_feats = feats[: len(train_rows)], feats[len(train_rows):]
+    train_feats, val_feats = feats[: len(train_rows)], feats[len(train_rows) :]
     if args.max_tokens:  # a data-size curve: fewer training rows, the same held-out rows
         kept = capped_rows(train_rows, args.max_tokens, args.seed)
         train_rows, train_feats = [train_rows[i] for i in kept], [train_feats[i] for i in kept]
     n_tokens = sum(len(r["response_ids"]) for r in train_rows)
-    print(f"distill --kind head: {len(train_rows)} training rows ({n_tokens} response tokens), {len(val_rows)} held out")
+    print(
+        f"distill --kind head: {len(train_rows)} training rows ({n_tokens} response tokens), {len(val_rows)} held out"
+    )
     head, subset, summary = train_head(
-        target, train_rows, train_feats, val_rows, val_feats, layers=args.layers, vocab=args.vocab,
-        steps=args.unroll, epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, seed=args.seed,
-        log_path=work / "train_head_log.jsonl", max_minutes=args.max_minutes)
-    meta = {"kind": "head", "target": args.target, "target_layers": target.config.num_hidden_layers,
-            "layers": args.layers, "unroll": args.unroll, "vocab_subset_size": int(len(subset)),
-            "train_rows": len(train_rows), "train_response_tokens": n_tokens, "held_out_rows": len(val_rows),
-            "epochs": args.epochs, "lr": args.lr, "batch_size": args.batch_size, "seed": args.seed, **summary}
+        target,
+        train_rows,
+        train_feats,
+        val_rows,
+        val_feats,
+        layers=args.layers,
+        vocab=args.vocab,
+        steps=args.unroll,
+        epochs=args.epochs,
+        lr=args.lr,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        log_path=work / "train_head_log.jsonl",
+        max_minutes=args.max_minutes,
+    )
+    meta = {
+        "kind": "head",
+        "target": args.target,
+        "target_layers": target.config.num_hidden_layers,
+        "layers": args.layers,
+        "unroll": args.unroll,
+        "vocab_subset_size": int(len(subset)),
+        "train_rows": len(train_rows),
+        "train_response_tokens": n_tokens,
+        "held_out_rows": len(val_rows),
+        "epochs": args.epochs,
+        "lr": args.lr,
+        "batch_size": args.batch_size,
+        "seed": args.seed,
+        **summary,
+    }
     save_head(head, Path(args.out), subset, meta)
     (Path(args.out) / "training_log.jsonl").write_text((work / "train_head_log.jsonl").read_text())
     print(json.dumps(meta))

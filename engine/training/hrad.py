@@ -5,6 +5,7 @@ draft pass over prompt + response label every token the draft mispredicts (force
 by a PCA projection fitted on the training samples; the classifier is validated by prompt and on benchmark prompts,
 against the majority class and a rule on the draft's confidence alone.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -18,6 +19,7 @@ import torch
 
 from engine.config import SpecBranchError
 from engine.methods.hrad import HRAD, features, pair_signature, save_hrad
+
 
 def label(run: int, horizon: int) -> int:
     return 0 if run == 0 else (2 if run >= horizon else 1)
@@ -49,13 +51,17 @@ def confidence_rule(confidence: torch.Tensor, low: float, high: float) -> torch.
 def fit_confidence_rule(confidence: torch.Tensor, gold: torch.Tensor) -> tuple[float, float]:
     """The thresholds (low, high) with the best macro-F1 on the training samples, on a 0.05 grid."""
     grid = [i / 20 for i in range(21)]
-    return max(((lo, hi) for lo in grid for hi in grid if hi >= lo),
-               key=lambda t: macro_f1(confidence_rule(confidence, *t), gold))
+    return max(
+        ((lo, hi) for lo in grid for hi in grid if hi >= lo),
+        key=lambda t: macro_f1(confidence_rule(confidence, *t), gold),
+    )
 
 
 def scores(pred: torch.Tensor, gold: torch.Tensor) -> dict:
-    return {"accuracy": round(float((pred == gold).float().mean()), 4) if len(gold) else None,
-            "macro_f1": round(macro_f1(pred, gold), 4) if len(gold) else None}
+    return {
+        "accuracy": round(float((pred == gold).float().mean()), 4) if len(gold) else None,
+        "macro_f1": round(macro_f1(pred, gold), 4) if len(gold) else None,
+    }
 
 
 def split_by_prompt(samples: list[Sample], fraction: float, seed: int) -> tuple[list[Sample], list[Sample]]:
@@ -67,13 +73,24 @@ def split_by_prompt(samples: list[Sample], fraction: float, seed: int) -> tuple[
 
 
 def tensors(samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return (torch.stack([s.features for s in samples]).float(), torch.tensor([s.confidence for s in samples]),
-            torch.tensor([s.label for s in samples]))
+    return (
+        torch.stack([s.features for s in samples]).float(),
+        torch.tensor([s.confidence for s in samples]),
+        torch.tensor([s.label for s in samples]),
+    )
 
 
-def train_classifier(train: list[Sample], epochs: int = 30, batch_size: int = 32, lr: float = 1e-3, seed: int = 0,
-                     proj_dim: int = 8, hidden: int = 64, dropout: float = 0.2,
-                     weight_decay: float = 0.01) -> HRAD:
+def train_classifier(
+    train: list[Sample],
+    epochs: int = 30,
+    batch_size: int = 32,
+    lr: float = 1e-3,
+    seed: int = 0,
+    proj_dim: int = 8,
+    hidden: int = 64,
+    dropout: float = 0.2,
+    weight_decay: float = 0.01,
+) -> HRAD:
     """Fit the projection, then train the MLP with a class-balanced loss (each class weighs the same)."""
     torch.manual_seed(seed)
     x, conf, y = tensors(train)
@@ -87,7 +104,7 @@ def train_classifier(train: list[Sample], epochs: int = 30, batch_size: int = 32
     for epoch in range(epochs):
         random.Random(seed + epoch).shuffle(order)
         for i in range(0, len(order), batch_size):
-            idx = order[i:i + batch_size]
+            idx = order[i : i + batch_size]
             loss = torch.nn.functional.cross_entropy(model(x[idx], conf[idx]), y[idx], weight=weights)
             opt.zero_grad()
             loss.backward()
@@ -100,8 +117,10 @@ def evaluate(model: HRAD, train: list[Sample], sets: dict[str, list[Sample]]) ->
     _, conf_train, y_train = tensors(train)
     majority = int(torch.bincount(y_train, minlength=3).argmax())
     low, high = fit_confidence_rule(conf_train, y_train)
-    report = {"class_counts_train": torch.bincount(y_train, minlength=3).tolist(),
-              "confidence_rule": {"low": low, "high": high}}
+    report = {
+        "class_counts_train": torch.bincount(y_train, minlength=3).tolist(),
+        "confidence_rule": {"low": low, "high": high},
+    }
     for name, rows in {"train": train, **sets}.items():
         if not rows:
             report[name] = None
@@ -109,9 +128,13 @@ def evaluate(model: HRAD, train: list[Sample], sets: dict[str, list[Sample]]) ->
         x, conf, y = tensors(rows)
         with torch.inference_mode():
             pred = model(x, conf).argmax(-1)
-        report[name] = {"samples": len(rows), "class_counts": torch.bincount(y, minlength=3).tolist(),
-                        "hrad": scores(pred, y), "majority": scores(torch.full_like(y, majority), y),
-                        "confidence_only": scores(confidence_rule(conf, low, high), y)}
+        report[name] = {
+            "samples": len(rows),
+            "class_counts": torch.bincount(y, minlength=3).tolist(),
+            "hrad": scores(pred, y),
+            "majority": scores(torch.full_like(y, majority), y),
+            "confidence_only": scores(confidence_rule(conf, low, high), y),
+        }
     return report
 
 
@@ -125,7 +148,7 @@ def forced_samples(pair, prompt_ids: list[int], response: list[int], horizon: in
     target, draft = pair.target, pair.draft
     ids = torch.tensor([prompt_ids + response])
     out = target.forward(ids, target.new_cache(), hidden_states=True)
-    d_logits = draft.forward(ids, draft.new_cache())[0, len(prompt_ids) - 1:].float()  # row j predicts response[j]
+    d_logits = draft.forward(ids, draft.new_cache())[0, len(prompt_ids) - 1 :].float()  # row j predicts response[j]
     guess = d_logits.argmax(-1).tolist()
     confidence = d_logits.softmax(-1).amax(-1).tolist()
     emb = target.model.get_input_embeddings()(ids[0].to(target.device))
@@ -139,8 +162,11 @@ def forced_samples(pair, prompt_ids: list[int], response: list[int], horizon: in
         if t + 1 + run >= len(response) and run < horizon:
             continue  # cut short by the end of the response: unknown
         position = len(prompt_ids) + t - 1  # r_{t-1}: the last position the target verified
-        samples.append(Sample(prompt, features(out.hidden_states, position, emb[position + 1]),
-                              confidence[t + 1], label(run, horizon)))
+        samples.append(
+            Sample(
+                prompt, features(out.hidden_states, position, emb[position + 1]), confidence[t + 1], label(run, horizon)
+            )
+        )
     return samples
 
 
@@ -181,10 +207,12 @@ def save_samples(path: Path, sets: dict[str, list[Sample]], key: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     blob = {"key": json.dumps(key, sort_keys=True)}
     for name, rows in sets.items():
-        blob[name] = {"prompt": torch.tensor([s.prompt for s in rows], dtype=torch.long),
-                      "features": torch.stack([s.features for s in rows]).half() if rows else torch.zeros(0),
-                      "confidence": torch.tensor([s.confidence for s in rows]),
-                      "label": torch.tensor([s.label for s in rows], dtype=torch.long)}
+        blob[name] = {
+            "prompt": torch.tensor([s.prompt for s in rows], dtype=torch.long),
+            "features": torch.stack([s.features for s in rows]).half() if rows else torch.zeros(0),
+            "confidence": torch.tensor([s.confidence for s in rows]),
+            "label": torch.tensor([s.label for s in rows], dtype=torch.long),
+        }
     torch.save(blob, path)
 
 
@@ -196,9 +224,14 @@ def load_samples(path: Path, key: dict) -> dict[str, list[Sample]] | None:
     blob = torch.load(path)
     if blob.get("key") != json.dumps(key, sort_keys=True):
         return None
-    return {name: [Sample(int(p), f.float(), float(c), int(y)) for p, f, c, y in
-                   zip(t["prompt"], t["features"], t["confidence"], t["label"])]
-            for name, t in blob.items() if isinstance(t, dict)}
+    return {
+        name: [
+            Sample(int(p), f.float(), float(c), int(y))
+            for p, f, c, y in zip(t["prompt"], t["features"], t["confidence"], t["label"])
+        ]
+        for name, t in blob.items()
+        if isinstance(t, dict)
+    }
 
 
 def run_train_hrad(args) -> dict:
@@ -209,35 +242,57 @@ def run_train_hrad(args) -> dict:
     from engine.config import GenerationConfig
     from engine.measure.datasets import DATA_DIR, benchmark_prompts
 
-    corpora = [Path(c) for c in args.corpus or [DATA_DIR / "teacher_smollm2_135m.jsonl.gz",
-                                                DATA_DIR / "self_smollm2_135m.jsonl.gz",
-                                                DATA_DIR / "self2_smollm2_135m.jsonl.gz"]]
+    corpora = [
+        Path(c)
+        for c in args.corpus
+        or [
+            DATA_DIR / "teacher_smollm2_135m.jsonl.gz",
+            DATA_DIR / "self_smollm2_135m.jsonl.gz",
+            DATA_DIR / "self2_smollm2_135m.jsonl.gz",
+        ]
+    ]
     for c in corpora:
         if not c.is_file():
             raise SpecBranchError(f"no corpus at {c}")
     rows = training_rows(corpora, args.limit, args.seed) if args.limit > 0 else []
     if len(rows) < 2:
-        raise SpecBranchError(f"{len(rows)} usable rows (prompt_ids with a greedy response_ids) in "
-                              f"{', '.join(map(str, corpora))} with --limit {args.limit}: H-RAD needs at least 2 "
-                              "prompts to learn from and validate on")
+        raise SpecBranchError(
+            f"{len(rows)} usable rows (prompt_ids with a greedy response_ids) in "
+            f"{', '.join(map(str, corpora))} with --limit {args.limit}: H-RAD needs at least 2 "
+            "prompts to learn from and validate on"
+        )
     out = Path(args.out)
     if out.suffix != ".safetensors":
         raise SpecBranchError(f"--out must name a .safetensors file, got {out}")
     engine = args.build_engine(args)
     samples_path = Path(args.samples)
-    key = samples_key(engine.pair, {"corpora": [str(c) for c in corpora], "limit": args.limit, "seed": args.seed,
-                                    "horizon": args.horizon, "held_out_limit": args.held_out_limit,
-                                    "max_new_tokens": args.max_new_tokens,
-                                    "draft_matmul": engine.pair.draft.matmul,  # the draft's confidences depend on
-                                    "draft_lean": engine.pair.draft.lean})  # both (rounding)
+    key = samples_key(
+        engine.pair,
+        {
+            "corpora": [str(c) for c in corpora],
+            "limit": args.limit,
+            "seed": args.seed,
+            "horizon": args.horizon,
+            "held_out_limit": args.held_out_limit,
+            "max_new_tokens": args.max_new_tokens,
+            "draft_matmul": engine.pair.draft.matmul,  # the draft's confidences depend on
+            "draft_lean": engine.pair.draft.lean,
+        },
+    )  # both (rounding)
     # reuse what was collected for this pair and these settings (to try other classifier settings)
     sets = load_samples(samples_path, key)
     if sets is None:
         if samples_path.exists():
-            print(f"train-hrad: the samples at {samples_path} were collected for other weights or settings; "
-                  "collecting anew", file=sys.stderr)
-        train = [s for i, r in enumerate(tqdm(rows, desc="samples (training prompts)", unit="prompt"))
-                 for s in forced_samples(engine.pair, r["prompt_ids"], r["response_ids"], args.horizon, i)]
+            print(
+                f"train-hrad: the samples at {samples_path} were collected for other weights or settings; "
+                "collecting anew",
+                file=sys.stderr,
+            )
+        train = [
+            s
+            for i, r in enumerate(tqdm(rows, desc="samples (training prompts)", unit="prompt"))
+            for s in forced_samples(engine.pair, r["prompt_ids"], r["response_ids"], args.horizon, i)
+        ]
         held_out = []
         for j, p in enumerate(benchmark_prompts("all", args.held_out_limit) if args.held_out_limit > 0 else []):
             ids = engine.encode(p.text, p.chat)
@@ -246,21 +301,35 @@ def run_train_hrad(args) -> dict:
         sets = {"train": train, "held_out": held_out}
         save_samples(samples_path, sets, key)
     if len({s.prompt for s in sets["train"]}) < 2:
-        raise SpecBranchError(f"{len(sets['train'])} labelled samples from {len(rows)} prompts: too few to train "
-                              "and validate by prompt (raise --limit)")
+        raise SpecBranchError(
+            f"{len(sets['train'])} labelled samples from {len(rows)} prompts: too few to train "
+            "and validate by prompt (raise --limit)"
+        )
     train, val = split_by_prompt(sets["train"], args.val_fraction, args.seed)
-    model = train_classifier(train, epochs=args.epochs, seed=args.seed, proj_dim=args.proj_dim, hidden=args.hidden,
-                             dropout=args.dropout, weight_decay=args.weight_decay)
-    meta = {"pair": pair_signature(engine.pair), "target": args.target, "draft": args.draft,
-            "horizon": args.horizon, "train_prompts": len(rows), "epochs": args.epochs, "dropout": args.dropout,
-            "weight_decay": args.weight_decay,
-            "train_source": f"the target's greedy answers in {', '.join(c.name for c in corpora)} (training split; "
-                            f"validation holds out {args.val_fraction:.0%} of these prompts)",
-            "held_out_source": f"benchmark split, {args.held_out_limit} per dataset, the target's greedy answers "
-                               f"of up to {args.max_new_tokens} tokens",
-            **evaluate(model, train, {"validation_by_prompt": val, "held_out": sets["held_out"]})}
+    model = train_classifier(
+        train,
+        epochs=args.epochs,
+        seed=args.seed,
+        proj_dim=args.proj_dim,
+        hidden=args.hidden,
+        dropout=args.dropout,
+        weight_decay=args.weight_decay,
+    )
+    meta = {
+        "pair": pair_signature(engine.pair),
+        "target": args.target,
+        "draft": args.draft,
+        "horizon": args.horizon,
+        "train_prompts": len(rows),
+        "epochs": args.epochs,
+        "dropout": args.dropout,
+        "weight_decay": args.weight_decay,
+        "train_source": f"the target's greedy answers in {', '.join(c.name for c in corpora)} (training split; "
+        f"validation holds out {args.val_fraction:.0%} of these prompts)",
+        "held_out_source": f"benchmark split, {args.held_out_limit} per dataset, the target's greedy answers "
+        f"of up to {args.max_new_tokens} tokens",
+        **evaluate(model, train, {"validation_by_prompt": val, "held_out": sets["held_out"]}),
+    }
     save_hrad(model, out, meta)
     print(json.dumps(meta, indent=2))
     return meta
-
-

@@ -1,6 +1,7 @@
 """A stand-in for Hugging Face's `spaces` package, as ZeroGPU runs a decorated function: in a forked process, each
 yielded item pickled back to the caller, an exception raised there raised here, and `duration` called with the
 function's own arguments. GPU(...) records each call's duration in CALLS."""
+
 from __future__ import annotations
 
 import functools
@@ -46,5 +47,7 @@ def GPU(fn=None, *, duration=60):
                 process.join(timeout=30)
                 if process.is_alive():
                     process.kill()
+
         return wrapper
+
     return decorate if fn is None else decorate(fn)

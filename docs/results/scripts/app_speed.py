@@ -14,6 +14,7 @@ page's figures are left to finish drawing before the next chat starts.
 
 Targets (docs/app.md): SpecBranch through the API at least 1.5x AR; in Chromium within 15 % of the API's figure.
 The machine has 2 cores, shared with other work: `uptime` is recorded around every chat."""
+
 from __future__ import annotations
 
 import argparse
@@ -56,8 +57,14 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/"
         self.lines: list[str] = []
-        self.proc = subprocess.Popen([sys.executable, "app.py", "--port", str(self.port), "--db", str(db)], cwd=ROOT,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        self.proc = subprocess.Popen(
+            [sys.executable, "app.py", "--port", str(self.port), "--db", str(db)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+        )
         threading.Thread(target=self._read, daemon=True).start()
         for _ in range(300):
             try:
@@ -102,8 +109,14 @@ def new_run(store, seen: set, limit: float = 600) -> dict:
                 run = runs[0]
                 notices = [e.message for e in store.load_run_events(run["id"]) if e.type == "notice"]
                 m = run["metrics"] or {}
-                return {"method": run["method"], "status": run["status"], "tokens_per_s": m.get("tokens_per_s"),
-                        "new_tokens": m.get("new_tokens"), "decode_s": m.get("decode_s"), "notices": notices}
+                return {
+                    "method": run["method"],
+                    "status": run["status"],
+                    "tokens_per_s": m.get("tokens_per_s"),
+                    "new_tokens": m.get("new_tokens"),
+                    "decode_s": m.get("decode_s"),
+                    "notices": notices,
+                }
         time.sleep(0.5)
     raise SystemExit("no run was stored in time")
 
@@ -117,8 +130,14 @@ def api_chat(url: str, method: str, store, seen: set) -> dict:
     updates = sum(1 for _ in job)
     job.result()
     wall = time.perf_counter() - start
-    return {**new_run(store, seen), "where": "api", "updates_received": updates, "wall_s": round(wall, 2),
-            "load_before": before, "load_after": load()}
+    return {
+        **new_run(store, seen),
+        "where": "api",
+        "updates_received": updates,
+        "wall_s": round(wall, 2),
+        "load_before": before,
+        "load_after": load(),
+    }
 
 
 def browser_chat(browser, url: str, method: str, store, seen: set) -> dict:
@@ -138,13 +157,21 @@ def browser_chat(browser, url: str, method: str, store, seen: set) -> dict:
         run = new_run(store, seen)
         wall = time.perf_counter() - start
         # the last update (every figure) drawn before the next chat starts
-        page.wait_for_function(f"document.querySelector('#timeline-plot')?.innerText.includes('{method} ·')",
-                               timeout=120_000)
-        page.wait_for_function("document.querySelector('#glance')?.innerText.includes('tokens per target')",
-                               timeout=60_000)
+        page.wait_for_function(
+            f"document.querySelector('#timeline-plot')?.innerText.includes('{method} ·')", timeout=120_000
+        )
+        page.wait_for_function(
+            "document.querySelector('#glance')?.innerText.includes('tokens per target')", timeout=60_000
+        )
         time.sleep(2)
-        return {**run, "where": "chromium", "wall_s": round(wall, 2), "load_before": before, "load_after": load(),
-                "glance": page.locator("#glance").inner_text()}
+        return {
+            **run,
+            "where": "chromium",
+            "wall_s": round(wall, 2),
+            "load_before": before,
+            "load_after": load(),
+            "glance": page.locator("#glance").inner_text(),
+        }
     finally:
         context.close()
 
@@ -167,42 +194,72 @@ def main() -> None:
             compiled = server.wait_for(COMPILED, 600)
             chats = []
             with sync_playwright() as pw:
-                browser = pw.chromium.launch(executable_path=shutil.which("chromium"),
-                                             args=["--no-sandbox", "--disable-gpu"])
+                browser = pw.chromium.launch(
+                    executable_path=shutil.which("chromium"), args=["--no-sandbox", "--disable-gpu"]
+                )
                 for r in range(args.rounds):
-                    for where, method in (("api", "ar"), ("api", "specbranch"), ("chromium", "ar"),
-                                          ("chromium", "specbranch")):
-                        chat = api_chat(server.url, method, store, seen) if where == "api" else \
-                            browser_chat(browser, server.url, method, store, seen)
+                    for where, method in (
+                        ("api", "ar"),
+                        ("api", "specbranch"),
+                        ("chromium", "ar"),
+                        ("chromium", "specbranch"),
+                    ):
+                        chat = (
+                            api_chat(server.url, method, store, seen)
+                            if where == "api"
+                            else browser_chat(browser, server.url, method, store, seen)
+                        )
                         chats.append({"round": r, **chat})
-                        print(f"round {r} {where:8} {method:10} {chat['tokens_per_s']} tokens/s "
-                              f"(load {chat['load_before']})", file=sys.stderr, flush=True)
+                        print(
+                            f"round {r} {where:8} {method:10} {chat['tokens_per_s']} tokens/s "
+                            f"(load {chat['load_before']})",
+                            file=sys.stderr,
+                            flush=True,
+                        )
                 browser.close()
         finally:
             server.stop()
             store.close()
 
     def median(where, method):
-        return round(statistics.median(c["tokens_per_s"] for c in chats if c["where"] == where
-                                       and c["method"] == method), 2)
+        return round(
+            statistics.median(c["tokens_per_s"] for c in chats if c["where"] == where and c["method"] == method), 2
+        )
 
     api_sb, api_ar = median("api", "specbranch"), median("api", "ar")
     br_sb, br_ar = median("chromium", "specbranch"), median("chromium", "ar")
-    per_round = [{w: round(next(c["tokens_per_s"] for c in chats if c["round"] == r and c["where"] == w
-                                and c["method"] == "specbranch")
-                           / next(c["tokens_per_s"] for c in chats if c["round"] == r and c["where"] == w
-                                  and c["method"] == "ar"), 3) for w in ("api", "chromium")}
-                 for r in range(args.rounds)]
+    per_round = [
+        {
+            w: round(
+                next(
+                    c["tokens_per_s"]
+                    for c in chats
+                    if c["round"] == r and c["where"] == w and c["method"] == "specbranch"
+                )
+                / next(c["tokens_per_s"] for c in chats if c["round"] == r and c["where"] == w and c["method"] == "ar"),
+                3,
+            )
+            for w in ("api", "chromium")
+        }
+        for r in range(args.rounds)
+    ]
     report = {
         "command": " ".join(["python", os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]]),
         "when": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                    "note": "2 cores shared with other work; load averages (1, 5, 15 min) around each chat"},
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "note": "2 cores shared with other work; load averages (1, 5, 15 min) around each chat",
+        },
         "server": "app.py with its defaults (draft self, lean-compiled, in a process of its own)",
-        "prompt": PROMPT, "max_new_tokens": MAX_NEW, "compile_landed_before_measuring": compiled,
+        "prompt": PROMPT,
+        "max_new_tokens": MAX_NEW,
+        "compile_landed_before_measuring": compiled,
         "warm_up": warm,
-        "median_tokens_per_s": {"api": {"specbranch": api_sb, "ar": api_ar},
-                                "chromium": {"specbranch": br_sb, "ar": br_ar}},
+        "median_tokens_per_s": {
+            "api": {"specbranch": api_sb, "ar": api_ar},
+            "chromium": {"specbranch": br_sb, "ar": br_ar},
+        },
         "specbranch_vs_ar": {"api": round(api_sb / api_ar, 3), "chromium": round(br_sb / br_ar, 3)},
         "specbranch_vs_ar_per_round": per_round,
         "chromium_vs_api": {"specbranch": round(br_sb / api_sb, 3), "ar": round(br_ar / api_ar, 3)},
@@ -211,8 +268,11 @@ def main() -> None:
         "chats": chats,
     }
     Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps({k: report[k] for k in ("median_tokens_per_s", "specbranch_vs_ar", "chromium_vs_api", "met")},
-                     indent=2))
+    print(
+        json.dumps(
+            {k: report[k] for k in ("median_tokens_per_s", "specbranch_vs_ar", "chromium_vs_api", "met")}, indent=2
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -1,16 +1,26 @@
 """python docs/results/scripts/draft_memory.py > docs/results/json/draft-memory.json (last line): RSS of each embedded draft's process, and of the app's own process, as app.py loads them (draft in a process,
 lean forward: what the app runs, minus the background compile)."""
+
 import importlib.util, json, os, sys, time
 from types import SimpleNamespace
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, ROOT)
 os.chdir(ROOT)
 import psutil, torch
+
 torch.set_num_threads(1)
 spec = importlib.util.spec_from_file_location("app_main_script", os.path.join(ROOT, "app.py"))
-appmod = importlib.util.module_from_spec(spec); spec.loader.exec_module(appmod)
-args = SimpleNamespace(target="embedded", device=None, draft_matmul="auto", draft_forward="lean",
-                       draft_worker="process", target_forward="static")
+appmod = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(appmod)
+args = SimpleNamespace(
+    target="embedded",
+    device=None,
+    draft_matmul="auto",
+    draft_forward="lean",
+    draft_worker="process",
+    target_forward="static",
+)
 me = psutil.Process()
 mb = lambda b: round(b / 2**20)
 out = {"before_mb": mb(me.memory_info().rss)}
@@ -19,10 +29,13 @@ for draft in appmod.EMBEDDED_CHOICES:
     t = time.time()
     e = cache.get(draft)
     child = psutil.Process(e.pair.draft._process.pid) if hasattr(e.pair.draft, "_process") else None
-    out[draft] = {"child_rss_mb": mb(child.memory_info().rss) if child else None,
-                  "child_uss_mb": mb(child.memory_full_info().uss) if child else None,
-                  "app_rss_mb": mb(me.memory_info().rss), "load_s": round(time.time() - t, 1),
-                  "worker": e.pair.draft_worker}
+    out[draft] = {
+        "child_rss_mb": mb(child.memory_info().rss) if child else None,
+        "child_uss_mb": mb(child.memory_full_info().uss) if child else None,
+        "app_rss_mb": mb(me.memory_info().rss),
+        "load_s": round(time.time() - t, 1),
+        "worker": e.pair.draft_worker,
+    }
     print(draft, out[draft], file=sys.stderr, flush=True)
 print(json.dumps(out))
 cache.close()

@@ -15,6 +15,7 @@ least 0.5 and that rescued on every prompt, the fastest against AR by the median
 docs/results/json/scenarios-tuning.json`), then `--second` (SECOND, `--json docs/results/json/scenarios-tuning-2.json`):
 its winner again beside a more accurate layer-skipping draft. Both were chosen as run by the pooled ratio, then again
 by RULE (`--rechoose FILE...`, which keeps the choice as run under "chosen_rescue_as_run")."""
+
 from __future__ import annotations
 
 import argparse
@@ -31,15 +32,34 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 sys.path.insert(0, ROOT)
 
 # the app's defaults for a draft kind (app/settings.py, before the presets): the starting points
-BASE = {"gamma": 3, "epsilon": 0.5, "draft_stop": 0.3, "feed_stop": 0.0, "head_start": 0.3, "hold": 0.5,
-        "hold_branches": True, "hrad": False}
-SELF = {"gamma": 8, "epsilon": 0.1, "draft_stop": 0.0, "feed_stop": 0.0, "head_start": 0.02, "hold": 0.0,
-        "hold_branches": False, "hrad": False}
+BASE = {
+    "gamma": 3,
+    "epsilon": 0.5,
+    "draft_stop": 0.3,
+    "feed_stop": 0.0,
+    "head_start": 0.3,
+    "hold": 0.5,
+    "hold_branches": True,
+    "hrad": False,
+}
+SELF = {
+    "gamma": 8,
+    "epsilon": 0.1,
+    "draft_stop": 0.0,
+    "feed_stop": 0.0,
+    "head_start": 0.02,
+    "hold": 0.0,
+    "hold_branches": False,
+    "hrad": False,
+}
 SKIP = "self-skip:3,4,5,25"
 CANDIDATES = [  # (scenario, draft, settings)
     ("fastest", "self", SELF),
-    *[("rescue", SKIP, {**BASE, "epsilon": eps, "hold": hold, "hold_branches": hold > 0})
-      for eps in (0.5, 0.65) for hold in (0.0, 0.5)],
+    *[
+        ("rescue", SKIP, {**BASE, "epsilon": eps, "hold": hold, "hold_branches": hold > 0})
+        for eps in (0.5, 0.65)
+        for hold in (0.0, 0.5)
+    ],
     ("rescue", SKIP, {**BASE, "gamma": 4, "epsilon": 0.65, "hold": 0.0, "hold_branches": False}),
     ("weak", "embedded-weak", BASE),
 ]
@@ -52,22 +72,43 @@ SECOND = [
     ("rescue", SKIP2, {**BASE, "epsilon": 0.8, "hold": 0.5, "hold_branches": True}),
 ]
 MIN_FORKS_PER_STEP = 0.5
-RULE = (f"rescue: among the self-skip candidates with forks per step >= {MIN_FORKS_PER_STEP} that rescued on every "
-        "prompt, the fastest against AR by the median of its per-prompt ratios (each prompt against the AR run just "
-        "before it). Not the pooled ratio: while other work loads this 2-core machine, a parallel method (its two "
-        "models need both cores) slows 3-10x and AR (one core) hardly at all, and pooled by time the few prompts "
-        "measured then outweigh the rest")
+RULE = (
+    f"rescue: among the self-skip candidates with forks per step >= {MIN_FORKS_PER_STEP} that rescued on every "
+    "prompt, the fastest against AR by the median of its per-prompt ratios (each prompt against the AR run just "
+    "before it). Not the pooled ratio: while other work loads this 2-core machine, a parallel method (its two "
+    "models need both cores) slows 3-10x and AR (one core) hardly at all, and pooled by time the few prompts "
+    "measured then outweigh the rest"
+)
 
 
 def choose(results: list[dict]) -> dict | None:
     """RULE, applied: the chosen rescue candidate, with its figures."""
     for r in results:
         r["speed_vs_ar_median"] = round(statistics.median(r["speed_vs_ar_per_prompt"]), 3)
-    eligible = [r for r in results if r["scenario"] == "rescue" and r["forks_per_step"] >= MIN_FORKS_PER_STEP
-                and all(n > 0 for n in r["rescues_per_prompt"])]
+    eligible = [
+        r
+        for r in results
+        if r["scenario"] == "rescue"
+        and r["forks_per_step"] >= MIN_FORKS_PER_STEP
+        and all(n > 0 for n in r["rescues_per_prompt"])
+    ]
     chosen = max(eligible, key=lambda r: r["speed_vs_ar_median"]) if eligible else None
-    return None if chosen is None else {k: chosen[k] for k in ("draft", "settings", "speed_vs_ar_median", "speed_vs_ar",
-                                                               "forks_per_step", "rescues", "rescues_per_prompt")}
+    return (
+        None
+        if chosen is None
+        else {
+            k: chosen[k]
+            for k in (
+                "draft",
+                "settings",
+                "speed_vs_ar_median",
+                "speed_vs_ar",
+                "forks_per_step",
+                "rescues",
+                "rescues_per_prompt",
+            )
+        }
+    )
 
 
 def rechoose(paths: list[str]) -> None:
@@ -91,16 +132,33 @@ def summary(events) -> dict:
 
     done = next(e for e in events if isinstance(e, Finished))
     forks = [e for e in events if isinstance(e, BranchResolved)]
-    one = [e.end - e.start for e in events if isinstance(e, TimingSpan) and e.worker == "target"
-           and e.kind in ("decode", "verify") and e.tokens == 1]
-    return {"new_tokens": done.new_tokens, "decode_s": done.decode_s,
-            "tokens_per_s": done.metrics.get("tokens_per_s"),
-            "steps": sum(isinstance(e, StepStarted) for e in events), "forks": len(forks),
-            "rescues": sum(f.rescued for f in forks),
-            **{k: done.metrics.get(k) for k in ("acceptance_rate", "mean_accepted_length", "target_forward_ms",
-                                                "draft_forward_ms", "pace", "overlap", "path_rollback_rate")},
-            "target_one_token_spans": len(one),
-            "target_one_token_ms": round(1000 * statistics.median(one), 3) if one else None}
+    one = [
+        e.end - e.start
+        for e in events
+        if isinstance(e, TimingSpan) and e.worker == "target" and e.kind in ("decode", "verify") and e.tokens == 1
+    ]
+    return {
+        "new_tokens": done.new_tokens,
+        "decode_s": done.decode_s,
+        "tokens_per_s": done.metrics.get("tokens_per_s"),
+        "steps": sum(isinstance(e, StepStarted) for e in events),
+        "forks": len(forks),
+        "rescues": sum(f.rescued for f in forks),
+        **{
+            k: done.metrics.get(k)
+            for k in (
+                "acceptance_rate",
+                "mean_accepted_length",
+                "target_forward_ms",
+                "draft_forward_ms",
+                "pace",
+                "overlap",
+                "path_rollback_rate",
+            )
+        },
+        "target_one_token_spans": len(one),
+        "target_one_token_ms": round(1000 * statistics.median(one), 3) if one else None,
+    }
 
 
 def main() -> None:
@@ -131,8 +189,14 @@ def main() -> None:
     spec = importlib.util.spec_from_file_location("app_script", os.path.join(ROOT, "app.py"))
     appmod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(appmod)
-    app_args = SimpleNamespace(target="embedded", device=None, draft_matmul="auto", draft_forward="lean-compiled",
-                               draft_worker="process", target_forward="static")
+    app_args = SimpleNamespace(
+        target="embedded",
+        device=None,
+        draft_matmul="auto",
+        draft_forward="lean-compiled",
+        draft_worker="process",
+        target_forward="static",
+    )
     candidates = [c for c in (SECOND if args.second else CANDIDATES) if not args.only or c[0] in args.only.split(",")]
     drafts = list(dict.fromkeys(d for _, d, _ in candidates))
     cache = appmod.EngineCache(lambda d, t: appmod.load_engine(app_args, d, t), drafts[0], cap=len(drafts))
@@ -147,8 +211,9 @@ def main() -> None:
     encoded = [(p, ar_engine.encode(p.text, p.chat)) for p in prompts]
 
     def cfg(method, settings, n=args.max_new_tokens):
-        return GenerationConfig(method=method, max_new_tokens=n, temperature=0.0, top_p=1.0, seed=0, branches=3,
-                                **settings).validate()
+        return GenerationConfig(
+            method=method, max_new_tokens=n, temperature=0.0, top_p=1.0, seed=0, branches=3, **settings
+        ).validate()
 
     before = load()
     ar_engine.run(encoded[0][1], cfg("ar", {}, 16))  # warm-ups, untimed
@@ -160,13 +225,21 @@ def main() -> None:
             ar = ar_engine.run(ids, cfg("ar", {}), p.text)
             ar_runs[i].append({"prompt": p.key, **summary(ar.events)})
             r = engines[d].run(ids, cfg("specbranch", s), p.text)
-            row = {"prompt": p.key, **summary(r.events), "identical_to_ar": r.token_ids == ar.token_ids,
-                   "ar_tokens_per_s": ar_runs[i][-1]["tokens_per_s"], "load": os.getloadavg()[0]}
+            row = {
+                "prompt": p.key,
+                **summary(r.events),
+                "identical_to_ar": r.token_ids == ar.token_ids,
+                "ar_tokens_per_s": ar_runs[i][-1]["tokens_per_s"],
+                "load": os.getloadavg()[0],
+            }
             row["speed_vs_ar"] = round(row["tokens_per_s"] / row["ar_tokens_per_s"], 3)
             runs[i].append(row)
-            print(f"prompt {p.key} {name} {d} {s}: {row['tokens_per_s']:.1f} tok/s vs ar {row['ar_tokens_per_s']:.1f} "
-                  f"({row['speed_vs_ar']}x), forks {row['forks']}/{row['steps']} steps, rescues {row['rescues']}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"prompt {p.key} {name} {d} {s}: {row['tokens_per_s']:.1f} tok/s vs ar {row['ar_tokens_per_s']:.1f} "
+                f"({row['speed_vs_ar']}x), forks {row['forks']}/{row['steps']} steps, rescues {row['rescues']}",
+                file=sys.stderr,
+                flush=True,
+            )
     after = load()
 
     def pooled(rows):
@@ -174,31 +247,52 @@ def main() -> None:
 
     results = []
     for (name, d, s), rows, ars in zip(candidates, runs, ar_runs):
-        results.append({
-            "scenario": name, "draft": d, "method": "specbranch", "settings": s, "tokens_per_s": round(pooled(rows), 2),
-            "ar_tokens_per_s": round(pooled(ars), 2), "speed_vs_ar": round(pooled(rows) / pooled(ars), 3),
-            "speed_vs_ar_per_prompt": [r["speed_vs_ar"] for r in rows],
-            "forks_per_step": round(sum(r["forks"] for r in rows) / sum(r["steps"] for r in rows), 3),
-            "rescues": sum(r["rescues"] for r in rows), "rescues_per_prompt": [r["rescues"] for r in rows],
-            "identical_to_ar": f"{sum(r['identical_to_ar'] for r in rows)}/{len(rows)}", "runs": rows,
-            "ar_runs": ars})
+        results.append(
+            {
+                "scenario": name,
+                "draft": d,
+                "method": "specbranch",
+                "settings": s,
+                "tokens_per_s": round(pooled(rows), 2),
+                "ar_tokens_per_s": round(pooled(ars), 2),
+                "speed_vs_ar": round(pooled(rows) / pooled(ars), 3),
+                "speed_vs_ar_per_prompt": [r["speed_vs_ar"] for r in rows],
+                "forks_per_step": round(sum(r["forks"] for r in rows) / sum(r["steps"] for r in rows), 3),
+                "rescues": sum(r["rescues"] for r in rows),
+                "rescues_per_prompt": [r["rescues"] for r in rows],
+                "identical_to_ar": f"{sum(r['identical_to_ar'] for r in rows)}/{len(rows)}",
+                "runs": rows,
+                "ar_runs": ars,
+            }
+        )
     report = {
         "command": " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]]),
         "when": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-                    "load_before": before, "load_after": after,
-                    "note": "a 2-core machine shared with other work: speeds are read against an AR run of the same "
-                            "prompt taken moments before"},
-        "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "temperature": 0.0, "chat": True,
-        "rule": RULE, "chosen_rescue": choose(results),
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "torch": torch.__version__,
+            "load_before": before,
+            "load_after": after,
+            "note": "a 2-core machine shared with other work: speeds are read against an AR run of the same "
+            "prompt taken moments before",
+        },
+        "prompts": args.prompts,
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": 0.0,
+        "chat": True,
+        "rule": RULE,
+        "chosen_rescue": choose(results),
         "candidates": results,
     }
     with open(args.json, "w") as f:
         json.dump(report, f, indent=2)
     for r in results:
-        print(f"{r['scenario']:8} {r['draft']:20} eps={r['settings']['epsilon']} hold={r['settings']['hold']} "
-              f"gamma={r['settings']['gamma']}: {r['speed_vs_ar']}x ar, forks/step {r['forks_per_step']}, "
-              f"rescues {r['rescues']}")
+        print(
+            f"{r['scenario']:8} {r['draft']:20} eps={r['settings']['epsilon']} hold={r['settings']['hold']} "
+            f"gamma={r['settings']['gamma']}: {r['speed_vs_ar']}x ar, forks/step {r['forks_per_step']}, "
+            f"rescues {r['rescues']}"
+        )
     print("chosen rescue:", report["chosen_rescue"])
     cache.close()
 
