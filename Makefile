@@ -5,7 +5,7 @@ PIP := $(PY) -m pip
 HOST ?= 127.0.0.1
 PORT ?= 7860
 
-.PHONY: run test install browser bench lock
+.PHONY: run test lint install browser bench lock
 
 # requirements*.txt say what is needed (ranges); requirements.lock pins the one tested set that gets installed
 $(VENV)/.installed: requirements.txt requirements-dev.txt requirements.lock
@@ -32,7 +32,12 @@ lock: install
 run: install
 	$(PY) app.py --host $(HOST) --port $(PORT)
 
-test: install browser
+# ruff: lint, import order and format (pyproject.toml); `ruff format .` fixes the format
+lint: install
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+test: lint browser
 	$(PY) -m pytest -q
 
 # the README's headline: every method with the default draft and its preset, on the benchmark split, at T=0 and T=1

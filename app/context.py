@@ -3,8 +3,8 @@ components (the draft menu, the browser's id, the generation controls that Live 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import gradio as gr
 

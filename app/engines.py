@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
-from typing import Callable
+from collections.abc import Callable
 
 from .settings import count_setting
 

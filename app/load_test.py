@@ -268,7 +268,7 @@ class PeakRss:
             self.peak = max(self.peak, total)
             self._stop.wait(self.every)
 
-    def __enter__(self) -> "PeakRss":
+    def __enter__(self) -> PeakRss:
         self._thread.start()
         return self
 

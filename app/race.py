@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import html
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import gradio as gr
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 from engine.events import Event
 from engine.runtime import new_event_loop

@@ -64,9 +64,9 @@ class Node:
     verdict: str
     hover: str = ""
     survivor: bool = False
-    children: list["Node"] = field(default_factory=list)
+    children: list[Node] = field(default_factory=list)
 
-    def add(self, child: "Node") -> "Node":
+    def add(self, child: Node) -> Node:
         self.children.append(child)
         return child
 
@@ -190,7 +190,7 @@ class StepFacts:
     branch_verdict: Verified | None = None  # the target's verdict on the first branch, when it was fed through
 
     @classmethod
-    def of(cls, step_events: list[Event]) -> "StepFacts":
+    def of(cls, step_events: list[Event]) -> StepFacts:
         started = first(step_events, StepStarted)
         emitted = [e for e in step_events if isinstance(e, TokensEmitted)]
         return cls(

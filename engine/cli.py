@@ -19,7 +19,6 @@ from engine.config import (
     writable_file,
 )
 
-
 MAX_THREADS = 1024
 
 
@@ -363,8 +362,9 @@ def build_engine(args, need_draft: bool):
 
 
 def cmd_generate(args) -> None:
-    from engine.training.common import read_jsonl
     from pathlib import Path
+
+    from engine.training.common import read_jsonl
 
     cfg = config_from(args, args.method)
     if args.prompt is None and args.prompt_file is None:
@@ -427,8 +427,8 @@ def parse_bench_methods(spec: str) -> list[tuple[str, str, str | None]]:
 
 
 def cmd_bench(args) -> None:
-    from engine.measure.bench import run_bench
     from engine.engine import Engine
+    from engine.measure.bench import run_bench
     from engine.models.loading import with_draft
 
     entries = parse_bench_methods(args.methods)

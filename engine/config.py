@@ -88,7 +88,7 @@ class GenerationConfig:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def validate(self) -> "GenerationConfig":
+    def validate(self) -> GenerationConfig:
         if self.method not in METHODS:
             raise SpecBranchError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:

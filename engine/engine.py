@@ -5,28 +5,28 @@ from __future__ import annotations
 
 import asyncio
 import statistics
-from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import aclosing
 import threading
 import time
+from collections.abc import AsyncIterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import aclosing
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 import torch
 
+from engine.config import GenerationConfig, SpecBranchError
+from engine.events import DECODE, DRAFT, VERIFY, Event, Finished, Notice, RunStarted, TimingSpan, TokensEmitted
+from engine.measure.costs import draft_features, forward_costs, target_beside_draft
+from engine.measure.metrics import compute_metrics
 from engine.methods.ar import autoregressive_decode
 from engine.methods.assisted import assisted_decode
 from engine.methods.calibration import PRIOR_WEIGHT, RESCUE_BINS, RESCUE_PRIOR_WEIGHT, AcceptanceCalibration
-from engine.config import GenerationConfig, SpecBranchError
-from engine.measure.costs import draft_features, forward_costs, target_beside_draft
 from engine.methods.decoding import RunState
-from engine.events import DECODE, DRAFT, VERIFY, Event, Finished, Notice, RunStarted, TimingSpan, TokensEmitted
 from engine.methods.hrad import find_hrad
-from engine.measure.metrics import compute_metrics
-from engine.models.loading import ModelPair
-from engine.runtime import PerProcess, Worker, default_solo_threads, new_event_loop, run_apart
 from engine.methods.parallel import BranchCosts, Policy, parallel_decode
 from engine.methods.sd import speculative_decode
+from engine.models.loading import ModelPair
+from engine.runtime import PerProcess, Worker, default_solo_threads, new_event_loop, run_apart
 
 NEEDS_DRAFT = {
     "sd",

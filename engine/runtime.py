@@ -27,8 +27,9 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 

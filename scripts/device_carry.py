@@ -146,10 +146,8 @@ def calls(manifest: dict) -> list[dict]:
         command = f"python3 scripts/device_side.py receive {part['file']}"
         if i == len(parts) - 1:
             carry += [f".carry/{s['file']}" for s in manifest["small"]]
-            command = (
-                f"python3 scripts/device_side.py receive {' '.join([part['file']] + [s['file'] for s in manifest['small']])}"
-                f" && python3 scripts/device_side.py install"
-            )
+            files = " ".join([part["file"]] + [s["file"] for s in manifest["small"]])
+            command = f"python3 scripts/device_side.py receive {files} && python3 scripts/device_side.py install"
         out.append(
             {
                 "tree": "slim",

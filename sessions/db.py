@@ -13,11 +13,12 @@ import platform
 import re
 import secrets
 import sqlite3
+from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import sqlite_utils
 

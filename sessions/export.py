@@ -12,7 +12,7 @@ import dataclasses
 import json
 import math
 import types
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
@@ -348,7 +348,7 @@ def parse_event(raw: Any, where: str) -> Event:
     return event
 
 
-@lru_cache(maxsize=None)
+@cache
 def event_hints(cls: type) -> dict[str, Any]:
     hints = get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}

@@ -66,7 +66,7 @@ class Recorder:
         self._thread.start()
 
     @classmethod
-    def disabled(cls, reason: str) -> "Recorder":
+    def disabled(cls, reason: str) -> Recorder:
         """A recorder that records nothing (e.g. when the store could not be opened)."""
         rec = cls.__new__(cls)
         rec.path, rec.session_id, rec.run_id, rec.error, rec.written = None, None, None, reason, 0
@@ -91,7 +91,7 @@ class Recorder:
             self._thread.join(timeout)
         return self.error
 
-    def __enter__(self) -> "Recorder":
+    def __enter__(self) -> Recorder:
         return self
 
     def __exit__(self, *exc) -> None:

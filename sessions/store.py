@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import sqlite_utils
 
@@ -52,7 +53,7 @@ class Store:
         with self._lock:
             self.db.conn.close()
 
-    def __enter__(self) -> "Store":
+    def __enter__(self) -> Store:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -101,7 +102,7 @@ class Store:
 
     def recorder(
         self, session_id: str, batch_size: int = 50, interval: float = 0.2, owns_session: bool = False
-    ) -> "Recorder":
+    ) -> Recorder:
         """A Recorder for one new run of this session (never raises: a problem shows in `recorder.error`).
         owns_session: the session was started for this run, and goes if the run records nothing."""
         if self.readonly:

@@ -16,7 +16,8 @@ torch.set_num_threads(1)
 
 
 class VerdictAt:
-    """Stands in for the target's job where the draft asks whether the verdict has landed (parallel.draft_until_verdict):
+    """Stands in for the target's job where the draft asks whether the verdict has landed
+    (parallel.draft_until_verdict):
     it has landed at the draft's `looks`-th look. The target's real pass runs beside the draft all the same."""
 
     def __init__(self, looks: int):
@@ -81,7 +82,7 @@ TINY_WORDS = ["<unk>", "<eos>", "a", "b", "c", "d", "e", "f", "g", "h"]
 
 
 def tiny_tokenizer(words=TINY_WORDS):
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))

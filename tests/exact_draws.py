@@ -1,7 +1,8 @@
 """Exact enumeration of the random draws inside engine.methods.sampling's verification functions.
 
 verify_block and verify_candidates take their randomness through a `Draws` (accept each of several tokens with
-its probability a_i, in order, until one decision comes out a given way; sample a token from a row). `outcomes(call)` runs `call(draws)` once per combination of draw outcomes,
+its probability a_i, in order, until one decision comes out a given way; sample a token from a row). `outcomes(call)`
+runs `call(draws)` once per combination of draw outcomes,
 each time with a `Script` that fixes every draw, and yields each result with its exact probability (the
 product of the probabilities of the outcomes taken), so a test enumerates the engine's own function in
 float64 instead of rebuilding its rule.
@@ -9,7 +10,8 @@ float64 instead of rebuilding its rule.
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, TypeVar
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import torch
 

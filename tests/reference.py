@@ -15,7 +15,8 @@ PROMPT = [2, 3, 4]  # a prompt for conftest's tiny models
 
 def processed(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
     """Rows of next-token probabilities, float64, after temperature, top-k and top-p (written here, not
-    engine.methods.sampling's): top-k keeps every token whose logit is at least the k-th largest; top-p keeps, in order of
+    engine.methods.sampling's): top-k keeps every token whose logit is at least the k-th largest; top-p keeps, in
+    order of
     probability, each token while the tokens ranked above it cover less than top_p (the first always stays)."""
     z = np.asarray(logits, dtype=np.float64) / temperature
     out = np.empty_like(z)

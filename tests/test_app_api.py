@@ -275,6 +275,7 @@ def test_a_bad_import_is_refused_and_the_app_keeps_serving(client, app_store, tm
     import json
 
     from gradio_client import handle_file
+
     from sessions.export import export_session
 
     call(client, "c c d")
@@ -316,7 +317,8 @@ def test_app_defaults_follow_the_draft_and_the_pair_line_is_text(tiny_engine):
     from engine.presets import DISTILLED, OFTEN_WRONG, SELF, default_draft
 
     assert defaults_for("self") == SELF.settings() and defaults_for("embedded") == DISTILLED.settings()
-    # the branches held too for the drafts where that cut path rollback at the same speed (docs/methods.md), not the distilled one
+    # the branches held too for the drafts where that cut path rollback at the same speed (docs/methods.md), not the
+    # distilled one
     assert defaults_for("embedded-weak") == defaults_for("self-skip:3,4,5,25") == OFTEN_WRONG.settings()
     assert defaults_for(None) == defaults_for("/some/draft") == DISTILLED.settings()
     assert default_draft("cpu") == ("self" if int4_supported() else "embedded")
@@ -339,10 +341,10 @@ def test_a_visitor_picks_a_draft_from_the_offered_ones_only(tiny_engine, app_sto
     from gradio_client.exceptions import AppError
 
     from app.settings import SLIDER_KEYS, slider_defaults
-    from engine.presets import SELF
     from engine.config import GenerationConfig
     from engine.engine import Engine
     from engine.models.loading import with_draft
+    from engine.presets import SELF
 
     own = Engine(with_draft(tiny_engine.pair.target, "self", draft_matmul="float32"))
     engines, asked = {"tiny-draft": tiny_engine, "self": own}, []

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from app.tree import build_tree, step_events
 from app.main import css_paths
+from app.tree import build_tree, step_events
 from engine.events import BranchResolved, StepStarted
 
 from .conftest import serve_app

@@ -8,9 +8,7 @@ from __future__ import annotations
 import torch
 
 from app.tree import step_caption
-from engine.methods.calibration import PRIOR_WEIGHT, RESCUE_BINS, RESCUE_PRIOR_WEIGHT, AcceptanceCalibration
 from engine.config import GenerationConfig
-from engine.methods.decoding import RunState
 from engine.events import (
     ACCEPTED,
     BONUS,
@@ -22,6 +20,8 @@ from engine.events import (
     TimingSpan,
     Verified,
 )
+from engine.methods.calibration import PRIOR_WEIGHT, RESCUE_BINS, RESCUE_PRIOR_WEIGHT, AcceptanceCalibration
+from engine.methods.decoding import RunState
 from engine.methods.parallel import (
     BranchCosts,
     Fork,
@@ -617,8 +617,8 @@ def test_a_branch_step_below_the_hold_keeps_nothing(tiny_engine):
     (the default) only the odds before a step are read. Greedy output stays AR's either way."""
     import asyncio
 
-    from engine.models import cache as kv
     from engine.methods.parallel import DraftState, draft_step, draft_until_verdict
+    from engine.models import cache as kv
 
     cfg = GenerationConfig(method="specbranch", gamma=3, epsilon=1.0, hold=0.5)
     state = RunState(

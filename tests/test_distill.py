@@ -10,10 +10,10 @@ import torch
 
 from engine.cli import main
 from engine.config import GenerationConfig
-from engine.training.distill import initial_draft
 from engine.drafts.distilled import draft_from_target, load_draft_dir
 from engine.engine import Engine
 from engine.models.loading import load_pair
+from engine.training.distill import initial_draft
 
 from .conftest import make_tiny_model
 

@@ -18,12 +18,12 @@ from engine.config import GenerationConfig, SpecBranchError
 from engine.drafts.child import LOW_PRIORITY, low_priority
 from engine.drafts.process import RemoteLM, in_process
 from engine.engine import Engine
+from engine.methods.sampling import NextDraw, draw_u, logits_to_probs
 from engine.models.loading import ModelPair, load_pair, with_draft
 from engine.runtime import Measured, Worker
-from engine.methods.sampling import NextDraw, draw_u, logits_to_probs
 
-from .test_parallel_lossless import check_sampled
 from .reference import PROMPT
+from .test_parallel_lossless import check_sampled
 
 
 @pytest.fixture(scope="module")

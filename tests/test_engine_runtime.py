@@ -5,6 +5,7 @@ refused."""
 from __future__ import annotations
 
 import asyncio
+
 import pytest
 
 from engine.cli import main

@@ -6,7 +6,8 @@ error (exit 2 with `error: ...` on a command line, a SessionStoreError, a notice
 nothing is half-written (the store's rows are unchanged by a refusal, and `integrity_check` stays ok); every value
 that reaches a page is escaped.
 
-150 examples per target here; SPECBRANCH_FUZZ=fuzz runs 2,000 (by hand: `SPECBRANCH_FUZZ=fuzz pytest tests/test_fuzz.py`).
+150 examples per target here; SPECBRANCH_FUZZ=fuzz runs 2,000 (by hand: `SPECBRANCH_FUZZ=fuzz pytest
+tests/test_fuzz.py`).
 Regression examples of the bugs fuzzing found sit next to each target (@example, and tests named for the bug)."""
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ from hypothesis import strategies as st
 import app.race
 from app.context import AppContext
 from app.main import build_app
-from app.tabs.replay import ReplayTab
 from app.render import views_at
+from app.tabs.replay import ReplayTab
 from engine import cli as engine_cli
 from engine.engine import Engine
 from sessions import __main__ as sessions_cli

@@ -235,8 +235,8 @@ def test_generic_static_target_follows_transformers(dtype):
     transformers' forward of the same model: float32 within 1e-4 (only attention's sums over the masked positions
     differ), bfloat16 within 2 % of the largest value. Its probe (StaticLlama.agrees, by closeness) passes in both;
     the CPU's kernels stay bit-identical (tests/test_static_forward.py)."""
-    from engine.models.loading import LM
     from engine.models.lean import KVBuffer
+    from engine.models.loading import LM
 
     model = cast_model(tiny_llama(seed=6), dtype=dtype)
     static, plain = LM("tiny", model, None, 101, static=True, kernels="generic"), LM("tiny", model, None, 101)
@@ -280,7 +280,8 @@ def test_the_cpu_keeps_its_kernels_and_another_device_takes_the_generic_ones():
     CUDA graphs on CUDA. The generic kernels read the weights as loaded: a 4-bit or bfloat16 draft stays on the
     CPU's."""
     from engine.kernels.lm_head import HeadMatmul
-    from engine.models.lean import compile_mode, default_kernels, fits as lean_fits
+    from engine.models.lean import compile_mode, default_kernels
+    from engine.models.lean import fits as lean_fits
     from engine.models.loading import LM, lean_draft, static_target
     from engine.models.static_forward import StaticLlama, fits
 

@@ -10,7 +10,8 @@ from engine.config import GenerationConfig
 from engine.events import Rollback
 from engine.kernels.lm_head import int4_supported
 
-from .conftest import GREEDY_NEW as NEW, engine_with_draft
+from .conftest import GREEDY_NEW as NEW
+from .conftest import engine_with_draft
 
 
 def test_ar_matches_generate(embedded_target, greedy_references):

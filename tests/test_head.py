@@ -12,10 +12,10 @@ import torch
 
 from engine.cli import main
 from engine.config import GenerationConfig, SpecBranchError
-from engine.engine import Engine
 from engine.drafts.head import FeatureHead, HeadLM, save_head
-from engine.training.head_distill import losses, unrolled_outputs
+from engine.engine import Engine
 from engine.models.loading import LM, load_model, load_pair
+from engine.training.head_distill import losses, unrolled_outputs
 
 from .conftest import make_tiny_model
 from .reference import PROMPT, chi_square, exact_joint

@@ -16,6 +16,7 @@ from engine.config import GenerationConfig
 from engine.engine import Engine
 from engine.events import Notice
 from engine.methods.hrad import HRAD, pair_signature, save_hrad
+from engine.models.loading import load_pair
 from engine.training.hrad import (
     Sample,
     evaluate,
@@ -27,7 +28,6 @@ from engine.training.hrad import (
     split_by_prompt,
     train_classifier,
 )
-from engine.models.loading import load_pair
 
 PROMPT = [2, 3, 4]
 

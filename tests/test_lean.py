@@ -3,19 +3,17 @@ prefill, single steps, rollback, forks and a cache that outgrows its buffers; re
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine.measure.bench import draft_forward_kind
 from engine.config import GenerationConfig, SpecBranchError
 from engine.drafts.process import close_distributions
 from engine.engine import Engine
 from engine.events import Notice
-from engine.models.lean import KVBuffer, LeanLlama, fits
 from engine.kernels.lm_head import bf16_supported, fast_linears, int4_supported
+from engine.measure.bench import draft_forward_kind
+from engine.models.lean import KVBuffer, LeanLlama, fits
 from engine.models.loading import LM, lean_draft
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import LlamaForCausalLM
 
 from engine.config import GenerationConfig, SpecBranchError
 from engine.engine import Engine
@@ -30,7 +31,6 @@ from engine.kernels.lm_head import (
     packed_weight,
 )
 from engine.models.loading import draft_matmul_kind, load_pair
-from transformers import LlamaForCausalLM
 
 
 def test_every_row_count_gives_the_linear_product():
@@ -279,7 +279,8 @@ def test_low_precision_draft_leaves_the_target_exact(tiny_dirs, matmul, layer, h
 
 @pytest.mark.parametrize("forward", ["lean", "transformers"])
 def test_layer_skipping_self_draft_is_the_target_without_those_layers(tmp_path, forward):
-    """`self-skip:2,1` (any order): a twin over the target's own tensors (no copy) that runs its layers 0 and 3 only, with its
+    """`self-skip:2,1` (any order): a twin over the target's own tensors (no copy) that runs its layers 0 and 3 only,
+    with its
     final norm and head; its logits are those of the target with the two layers deleted, and greedy output stays
     the target's. auto reads its weights as it would `self`'s."""
     from tests.conftest import make_tiny_model

@@ -12,7 +12,8 @@ reproduces exactly; the real overlapped timing is exercised by tests/test_parall
 
 The reference is independent of the engine: the target's rows from transformers' own forward of the model over each
 output, turned into probabilities by a float64 softmax with the tests' own temperature / top-k / top-p
-(tests/reference.py `processed`), never engine.methods.sampling.logits_to_probs. Three statistics, Bonferroni-combined (the
+(tests/reference.py `processed`), never engine.methods.sampling.logits_to_probs. Three statistics, Bonferroni-combined
+(the
 smallest p-value times 3; reject below ALPHA = 1e-4):
   - whole outputs: Pearson's chi-square over sequence cells, the target's distribution over whole outputs enumerated
     down to expected count 5 (exact_tree), the rarer ones pooled per parent prefix, then per depth, then into one;
@@ -63,16 +64,11 @@ import pytest
 import torch
 from scipy.stats import chi2
 
-from engine.models import cache
-
-from engine.methods import decoding
-
-from engine.methods import parallel
-
-from engine.methods import sampling
 from engine.config import GenerationConfig
 from engine.engine import Engine
 from engine.events import BranchResolved, TokensEmitted, Verified
+from engine.methods import decoding, parallel, sampling
+from engine.models import cache
 from engine.models.loading import load_pair
 
 from .conftest import schedule_draft, tiny_tokenizer
@@ -136,7 +132,7 @@ def rows_after(model, prompt: list[int], seqs, cfg: GenerationConfig) -> dict[tu
     for s in set(seqs):
         by_len.setdefault(len(s), []).append(s)
     with torch.inference_mode():
-        for n, group in by_len.items():
+        for group in by_len.values():
             ids = torch.tensor([prompt + list(s) for s in group])
             logits = model(input_ids=ids).logits[:, len(prompt) - 1 :].double().numpy()
             for s, rows in zip(group, logits):

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from app.tabs.replay import compare_html
 from app.tabs.compare import comparison_table
+from app.tabs.replay import compare_html
 from app.views import metric_panel
 from engine.events import ACCEPTED, CORRECTION, DraftProposed, Finished, Rollback, RunStarted, TimingSpan, TokensEmitted
 from engine.measure.metrics import compute_metrics, round_pace

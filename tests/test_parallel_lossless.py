@@ -9,8 +9,8 @@ import pytest
 from engine.config import GenerationConfig
 from engine.engine import Engine
 from engine.events import (
-    DRAFT,
     BRANCH_DRAFT,
+    DRAFT,
     VERIFY,
     BranchResolved,
     DraftProposed,

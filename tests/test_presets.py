@@ -7,11 +7,11 @@ import json
 
 import pytest
 
+from app.settings import defaults_for, make_config
 from engine.cli import main, parse, with_preset
 from engine.config import config_from
 from engine.kernels.lm_head import int4_supported
 from engine.presets import DISTILLED, OFTEN_WRONG, SCENARIOS, SELF, default_draft, draft_forward, preset_for
-from app.settings import defaults_for, make_config
 
 
 def test_each_draft_kind_has_its_preset():

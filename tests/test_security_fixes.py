@@ -14,11 +14,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from app.tabs import replay as replay_tab
 from app.figures import timeline_figure
 from app.identity import STORAGE_KEY, browser_id_state, browser_identity, owner_of
-from app.tabs.replay import compare_html, export_dir, export_paths, step_alignment_figure
 from app.render import views_at
+from app.tabs import replay as replay_tab
+from app.tabs.replay import compare_html, export_dir, export_paths, step_alignment_figure
 from engine.config import GenerationConfig
 from engine.engine import Engine
 from engine.runtime import new_event_loop

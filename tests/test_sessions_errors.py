@@ -10,8 +10,8 @@ import pytest
 
 import sessions.db as db_mod
 from engine.events import Finished, TokensEmitted
-from sessions.export import export_session, import_json, import_session
 from sessions.db import explain
+from sessions.export import export_session, import_json, import_session
 from sessions.store import Recorder, SessionStoreError, Store
 
 from .test_sessions import CONFIGS, record_generation, recorded  # noqa: F401  (fixture)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from engine.config import GenerationConfig
-from engine.measure.datasets import benchmark_prompts
 from engine.events import Notice
+from engine.measure.datasets import benchmark_prompts
 
 from .conftest import engine_with_draft
 

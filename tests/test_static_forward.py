@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from engine.config import SpecBranchError
-from engine.models.lean import KVBuffer
 from engine.kernels.lm_head import HeadMatmul, fast_linears
+from engine.models.lean import KVBuffer
 from engine.models.loading import LM, static_target
 from engine.models.static_forward import StaticLlama, fits
 

@@ -11,11 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import GenerationConfig, SpecBranchError
-from engine.measure.metrics import compute_metrics
-from engine.events import Finished, Notice, RunStarted, StepStarted, TimingSpan
-
 from app.stream import BASE_GPU_S, GPU_S_PER_TOKEN, MAX_GPU_S, gpu_seconds, on_zerogpu, run_events
+from engine.config import GenerationConfig, SpecBranchError
+from engine.events import Finished, Notice, RunStarted, StepStarted, TimingSpan
+from engine.measure.metrics import compute_metrics
 
 TIMES = {
     RunStarted: ("wall_clock",),

@@ -35,7 +35,8 @@ the tokens still pending times its own, or a fork's, as measured) fall below the
 and the target takes that token itself, as in plain decoding. The step's caption says "the draft held back". With
 a draft that is often wrong, this is what keeps the rollback markers rare. *Hold the branches too* (on by default
 for `embedded-weak` and `self-skip:...`, off for the distilled draft) also stops a fork's branches where one more
-token would take their odds below the hold; the step's caption then says "the branches held back" (docs/results/README.md
+token would take their odds below the hold; the step's caption then says "the branches held back"
+(docs/results/README.md
 docs/methods.md). A fork's odds are counted the same way:
 wherever the target rejects the draft's token, fork or not, the engine plays the fork the draft could have made
 there and counts whether it would have rescued that position. Where, in this run, the draft has more often held

@@ -14,11 +14,11 @@ from engine.presets import SCENARIOS
 from sessions.replay import replay_steps
 
 from ..context import AppContext
+from ..figures import timeline_figure
 from ..identity import owner_of
 from ..navigator import build_navigator, clamp_step, notice_of, slider_update, step_strip, wire_navigator
 from ..render import VIEWS, highlight_of, notice_html, skips, views_at
 from ..settings import LIVE_METHODS, SLIDER_KEYS, examples, make_config, slider_defaults
-from ..figures import timeline_figure
 from ..stream import stream_events
 from ..tree import tree_html
 from ..views import metric_panel, token_view

@@ -9,7 +9,7 @@ import os
 import shutil
 import tempfile
 import time
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import gradio as gr
@@ -39,7 +39,7 @@ def export_dir() -> Path:
     return _private_dir(os.getpid())
 
 
-@lru_cache(maxsize=None)
+@cache
 def _private_dir(pid: int) -> Path:
     path = Path(tempfile.mkdtemp(prefix="specbranch-exports-"))  # mode 0700: no other local user reads exports
     atexit.register(_remove_dir, path, pid)

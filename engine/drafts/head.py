@@ -18,7 +18,8 @@ Rollback is a length pointer over both. `stale_from` says where rows were built 
 true feature has since replaced, so the engine can re-feed them (EAGLE re-drafts from the verified prefix).
 
 On disk (`save_head`): config.json (the target's config with 1..n layers, plus a "specbranch_head" entry),
-model-NN.safetensors (fc, layers, norm; bfloat16, drafts/storage.py), vocab_subset.safetensors. The embeddings and the LM
+model-NN.safetensors (fc, layers, norm; bfloat16, drafts/storage.py), vocab_subset.safetensors. The embeddings and the
+LM
 head rows are borrowed from the target at load time.
 """
 
@@ -63,7 +64,7 @@ class FeatureHead(torch.nn.Module):
         self.rotary_emb = rotary_cls(config=config)
 
     @classmethod
-    def from_target(cls, target, n_layers: int = 1, init_from_last: bool = True) -> "FeatureHead":
+    def from_target(cls, target, n_layers: int = 1, init_from_last: bool = True) -> FeatureHead:
         """A head for `target` (a transformers CausalLM); its layers start as copies of the target's last ones
         (they already map a late residual stream to the next feature), its fc as [0 ; I] (pass f through)."""
         inner = target.model

@@ -53,8 +53,8 @@ from pathlib import Path
 
 import torch
 
-from engine.models.cache import cropped_length
 from engine.config import SpecBranchError
+from engine.models.cache import cropped_length
 from engine.models.lean import compile_report
 from engine.runtime import Measured
 
@@ -67,7 +67,7 @@ COMPILE_TIMEOUT_S = (
 class RemoteCache:
     """A draft cache held in the child, seen from here: its length and rows, kept in step with what was sent."""
 
-    def __init__(self, remote: "RemoteLM", cid: int):
+    def __init__(self, remote: RemoteLM, cid: int):
         self.remote, self.cid = remote, cid
         self.length, self.rows = 0, 1
 
@@ -275,7 +275,7 @@ class RemoteLM:
                 )
             )
 
-    def take_compiled(self) -> "RemoteLM":
+    def take_compiled(self) -> RemoteLM:
         """The compiled twin once it is ready (this one closed), else this one: call it between runs only, when no
         cache of this child is in use (Engine: as a run starts, under the engine's lock)."""
         twin, self._twin = self._twin, None

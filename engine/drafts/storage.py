@@ -1,7 +1,8 @@
 """How a shipped draft's weights are stored: one byte a weight, loaded into the model's dtype.
 
 Each matrix is stored as int8 with one float32 scale per output row (absmax / 127: a row's largest weight comes back to
-float32 rounding, every other within half a step); vectors (norms, biases) stay float16. That halves the float16 files the
+float32 rounding, every other within half a step); vectors (norms, biases) stay float16. That halves the float16 files
+the
 drafts were trained into, so the shipped drafts come to about 31 MiB in all (a device call sends at most 64 MiB);
 their acceptance with the target is unchanged within noise (docs/models.md). bfloat16 would not help: float16 is
 already two bytes a weight. Files of other floating dtypes (drafts saved before, or elsewhere) load the same way:

@@ -35,10 +35,9 @@ import statistics
 
 import torch
 
-from engine.models import cache as kv
 from engine.measure.metrics import round_ms, round_pace
+from engine.models import cache as kv
 from engine.runtime import run_apart
-
 
 COSTS = "costs"  # the kind of a timed forward's span
 

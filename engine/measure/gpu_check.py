@@ -81,7 +81,7 @@ class Setup:
     new_tokens: int
 
     @classmethod
-    def of(cls, dry: bool) -> "Setup":
+    def of(cls, dry: bool) -> Setup:
         if dry:
             return cls(True, "cpu", 2, 8)
         return cls(False, "cuda" if torch.cuda.is_available() else "cpu", 4, 64)
@@ -303,7 +303,7 @@ def overlap_arrangements(pair, steps: int, cache_len: int = 128) -> dict:
     for name, shared in (("two_streams", False), ("shared_stream", True)):
         t, d = workers(shared)
 
-        async def both():
+        async def both(t=t, d=d):
             return await asyncio.gather(
                 step_loop(t, pair.target, cache_len, steps)(), step_loop(d, pair.draft, cache_len, steps)()
             )

@@ -9,8 +9,8 @@ import time
 
 import torch
 
-from engine.methods.decoding import RunState, emit
 from engine.events import TARGET, Event, TimingSpan
+from engine.methods.decoding import RunState, emit
 from engine.runtime import settled
 
 

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 import torch
 
-from engine.models import cache as kv
 from engine.config import GenerationConfig
 from engine.drafts.process import step_fn
 from engine.events import (
@@ -29,9 +28,10 @@ from engine.events import (
     TokensEmitted,
     Verified,
 )
+from engine.methods.sampling import NextDraw, draw_u, logits_to_probs, sample, top_alternatives, verify_block
+from engine.models import cache as kv
 from engine.models.loading import LM, ModelPair, Out
 from engine.runtime import Worker, settled
-from engine.methods.sampling import NextDraw, draw_u, logits_to_probs, sample, top_alternatives, verify_block
 
 
 @dataclass
@@ -50,7 +50,7 @@ class RunState:
     finish_reason: str | None = None
     decode_start: float = 0.0
     prefill_s: float = 0.0
-    text: "TextStream" = None  # the output's text, decoded as it grows (emit)
+    text: TextStream = None  # the output's text, decoded as it grows (emit)
     generator: torch.Generator = field(default_factory=torch.Generator)  # verification draws
     draft_generator: torch.Generator = field(default_factory=torch.Generator)  # the draft's own samples
     probe_generator: torch.Generator = field(default_factory=torch.Generator)  # forks a sampled SpecBranch run

@@ -32,10 +32,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.models import cache as kv
-from engine.methods import hrad
-from engine.methods.calibration import AcceptanceCalibration
-from engine.methods.decoding import RunState, crop_draft, emit, forward, share_features, step_loop
 from engine.drafts.process import step_fn
 from engine.events import (
     ACCEPTED,
@@ -51,6 +47,9 @@ from engine.events import (
     Rollback,
     Verified,
 )
+from engine.methods import hrad
+from engine.methods.calibration import AcceptanceCalibration
+from engine.methods.decoding import RunState, crop_draft, emit, forward, share_features, step_loop
 from engine.methods.sampling import (
     NO_REPLACEMENT,
     TOPK,
@@ -63,6 +62,7 @@ from engine.methods.sampling import (
     top_alternatives,
     verify_candidates,
 )
+from engine.models import cache as kv
 
 REJECT_AT_ONCE, PARTLY, ALL_ACCEPTED = 0, 1, 2  # H-RAD classes
 
@@ -157,11 +157,11 @@ class Policy:
         """The odds that what the draft would propose here holds up: its own token (k = 1), or one of k candidates."""
         return self.acceptance(top[0]) + (self.rescue_odds(top, k) if k > 1 else 0.0)
 
-    def path_odds(self, spec: "Speculation") -> float:
+    def path_odds(self, spec: Speculation) -> float:
         """The odds that every pending path token is accepted: what a token drafted after them needs to pay."""
         return math.prod(self.acceptance(c if t is None else t) for t, c in zip(spec.path_top, spec.path_conf))
 
-    def line_odds(self, spec: "Speculation") -> float:
+    def line_odds(self, spec: Speculation) -> float:
         """The odds that the speculation along its first branch holds up to its last token: the path's, the fork's
         (one candidate survives) and the first branch's tokens' (read from their probabilities)."""
         odds = self.path_odds(spec)
@@ -170,7 +170,7 @@ class Policy:
             odds *= spec.fork.odds * math.prod(self.acceptance(c) for c in first)
         return odds
 
-    def line_acceptance(self, spec: "Speculation") -> list[float]:
+    def line_acceptance(self, spec: Speculation) -> list[float]:
         """The odds that each token of line_of(spec) is accepted, for the draft-length rules (the head start, the
         feed stop); 1.0 where nothing was recorded. Without measurements (PEARL, --no-calibrate): the draft's own
         probability of the token. With them: the acceptance measured at the draft's largest probability where the

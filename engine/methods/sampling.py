@@ -8,8 +8,8 @@ Temperature 0 gives a one-hot row (greedy); the same rules then reduce to "accep
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -290,7 +290,8 @@ def candidate_q(q: torch.Tensor, earlier: list[int], scheme: str) -> torch.Tenso
 
 
 def candidate_step(p_i: torch.Tensor, q_i: torch.Tensor, x: int, scheme: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(probability [] of accepting candidate x under p_i, p_{i+1} [V] to use if it is rejected), on the rows' device."""
+    """(probability [] of accepting candidate x under p_i, p_{i+1} [V] to use if it is rejected), on the rows'
+    device."""
     if scheme == TOPK:  # a point mass at x: accept with p_i(x), else remove x from p_i
         rest = p_i.clone()
         rest[x] = 0

@@ -3,7 +3,8 @@ pointer.
 
 Why: the 4-bit self-draft is the slower side of an overlapped round (docs/models.md), and of its ~28 ms step
 only 6.6 ms were the 4-bit products. The rest was the float32 head (5.4 ms; it stays in models.LM, a
-lm_head.ShortlistHead since docs/models.md) and transformers' forward around the products: the KV cache's `cat` (each step
+lm_head.ShortlistHead since docs/models.md) and transformers' forward around the products: the KV cache's `cat` (each
+step
 copies every layer's whole cache, 4.1 ms) and ~10 ms of per-op overhead (seven linear layers a layer, each casting
 to bfloat16 and back, the rotary embedding applied to q and to k apart, a mask built per call). Here a layer runs
 four matmuls (q, k and v fused into one weight, gate and up into another), the rotary embedding is applied to q
@@ -40,8 +41,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from engine.models.cache import cropped_length
 from engine.kernels.lm_head import draft_matmul
+from engine.models.cache import cropped_length
 
 CAPACITY = 256  # positions a new cache holds before it grows (doubling: amortised, and rare in a chat)
 # the torch threads a compiled step runs on: the workers' count, a solo step's too (12 ms on 1 against 17 ms eager on

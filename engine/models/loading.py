@@ -22,21 +22,23 @@ import importlib.util
 import os
 import threading
 from dataclasses import dataclass
-from typing import NamedTuple
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
-from engine.models import cache as kv
-from engine.models.devices import canonical_device, cast_model, same_device
 from engine.config import DRAFT_FORWARDS, DRAFT_MATMULS, DRAFT_WORKERS, TARGET_FORWARDS, SpecBranchError
-from engine.drafts.process import RemoteLM, in_process
 from engine.drafts.distilled import draft_from_target, is_specbranch_draft, load_draft_dir, place, twin_of
 from engine.drafts.head import FeatureHead, HeadLM, is_head_dir, load_head_dir
-from engine.models.lean import KVBuffer, LeanLlama, compile_report, fits as lean_misfit
-from engine.models.static_forward import fits as static_misfit, static_llama
+from engine.drafts.process import RemoteLM, in_process
 from engine.drafts.shipped import DRAFTS_DIR, EMBEDDED_DRAFTS
 from engine.kernels.lm_head import HeadMatmul, bf16_supported, draft_matmul, fast_linears, int4_supported
+from engine.models import cache as kv
+from engine.models.devices import canonical_device, cast_model, same_device
+from engine.models.lean import KVBuffer, LeanLlama, compile_report
+from engine.models.lean import fits as lean_misfit
+from engine.models.static_forward import fits as static_misfit
+from engine.models.static_forward import static_llama
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -175,7 +177,7 @@ def load_model(spec: str, device: torch.device, dtype: torch.dtype, trust_remote
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=trust_remote_code)
     except SpecBranchError:
         raise
-    except (OSError, ValueError, EnvironmentError) as exc:
+    except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise SpecBranchError(f"could not load model {spec!r}: {first}") from None
     return cast_model(model, device).eval(), tokenizer
@@ -305,7 +307,7 @@ class LM:
         return self._logits(out.last_hidden_state, out.hidden_states if hidden_states else None, features, last_only)
 
     @property
-    def last_row(self) -> "LastRow":
+    def last_row(self) -> LastRow:
         """This LM as a caller that reads only the last row of a pass's logits sees it (a prefill)."""
         return LastRow(self)
 
@@ -484,7 +486,7 @@ def load_pair(
 
 
 def with_draft(
-    target: "LM",
+    target: LM,
     draft: str,
     device: torch.device | None = None,
     dtype: torch.dtype | None = None,

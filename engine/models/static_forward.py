@@ -31,9 +31,10 @@ from __future__ import annotations
 
 import torch
 
-from engine.models.cache import new_cache as transformers_cache
-from engine.models.lean import CAPACITY, GenericDecoder, KVBuffer, compile_mode, default_kernels, fits as lean_misfit
 from engine.kernels.lm_head import COPY_BUDGET, LAYER_MAX_ROWS, HeadMatmul
+from engine.models.cache import new_cache as transformers_cache
+from engine.models.lean import CAPACITY, GenericDecoder, KVBuffer, compile_mode, default_kernels
+from engine.models.lean import fits as lean_misfit
 
 AUTO = "auto"  # compiled: by device (CUDA graphs on CUDA, none on the CPU)
 
@@ -76,7 +77,7 @@ def fuse(linears: list, room: int):
     return HeadMatmul(torch.cat([m.weight for m in linears]).detach(), LAYER_MAX_ROWS, one_row, packed), size
 
 
-def static_llama(model, kernels: str | None = None) -> "StaticLlama | None":
+def static_llama(model, kernels: str | None = None) -> StaticLlama | None:
     """The model's static-cache forward with `kernels` (default_kernels(its device) unless given), built and checked
     against transformers' forward (StaticLlama.agrees) once per model and kernels, however many LMs wrap it
     (models.pair_of re-wraps a target for a draft's vocabulary); None where they differ on this machine."""

@@ -21,8 +21,8 @@ import torch
 from tqdm import tqdm
 
 from engine.config import SpecBranchError, writable_dir
-from engine.training.common import batches, capped_rows, frequent_vocab, optimizer_step, read_jsonl, split_by_prompt
 from engine.drafts.distilled import draft_from_target, is_specbranch_draft, load_draft_dir, save_draft
+from engine.training.common import batches, capped_rows, frequent_vocab, optimizer_step, read_jsonl, split_by_prompt
 
 
 def encode_prompt(tokenizer, row: dict) -> list[int]:

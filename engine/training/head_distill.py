@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from engine.training.common import batches, capped_rows, frequent_vocab, optimizer_step, split_by_prompt
 from engine.drafts.head import FeatureHead, save_head
+from engine.training.common import batches, capped_rows, frequent_vocab, optimizer_step, split_by_prompt
 
 CHUNK_ROWS = 256
 

@@ -1,13 +1,19 @@
-"""python docs/results/scripts/draft_memory.py > docs/results/json/draft-memory.json (last line): RSS of each embedded draft's process, and of the app's own process, as app.py loads them (draft in a process,
+"""python docs/results/scripts/draft_memory.py > docs/results/json/draft-memory.json (last line): RSS of each embedded
+draft's process, and of the app's own process, as app.py loads them (draft in a process,
 lean forward: what the app runs, minus the background compile)."""
 
-import importlib.util, json, os, sys, time
+import importlib.util
+import json
+import os
+import sys
+import time
 from types import SimpleNamespace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, ROOT)
 os.chdir(ROOT)
-import psutil, torch
+import psutil
+import torch
 
 torch.set_num_threads(1)
 spec = importlib.util.spec_from_file_location("app_main_script", os.path.join(ROOT, "app.py"))

@@ -11,7 +11,8 @@ won by a candidate other than the draft's first choice), and whether the output 
 untimed warm-up run first.
 
 The rule that picks "rescue" (RULE, written into the JSON): among the self-skip candidates whose forks per step are at
-least 0.5 and that rescued on every prompt, the fastest against AR by the median of its per-prompt ratios. Two sittings: the first grid (CANDIDATES, `--json
+least 0.5 and that rescued on every prompt, the fastest against AR by the median of its per-prompt ratios. Two
+sittings: the first grid (CANDIDATES, `--json
 docs/results/json/scenarios-tuning.json`), then `--second` (SECOND, `--json docs/results/json/scenarios-tuning-2.json`):
 its winner again beside a more accurate layer-skipping draft. Both were chosen as run by the pooled ratio, then again
 by RULE (`--rechoose FILE...`, which keeps the choice as run under "chosen_rescue_as_run")."""
