@@ -290,9 +290,9 @@ def test_the_cpu_keeps_its_kernels_and_another_device_takes_the_generic_ones():
     target = LM("t", tiny_llama(seed=6), None, 101, static=True)
     draft = LM("d", tiny_llama(seed=7), None, 101, lean=True)
     assert target._static.kernels == "cpu" and target._static.generic is None
-    assert all(isinstance(f, HeadMatmul) for f in target._static.qkv + target._static.gate_up)
+    assert all(isinstance(w.qkv, HeadMatmul) and isinstance(w.gate_up, HeadMatmul) for w in target._static.weights)
     assert draft._lean.kernels == "cpu" and draft._lean._generic is None
-    assert isinstance(draft._lean.layers[0]["qkv"], HeadMatmul) and draft._lean.new_cache().capacity == 256
+    assert isinstance(draft._lean.layers[0].qkv, HeadMatmul) and draft._lean.new_cache().capacity == 256
     with pytest.raises(ValueError, match="read the weights as loaded, not through int4"):
         LeanLlama(tiny_llama(), "int4", kernels="generic")
 

@@ -5,6 +5,8 @@ is used only where it fits."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -43,6 +45,11 @@ def assert_same_passes(static: LM, plain: LM, ids: torch.Tensor, cache_capacity:
     assert a.get_seq_length() == b.get_seq_length() == n
 
 
+def fused(static) -> list:
+    """The stacked q, k, v and gate, up products of every layer."""
+    return [w.qkv for w in static.weights] + [w.gate_up for w in static.weights]
+
+
 def test_static_forward_is_bit_identical_on_a_tiny_llama():
     """Grouped-query attention and scaled rotary embeddings; a buffer of 8 positions grows past its size twice. LM
     routes the linears as the engine routes a target's (fast_linears), so q, k, v and gate, up run as one stacked
@@ -51,7 +58,7 @@ def test_static_forward_is_bit_identical_on_a_tiny_llama():
     ids = torch.randint(0, 101, (1, 30), generator=torch.Generator().manual_seed(7))
     static, plain = LM("tiny", model, None, 101, static=True), LM("tiny", model, None, 101)
     assert static.static and static._static is not None and plain._static is None
-    assert all(isinstance(f, HeadMatmul) for f in static._static.qkv + static._static.gate_up)
+    assert all(isinstance(f, HeadMatmul) for f in fused(static._static))
     # built and checked once per model: another LM over it (models.pair_of's re-wrap) reuses it
     assert LM("tiny", model, None, 90, static=True)._static is static._static
     assert_same_passes(static, plain, ids, cache_capacity=8)
@@ -62,7 +69,7 @@ def test_linears_routed_otherwise_run_one_by_one():
     concatenates: transformers' bits again."""
     model = tiny_llama(seed=10)
     static = StaticLlama(model)
-    assert not any(isinstance(f, HeadMatmul) for f in static.qkv + static.gate_up)
+    assert not any(isinstance(f, HeadMatmul) for f in fused(static))
     assert static.agrees(model)
 
 
@@ -73,8 +80,8 @@ def test_the_probe_catches_a_path_that_differs():
     fast_linears(model, "float32")
     static = StaticLlama(model)
     assert static.agrees(model)
-    first = static.qkv[1]
-    static.qkv[1] = lambda x: first(x) * (1 + 1e-6)
+    first = static.weights[1].qkv
+    static.weights[1] = dataclasses.replace(static.weights[1], qkv=lambda x: first(x) * (1 + 1e-6))
     assert not static.agrees(model)
 
 
