@@ -31,3 +31,15 @@ def rollback(cache: DynamicCache, keep: int) -> int:
     if extra:
         cache.crop(-extra)
     return extra
+
+
+def keep_rows(cache, start: int, rows: list[int]) -> None:
+    """Keep, of a pass that began at position `start`, its tokens `rows` (a line of its token tree, in order) and drop
+    the rest: a static cache (lean.KVBuffer) moves the kept K and V behind the positions before the pass; any other
+    cache takes a line only (a prefix of the pass)."""
+    if hasattr(cache, "keep"):
+        cache.keep(start, rows)
+        return
+    if rows != list(range(len(rows))):
+        raise ValueError("only a static cache keeps a branch of a token tree")
+    rollback(cache, start + len(rows))

@@ -182,6 +182,19 @@ class KVBuffer:
     def crop(self, n: int) -> None:
         self.length = cropped_length(self.length, n)
 
+    def keep(self, start: int, rows: list[int]) -> None:
+        """After a pass that began at `start`: keep its tokens `rows` (indices among the pass's, in order: a line of
+        a token tree) right after the positions before it, and drop the rest. A prefix (0, 1, ..., n-1) moves the
+        pointer only; a branch off the line copies its K and V behind the line (n positions a layer)."""
+        n = len(rows)
+        if rows != list(range(n)):
+            src = torch.tensor(rows, device=self.keys[0].device) + start
+            with torch.inference_mode():
+                for buf in (self.keys, self.values):
+                    for t in buf:
+                        t[:, :, start : start + n] = t.index_select(2, src)
+        self.length = start + n
+
     def batch_repeat_interleave(self, k: int) -> None:
         """Each row becomes k rows (a fork). Only the positions held are copied: past `length` a buffer is
         written before it is read, so the new buffers start empty there."""
@@ -274,6 +287,12 @@ class BranchKV(KVBuffer):
 
     def shared_length(self) -> int:
         return self.shared
+
+    def keep(self, start: int, rows: list[int]) -> None:
+        if self.branches > 1:
+            raise ValueError("a forked draft cache keeps a branch by batch_select_indices")
+        super().keep(start, rows)
+        self._settle(self.length, 0, 1)
 
     def positions(self, t: int) -> torch.Tensor:
         """The rotary positions of a step's t new tokens a branch, in the order they are stored: [t · k]."""

@@ -37,6 +37,7 @@ from engine.models import cache as kv
 from engine.models.devices import canonical_device, cast_model, same_device
 from engine.models.lean import KVBuffer, LeanLlama, compile_report
 from engine.models.lean import fits as lean_misfit
+from engine.models.llama import TokenTree
 from engine.models.static_forward import fits as static_misfit
 from engine.models.static_forward import static_llama
 
@@ -233,6 +234,11 @@ class LM:
         return next(self.model.parameters()).device
 
     @property
+    def trees(self) -> bool:
+        """Whether a pass of this LM can verify a token tree (the static forward, on a cache from new_cache)."""
+        return self._static is not None
+
+    @property
     def compile_why(self) -> str:
         """Why a draft asked to compile its steps runs them eager ("" when it compiled, or was not asked)."""
         return self._lean.compile_why if self._lean is not None else ""
@@ -277,6 +283,7 @@ class LM:
         hidden_states: bool = False,
         features: bool = False,
         last_only: bool = False,
+        tree: TokenTree | None = None,
     ):
         """input_ids [B, T] (on any device) -> logits [B, T, V] float32, appending T positions to `cache`.
         With hidden_states and/or features: Out(logits, per-layer hidden states, post-norm last hidden state
@@ -284,8 +291,15 @@ class LM:
         last_only: the logits of the last position only, [B, 1, V]: the LM head runs on that row alone, as generate()
         computes a prompt's (transformers' logits_to_keep=1), instead of T x V (2.4 GB for an 8k prompt of a 49k
         vocabulary); the hidden states and features still cover every position. A prefill reads no other row
-        (decoding.prefill, through LM.last_row); H-RAD's sampler and a draft's child read every row (the default)."""
+        (decoding.prefill, through LM.last_row); H-RAD's sampler and a draft's child read every row (the default).
+        tree: how the T new tokens hang together where they are not one line (llama.TokenTree; the static path only:
+        `trees` says whether this LM takes one)."""
         input_ids = input_ids.to(self.device)
+        if tree is not None and not tree.is_line:
+            if not (self.trees and isinstance(cache, KVBuffer)):
+                raise ValueError(f"{self.name}: only the static forward verifies a token tree in one pass")
+            last, hidden = self._static(input_ids, cache, hidden_states, tree)
+            return self._logits(last, hidden, features, last_only)
         if self._lean is not None:
             if hidden_states:
                 raise ValueError("a draft on the lean path keeps no per-layer hidden states")
