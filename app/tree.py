@@ -573,7 +573,7 @@ def fork_reason(facts: StepFacts) -> str:
 def followed(step_events_: list[Event], previous: list[Event]) -> bool:
     """SpecBranch's draft held back in the previous step, and in this one the target's pass did not wait on a draft
     step: the draft's first step here ended after the pass began (a head start ends before it). This is how the
-    draft follows the target where it has more often held again than not after a hold (parallel.DraftState.follows).
+    draft follows the target where it has more often held again than not after a hold (drafting.DraftState.follows).
     It reads the measured spans only, so a replay shows what the live run did."""
     if not any(isinstance(e, DraftProposed) and e.kind == "held" and e.branch == 0 for e in previous):
         return False

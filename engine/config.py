@@ -69,7 +69,7 @@ class GenerationConfig:
     gamma: int = 4  # draft block length (sd); depth cap of the speculation (pearl, specbranch)
     draft_stop: float = 0.0  # pearl, specbranch: stop drafting a round after a token drawn with confidence below this
     feed_stop: float = 0.0  # pearl, specbranch: feed the target drafted tokens only while the draft's odds that all are
-    # accepted (parallel.Policy.line_acceptance) stay at least this (0 = up to γ): a cheaper verify pass on a CPU
+    # accepted (policy.Policy.line_acceptance) stay at least this (0 = up to γ): a cheaper verify pass on a CPU
     head_start: float = 0.0  # pearl, specbranch: before a pass on a block shorter than γ, the draft steps first while
     # its odds that the whole block is accepted stay at least this (0 = off: the target starts at once, as in PEARL)
     branches: int = 3  # specbranch: most candidates at a branch point (k_max)

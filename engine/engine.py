@@ -23,7 +23,8 @@ from engine.methods.assisted import assisted_decode
 from engine.methods.calibration import PRIOR_WEIGHT, RESCUE_BINS, RESCUE_PRIOR_WEIGHT, AcceptanceCalibration
 from engine.methods.decoding import RunState
 from engine.methods.hrad import find_hrad
-from engine.methods.parallel import BranchCosts, Policy, parallel_decode
+from engine.methods.parallel import parallel_decode
+from engine.methods.policy import BranchCosts, Policy
 from engine.methods.sd import speculative_decode
 from engine.models.loading import ModelPair
 from engine.runtime import PerProcess, Worker, default_solo_threads, new_event_loop, run_apart
@@ -250,7 +251,7 @@ class Engine:
         method (each variant learns from its own runs only, so a bench's rows do not read each other's verdicts) and
         way of sampling (acceptance at T=0 is not acceptance at T=1): "acceptance", of the draft's own token by its
         confidence; "rescue", of a fork's other candidates, where its own was rejected, by the share of the rest
-        of the draft's mass they cover (also where the draft made no fork: parallel.missed_rescue)."""
+        of the draft's mass they cover (also where the draft made no fork: verdict.missed_rescue)."""
         key = (table, cfg.method, cfg.temperature, cfg.top_k, cfg.top_p)
         if key not in self._calibration:  # the draft's mass on its alternatives is a weaker guess than its confidence
             # (a far-off draft spreads it where the target never goes): let a few rescues, in any bin, outweigh it

@@ -67,7 +67,8 @@ from scipy.stats import chi2
 from engine.config import GenerationConfig
 from engine.engine import Engine
 from engine.events import BranchResolved, TokensEmitted, Verified
-from engine.methods import decoding, parallel, sampling
+from engine.methods import decoding, drafting, parallel, sampling
+from engine.methods import verdict as verdicts
 from engine.models import cache
 from engine.models.loading import load_pair
 
@@ -345,20 +346,28 @@ def fault_q_temperature(monkeypatch, pair) -> None:
         return real(sharp(q), k, scheme, generator)
 
     monkeypatch.setattr(sampling.NextDraw, "token", token)
-    monkeypatch.setattr(parallel, "draw_candidates", draw_candidates)
+    monkeypatch.setattr(drafting, "draw_candidates", draw_candidates)
 
 
 def fault_stale_kv(monkeypatch, pair) -> None:
     """(b) A rollback of the target's cache crops one position fewer than asked: one stale (rejected or unverified)
-    position stays in it, under the next token fed."""
-    real, target = cache.rollback, type(pair.target.new_cache())
+    position stays in it, under the next token fed (SD's rollback; the parallel loop's keep_rows, which keeps a
+    line of a pass's tokens)."""
+    real, real_keep, target = cache.rollback, cache.keep_rows, type(pair.target.new_cache())
 
     def rollback(kv, keep):
         if type(kv) is target:
             keep = min(keep + 1, cache.cache_length(kv))
         return real(kv, keep)
 
+    def keep_rows(kv, start, rows):
+        written = cache.cache_length(kv)
+        real_keep(kv, start, rows)
+        if type(kv) is target:
+            kv.length = min(kv.length + 1, written)
+
     monkeypatch.setattr(cache, "rollback", rollback)
+    monkeypatch.setattr(cache, "keep_rows", keep_rows)
 
 
 def fault_bonus_row(monkeypatch, pair) -> None:
@@ -375,36 +384,23 @@ def fault_bonus_row(monkeypatch, pair) -> None:
 
     # SD's verify_block, and the parallel loop's pending verdicts (resolve reads every one of a round at once)
     monkeypatch.setattr(decoding, "verify_block", wrong_bonus_row(sampling.verify_block))
-    monkeypatch.setattr(parallel, "check_block", wrong_bonus_row(sampling.check_block))
-
-
-class Shifted(list):
-    """A fork's branch_q read off by one: branch i's rows as [the candidates' row, its rows but the last]."""
-
-    def __init__(self, rows, first):
-        super().__init__(rows)
-        self.first = first
-
-    def __getitem__(self, i):
-        rows = list.__getitem__(self, i)
-        return ([self.first] + rows[:-1]) if rows else rows
+    monkeypatch.setattr(verdicts, "check_block", wrong_bonus_row(sampling.check_block))
 
 
 def fault_branch_q(monkeypatch, pair) -> None:
-    """(d) At a verdict on a fork, the surviving branch's q rows are read shifted by one position: each branch token
-    is judged against the row its predecessor was drawn from (the first against the candidates' row)."""
-    real = parallel.resolve
+    """(d) At a verdict on a fork, each branch token's q is replaced by the row its predecessor was drawn from (the
+    first's by the candidates' row), for good: judged in this pass or, on the surviving branch, as the next path."""
+    real, shifted = verdicts.resolve, []  # the tokens already shifted (kept alive, so their ids stay theirs)
 
-    def resolve(state, spec, rows, events):
-        fork = spec.fork
-        if fork is None:
-            return real(state, spec, rows, events)
-        kept = fork.branch_q
-        fork.branch_q = Shifted(kept, fork.q)
-        try:
-            return real(state, spec, rows, events)
-        finally:
-            fork.branch_q = kept
+    def resolve(state, spec, feed, logits, events):
+        if spec.fork is not None:
+            for b in spec.fork.branches:
+                rows = [spec.fork.q] + [d.q for d in b.tokens[:-1]]
+                for d, q in list(zip(b.tokens, rows))[::-1]:  # from the last: each reads its predecessor's own row
+                    if all(d is not t for t in shifted):
+                        d.q = q
+                        shifted.append(d)
+        return real(state, spec, feed, logits, events)
 
     monkeypatch.setattr(parallel, "resolve", resolve)
 

@@ -5,6 +5,7 @@ verify_and_commit, emit. The decoders (ar.py, sd.py, ...) are short loops over t
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -54,7 +55,7 @@ class RunState:
     generator: torch.Generator = field(default_factory=torch.Generator)  # verification draws
     draft_generator: torch.Generator = field(default_factory=torch.Generator)  # the draft's own samples
     probe_generator: torch.Generator = field(default_factory=torch.Generator)  # forks a sampled SpecBranch run
-    # plays out where it made none, for its rescue table only (parallel.missed_rescue): never the output's draws
+    # plays out where it made none, for its rescue table only (verdict.missed_rescue): never the output's draws
     target_seq: list[int] = field(default_factory=list)  # tokens the target cache holds (parallel methods)
     target_cache: object = None
     draft_cache: object = None
@@ -106,8 +107,7 @@ class RunState:
         ]
 
     def pieces(self, ids: list[int]) -> list[str]:
-        tok = self.pair.tokenizer
-        return [tok.decode([i]) for i in ids]
+        return self.pair.pieces(ids)
 
 
 async def forward(
@@ -123,15 +123,18 @@ async def forward(
     solo: bool = False,
     ahead: int = 0,
     draws: list[NextDraw] | None = None,
+    tree=None,
 ):
     """Feed `ids` (appended to `cache`) on `worker` and record the span. Returns logits [T, V]; with
     hidden_states/features, Out(logits [T, V], every layer's states [1, T, H] each, last features [T, H]).
     solo: the other model waits on this forward (Worker.run). ahead: a draft in its own process steps at once on the
     token `draws` will pick (state.next_draws; None: the argmax), on that many torch threads (draft_process.step_fn;
-    0 = not)."""
+    0 = not). tree: how the ids hang together where they are not one line (llama.TokenTree; the target's verify
+    pass of a fork)."""
     x = torch.tensor([ids], dtype=torch.long)
+    fn = step_fn(lm, ahead, draws) if tree is None else functools.partial(lm.forward, tree=tree)
     out, span = await worker.run(
-        step_fn(lm, ahead, draws),
+        fn,
         x,
         cache,
         hidden_states,
