@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import gradio as gr
 
-from engine.config import SpecBranchError
+from engine.config import BASELINE, SpecBranchError
 from sessions import Recorder, SessionStoreError
 
 
@@ -24,13 +24,15 @@ def stored_ar_speed(
     if store is None or not prompt:
         return None
     try:
-        rows = store.list_sessions(owner=owner, search=prompt, method="ar", pair=pair, include_shared=False, limit=20)
+        rows = store.list_sessions(
+            owner=owner, search=prompt, method=BASELINE, pair=pair, include_shared=False, limit=20
+        )
         ids = [r["id"] for r in rows if r["prompt"] == prompt]
         for sid in ([session_id] if session_id else []) + [i for i in ids if i != session_id]:
             for run in store.get_session(sid, owner)["runs"]:
                 speed = (run["metrics"] or {}).get("tokens_per_s")
                 if (
-                    run["method"] == "ar"
+                    run["method"] == BASELINE
                     and run["status"] == "complete"
                     and isinstance(speed, (int, float))
                     and not isinstance(speed, bool)

@@ -12,6 +12,7 @@ from engine.config import (
     DRAFT_MATMULS,
     DRAFT_WORKERS,
     METHODS,
+    REGISTRY,
     TARGET_FORWARDS,
     GenerationConfig,
     SpecBranchError,
@@ -372,7 +373,7 @@ def cmd_generate(args) -> None:
     prompts = (
         [args.prompt] if args.prompt is not None else [r.get("prompt", "") for r in read_jsonl(Path(args.prompt_file))]
     )
-    engine = build_engine(args, need_draft=args.method != "ar")
+    engine = build_engine(args, need_draft=REGISTRY[args.method].needs_draft)
     log = SessionLog(args, engine)
     for prompt in prompts:
         ids = engine.encode(prompt, args.chat)
@@ -435,7 +436,7 @@ def cmd_bench(args) -> None:
     # each entry's settings: its draft's preset where no flag gave them; validated before any model loads
     configs = {label: config_from(with_preset(args, draft or args.draft), method) for label, method, draft in entries}
     writable_file(args.json_out, "bench results")
-    engine = build_engine(args, need_draft=any(m != "ar" and d is None for _, m, d in entries))
+    engine = build_engine(args, need_draft=any(REGISTRY[m].needs_draft and d is None for _, m, d in entries))
     engines = {None: engine}
     t = engine.pair.target
     for draft in sorted({d for _, _, d in entries if d is not None}):  # other drafts share the loaded target

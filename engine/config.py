@@ -33,16 +33,61 @@ def writable_file(path: str | None, what: str) -> None:
     writable_dir(Path(path).resolve().parent, what)
 
 
-METHODS = (
-    "ar",
-    "sd",
-    "pearl",
-    "specbranch",
-    "specbranch-no-branch",
-    "specbranch-no-hrad",
-    "specbranch-fixed",
-    "hf-assisted",
-)
+# what decodes a method: plain decoding, SD's draft-then-verify rounds, the overlapped loop of
+# engine/methods/parallel.py, or transformers' assisted generation (engine/methods/assisted.py)
+AR, SD, PARALLEL, ASSISTED = "ar", "sd", "parallel", "assisted"
+# a parallel method's branching policy (Engine.policy): never branch (PEARL); k candidates at the first doubtful draft
+# token (SpecBranch); one candidate, with SpecBranch's hold (no-branch); k at a fixed depth every round (fixed)
+PEARL_POLICY, CONFIDENCE, NO_BRANCH, FIXED = "pearl", "confidence", "no-branch", "fixed"
+
+
+@dataclass(frozen=True)
+class Method:
+    """What every check that depends on a method reads: one entry per name in METHODS."""
+
+    name: str
+    decoder: str  # AR, SD, PARALLEL or ASSISTED
+    needs_draft: bool
+    overlapped: bool  # draft and target compute at once (PEARL, SpecBranch); else they take turns
+    policy: str | None = None  # a parallel method's branching policy
+    hrad: bool = False  # H-RAD may place its branch points (--hrad)
+
+    @property
+    def drafts_here(self) -> bool:
+        """The engine's own loop drives the draft (its worker, the lean path); hf-assisted hands the draft's model to
+        transformers' generate(), which runs it in this process on transformers' forward."""
+        return self.needs_draft and self.decoder != ASSISTED
+
+    @property
+    def calibrated(self) -> bool:
+        """A SpecBranch variant: its policy reads the acceptance the engine measured (Engine.calibration)."""
+        return self.policy in (CONFIDENCE, NO_BRANCH, FIXED)
+
+
+REGISTRY: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method("ar", AR, needs_draft=False, overlapped=False),
+        Method("sd", SD, needs_draft=True, overlapped=False),
+        Method("pearl", PARALLEL, needs_draft=True, overlapped=True, policy=PEARL_POLICY),
+        Method("specbranch", PARALLEL, needs_draft=True, overlapped=True, policy=CONFIDENCE, hrad=True),
+        Method("specbranch-no-branch", PARALLEL, needs_draft=True, overlapped=True, policy=NO_BRANCH),
+        Method("specbranch-no-hrad", PARALLEL, needs_draft=True, overlapped=True, policy=CONFIDENCE),
+        Method("specbranch-fixed", PARALLEL, needs_draft=True, overlapped=True, policy=FIXED),
+        Method("hf-assisted", ASSISTED, needs_draft=True, overlapped=False),
+    )
+}
+METHODS = tuple(REGISTRY)
+BASELINE = "ar"  # the method every speedup is measured against (the bench's reference, the app's "vs AR")
+
+
+def method_of(name: str) -> Method:
+    """The registry's entry for a method name, or a SpecBranchError that lists the names."""
+    if name not in REGISTRY:
+        raise SpecBranchError(f"unknown method {name!r}; choose one of {', '.join(METHODS)}")
+    return REGISTRY[name]
+
+
 # how a draft's matmuls read its weights (models.draft_matmul_kind)
 DRAFT_MATMULS = ("auto", "float32", "bfloat16", "int4")
 # how a draft's forward runs: engine/lean.py where the draft fits it (else transformers'), or always transformers'
@@ -85,12 +130,16 @@ class GenerationConfig:
     # tokens rolled back, a little less τ where branch tokens are often accepted (docs/methods.md)
 
     @property
+    def kind(self) -> Method:
+        """The method's registry entry (validate() has refused an unknown method)."""
+        return method_of(self.method)
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
     def validate(self) -> GenerationConfig:
-        if self.method not in METHODS:
-            raise SpecBranchError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        method_of(self.method)
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
             raise SpecBranchError(f"max-new-tokens must be a positive integer, got {self.max_new_tokens!r}")
         if not (self.temperature >= 0.0) or not math.isfinite(self.temperature):

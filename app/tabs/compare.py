@@ -7,7 +7,7 @@ import html
 
 import gradio as gr
 
-from engine.config import SpecBranchError
+from engine.config import BASELINE, SpecBranchError
 from engine.events import Event, TokensEmitted
 from engine.measure.metrics import metrics_of
 
@@ -43,7 +43,7 @@ def comparison_table(runs: list[list[Event]], greedy: bool) -> str:
         m = metrics_of(events)
         ids = [t for e in events if isinstance(e, TokensEmitted) for t in e.tokens]
         results.append((events[0].method, m, ids))
-    base = next((m["tokens_per_s"] for name, m, _ in results if name == "ar"), None)
+    base = next((m["tokens_per_s"] for name, m, _ in results if name == BASELINE), None)
     reference = results[0][2]
     rows = []
     for name, m, ids in results:

@@ -13,7 +13,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from engine.config import GenerationConfig, SpecBranchError, writable_file
+from engine.config import BASELINE, GenerationConfig, SpecBranchError, method_of, writable_file
 from engine.measure.datasets import benchmark_prompts
 
 SUMMED = (
@@ -108,7 +108,7 @@ def calibration_report(entries: list[tuple[str, object, GenerationConfig]]) -> d
     The top-level pair is `specbranch`'s, where it ran (the key earlier reports have)."""
     tables = {}
     for label, eng, cfg in entries:
-        if cfg.method.startswith("specbranch"):
+        if cfg.kind.calibrated:
             tables[label] = {
                 "acceptance_by_confidence": eng.calibration(cfg).table(),
                 "rescue_by_share": eng.calibration(cfg, "rescue").table(),
@@ -123,9 +123,10 @@ def draft_forward_kind(draft, method: str) -> str | None:
     """How a method's draft steps ran: "lean-compiled" (the lean path with its one-token step compiled, the compile
     landed), "lean", "transformers" (hf-assisted hands transformers' generate() the draft model itself: never the
     lean path), None without a draft."""
-    if draft is None or method == "ar":
+    kind = method_of(method)
+    if draft is None or not kind.needs_draft:
         return None
-    if method == "hf-assisted" or not draft.lean:
+    if not kind.drafts_here or not draft.lean:
         return "transformers"
     return "lean-compiled" if draft.compile_status()[0] == "compiled" else "lean"
 
@@ -142,7 +143,7 @@ def run_bench(entries: list[tuple[str, object, GenerationConfig]], args, log=Non
         for _, eng, cfg in entries:
             eng.run(encoded[0][1], cfg)
     per_run: dict[str, dict[str, list[dict]]] = {label: {} for label in methods}
-    outputs_match = {label: 0 for label in methods if label != "ar"}
+    outputs_match = {label: 0 for label in methods if label != BASELINE}
     for p, ids in tqdm(encoded, desc="bench", unit="prompt", file=sys.stderr):
         reference = None
         sid = log.start(p.text, entries[0][2]) if log is not None else None
@@ -154,7 +155,7 @@ def run_bench(entries: list[tuple[str, object, GenerationConfig]], args, log=Non
                 if log is not None:
                     log.finish(recorder)
             per_run[label].setdefault(p.dataset, []).append(r.metrics)
-            if label == "ar":
+            if label == BASELINE:
                 reference = r.token_ids
             elif reference is not None and r.token_ids == reference:
                 outputs_match[label] += 1
@@ -164,7 +165,7 @@ def run_bench(entries: list[tuple[str, object, GenerationConfig]], args, log=Non
         results[m]["all"] = aggregate([x for runs in per_run[m].values() for x in runs])
     for m in methods:
         for d, agg in results[m].items():
-            base = results.get("ar", {}).get(d, {}).get("tokens_per_s")
+            base = results.get(BASELINE, {}).get(d, {}).get("tokens_per_s")
             agg["speedup_vs_ar"] = round(agg["tokens_per_s"] / base, 3) if base else None
     report = {
         "command": " ".join(sys.argv),
@@ -178,15 +179,15 @@ def run_bench(entries: list[tuple[str, object, GenerationConfig]], args, log=Non
         "pair": {"target": engine.pair.target.name, "draft": engine.pair.draft.name if engine.pair.draft else None},
         "drafts": {label: eng.pair.draft.name if eng.pair.draft else None for label, eng, _ in entries},
         "draft_matmul": {
-            label: eng.pair.draft.matmul if eng.pair.draft and cfg.method != "ar" else None
+            label: eng.pair.draft.matmul if eng.pair.draft and cfg.kind.needs_draft else None
             for label, eng, cfg in entries
         },
         "target_forward": "static" if engine.pair.target.static else "transformers",
         "draft_forward": {label: draft_forward_kind(eng.pair.draft, cfg.method) for label, eng, cfg in entries},
         # hf-assisted runs the local draft's model on transformers' own loop, in this process
         "draft_worker": {
-            label: (eng.pair.draft_worker if cfg.method != "hf-assisted" else "thread")
-            if eng.pair.draft and cfg.method != "ar"
+            label: (eng.pair.draft_worker if cfg.kind.drafts_here else "thread")
+            if eng.pair.draft and cfg.kind.needs_draft
             else None
             for label, eng, cfg in entries
         },
@@ -223,7 +224,7 @@ def run_bench(entries: list[tuple[str, object, GenerationConfig]], args, log=Non
         },
         "identical_to_ar": (
             {m: f"{n}/{len(encoded)}" for m, n in outputs_match.items()}
-            if args.temperature == 0 and "ar" in methods
+            if args.temperature == 0 and BASELINE in methods
             else None
         ),
         "results": results,

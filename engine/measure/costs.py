@@ -35,7 +35,8 @@ import statistics
 
 import torch
 
-from engine.measure.metrics import round_ms, round_pace
+from engine.config import BASELINE
+from engine.measure.metrics import is_serial, round_ms, round_pace
 from engine.models import cache as kv
 from engine.runtime import run_apart
 
@@ -134,7 +135,7 @@ def measure(engine, context: int = 200, max_tokens: int = 8, max_rows: int = 4, 
 def modelled(report: dict, dataset: str = "all") -> dict[str, dict]:
     """Measured and modelled speedup per method of a bench report (see the module's docstring)."""
     res = report["results"]
-    ar = res.get("ar", {}).get(dataset)
+    ar = res.get(BASELINE, {}).get(dataset)
     if not ar or not ar.get("target_forward_ms"):
         return {}
     t_ar = ar["target_forward_ms"]
@@ -146,12 +147,12 @@ def modelled(report: dict, dataset: str = "all") -> dict[str, dict]:
         method = label.split("@")[0]
         tau, t_v = agg.get("mean_accepted_length"), agg.get("target_forward_ms")
         model = no_waste = pace = None
-        if label == "ar":
+        if label == BASELINE:
             model = no_waste = 1.0
         elif tau and t_v:  # hf-assisted's forwards are not visible to us
             rounds = max(agg["target_forwards"] - agg["prompts"], 1)  # the prefill is no round
             drafting = agg["draft_forwards"] / rounds * (agg.get("draft_forward_ms") or 0.0)  # d · D
-            serial = method == "sd"
+            serial = is_serial(method)
             model = tau * t_ar / round_ms(t_v, drafting, serial)
             pace, headroom = round_pace(t_v, drafting, agg.get("wasted_draft_rate"), serial)
             no_waste = model * (headroom or 1.0)
@@ -187,7 +188,7 @@ def format_model(rows: dict[str, dict]) -> str:
 def model_bench(path: str, report: dict) -> dict:
     """The modelled limits of every method of a bench report (read from `path`), per dataset; the pooled table is
     printed."""
-    out = {"bench": path, "model": {d: modelled(report, d) for d in report["results"].get("ar", {})}}
+    out = {"bench": path, "model": {d: modelled(report, d) for d in report["results"].get(BASELINE, {})}}
     print(format_model(out["model"].get("all", {})))
     return out
 
