@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import gradio as gr
 
 from engine.config import BASELINE, SpecBranchError
-from sessions import Recorder, SessionStoreError
+from sessions import SessionStoreError, start_recording
 
 
 def no_store(reason: str):
@@ -82,16 +82,9 @@ class AppContext:
         return store
 
     def start_recording(self, owner, prompt, engine, cfg):
-        """(recorder, session id or None). Never raises: a broken store only means 'not recording'."""
+        """(recorder, session id or None) for a run on `engine` (sessions.start_recording: never raises)."""
         store, reason = self.get_store()
-        if store is None:
-            return Recorder.disabled(reason), None
-        target, draft = pair_names(engine)
-        try:
-            sid = store.start_session(owner, prompt, target, draft, cfg)
-        except SessionStoreError as exc:
-            return Recorder.disabled(str(exc)), None
-        return store.recorder(sid, owns_session=True), sid  # a run that records nothing leaves no session
+        return start_recording(store, owner, prompt, pair_names(engine), cfg, why_not=reason)
 
     def ar_speed_of(self, owner, prompt, engine):
         """tokens/s of this browser's latest stored AR run of the same prompt on the same pair, if any."""
