@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,13 @@ def writable_file(path: str | None, what: str) -> None:
     if Path(path).is_dir():
         raise SpecBranchError(f"cannot write the {what} to {path}: it is a folder")
     writable_dir(Path(path).resolve().parent, what)
+
+
+def write_json(path: str | None, data: dict) -> None:
+    """Write a command's results as indented JSON, where a path is given (checked first by writable_file)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(data, f, indent=2)
 
 
 # what decodes a method: plain decoding, SD's draft-then-verify rounds, the overlapped loop of
@@ -98,6 +106,24 @@ DRAFT_WORKERS = ("process", "thread")
 # how the target's forward runs: engine/static_forward.py where the target fits it (else transformers'), or always
 # transformers'; both compute the same bits
 TARGET_FORWARDS = ("static", "transformers")
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """Which models to load and how they run (the model flags, engine/args.py); engine/load.py loads them."""
+
+    target: str = "embedded"  # a spec: embedded | PATH.gguf | DIR | hub id
+    draft: str | None = None  # a draft spec (engine/models/loading.py); None or "none": no draft
+    device: str | None = None  # None: cuda when present
+    draft_device: str | None = None  # None: the target's
+    dtype: str | None = None  # None: float32 on a CPU, bfloat16 on CUDA
+    draft_matmul: str = "auto"  # one of DRAFT_MATMULS
+    draft_forward: str = "lean-compiled"  # one of DRAFT_FORWARDS
+    target_forward: str = "static"  # one of TARGET_FORWARDS
+    draft_worker: str = "process"  # one of DRAFT_WORKERS
+    threads: int = 1  # torch threads per model worker (0 reads as 1)
+    solo_threads: int | None = None  # the draft's, for a step the target waits on (None: runtime's default)
+    trust_remote_code: bool = False
 
 
 SEED_LIMIT = 2**62  # torch seeds are 64-bit, and the draft's generator is seeded with the seed plus a little
@@ -170,26 +196,3 @@ class GenerationConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-def config_from(args, method: str) -> GenerationConfig:
-    """The generation settings of parsed CLI arguments (engine/cli.py) for `method`, validated."""
-    return GenerationConfig(
-        method=method,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        gamma=args.gamma,
-        draft_stop=args.draft_stop,
-        feed_stop=args.feed_stop,
-        head_start=args.head_start,
-        branches=args.branches,
-        epsilon=args.epsilon,
-        hrad=args.hrad,
-        branch_costs=args.branch_costs,
-        calibrate=args.calibrate,
-        hold=args.hold,
-        hold_branches=args.hold_branches,
-    ).validate()

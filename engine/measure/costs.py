@@ -32,10 +32,11 @@ from __future__ import annotations
 import asyncio
 import json
 import statistics
+from dataclasses import dataclass
 
 import torch
 
-from engine.config import BASELINE
+from engine.config import BASELINE, write_json
 from engine.measure.metrics import is_serial, round_ms, round_pace
 from engine.models import cache as kv
 from engine.runtime import run_apart
@@ -193,23 +194,38 @@ def model_bench(path: str, report: dict) -> dict:
     return out
 
 
-def run_costs(engine, args, report: dict | None = None) -> dict:
+@dataclass(frozen=True)
+class CostsSpec:
+    """What `python -m engine costs` measures and models (the flags of the same names)."""
+
+    context: int = 200  # tokens already in the cache
+    max_tokens: int = 8  # the target fed 1..max_tokens tokens
+    max_rows: int = 4  # the draft's step on 1..max_rows rows
+    reps: int = 15  # timed repeats of each forward (the median is kept)
+    threads: int = 1  # torch threads for the measuring
+    bench: str | None = None  # a bench JSON to model, if any
+    json_out: str | None = None  # where to write the results, if anywhere
+
+
+def measured_forwards(engine, spec: CostsSpec) -> dict:
+    """The forward costs of the engine's pair (measure), and what a fork's k rows do to the target step beside them."""
+    torch.set_num_threads(max(1, spec.threads))
+    out = {
+        "forwards": measure(engine, spec.context, spec.max_tokens, spec.max_rows, spec.reps),
+        "pair": {"target": engine.pair.target.name, "draft": engine.pair.draft.name if engine.pair.draft else None},
+        "threads": spec.threads,
+    }
+    if engine.pair.draft is not None:
+        out["forwards"]["target_ms_beside_draft_rows"] = engine.branch_costs(spec.max_rows).target_busy_ms
+    print(json.dumps(out["forwards"]))
+    return out
+
+
+def run_costs(engine, spec: CostsSpec, report: dict | None = None) -> dict:
     """Measure the forwards (unless engine is None: --model-only), then model `report`, the bench JSON at
-    args.bench."""
-    out = {}
-    if engine is not None:
-        torch.set_num_threads(max(1, args.threads))
-        out = {
-            "forwards": measure(engine, args.context, args.max_tokens, args.max_rows, args.reps),
-            "pair": {"target": engine.pair.target.name, "draft": engine.pair.draft.name if engine.pair.draft else None},
-            "threads": args.threads,
-        }
-        if engine.pair.draft is not None:  # what a fork's k rows do to the target step beside them
-            out["forwards"]["target_ms_beside_draft_rows"] = engine.branch_costs(args.max_rows).target_busy_ms
-        print(json.dumps(out["forwards"]))
+    spec.bench."""
+    out = measured_forwards(engine, spec) if engine is not None else {}
     if report is not None:
-        out.update(model_bench(args.bench, report))
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(out, f, indent=2)
+        out.update(model_bench(spec.bench, report))
+    write_json(spec.json_out, out)
     return out
