@@ -76,7 +76,7 @@ def add_specbranch_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         default=True,
         help="specbranch: compare with ε, and size k by, the acceptance the engine measured at the draft's "
-        "confidence (engine/calibration.py; the default)",
+        "confidence (engine/methods/calibration.py; the default)",
     )
     p.add_argument(
         "--no-calibrate",

@@ -98,13 +98,14 @@ def method_of(name: str) -> Method:
 
 # how a draft's matmuls read its weights (models.draft_matmul_kind)
 DRAFT_MATMULS = ("auto", "float32", "bfloat16", "int4")
-# how a draft's forward runs: engine/lean.py where the draft fits it (else transformers'), or always transformers'
+# how a draft's forward runs: engine/models/lean.py where the draft fits it (else transformers'), or always
+# transformers'
 DRAFT_FORWARDS = ("lean", "lean-compiled", "transformers")
-# where a draft's forwards run: in a child process of their own where the draft fits (engine/draft_process.py), or on
+# where a draft's forwards run: in a child process of their own where the draft fits (engine/drafts/process.py), or on
 # a thread of this process
 DRAFT_WORKERS = ("process", "thread")
-# how the target's forward runs: engine/static_forward.py where the target fits it (else transformers'), or always
-# transformers'; both compute the same bits
+# how the target's forward runs: engine/models/static_forward.py where the target fits it (else transformers'), or
+# always transformers'; both compute the same bits
 TARGET_FORWARDS = ("static", "transformers")
 
 
@@ -148,7 +149,7 @@ class GenerationConfig:
     hrad: bool = False  # specbranch: let the H-RAD classifier place branch points (off by default: docs/methods.md)
     branch_costs: bool = False  # specbranch: fork only where the measured costs say it pays (else the paper's k rule)
     calibrate: bool = True  # specbranch: read the draft's confidence as the acceptance this engine measured at it
-    # (engine/calibration.py) before comparing it with ε; False: the confidence as is (the paper's rule)
+    # (engine/methods/calibration.py) before comparing it with ε; False: the confidence as is (the paper's rule)
     hold: float = 0.0  # specbranch: draft nothing where the odds that it is accepted (its own token, or one of a fork's
     # candidates; the acceptance read as for ε) fall below this: the target takes that position itself (0 = off)
     hold_branches: bool = False  # specbranch, with a hold: a branch step keeps nothing where the first branch's odds

@@ -250,7 +250,7 @@ class Engine:
         )
 
     def calibration(self, cfg: GenerationConfig, table: str = "acceptance") -> AcceptanceCalibration:
-        """What this engine's SpecBranch runs measured (engine/calibration.py), kept across runs, one table per
+        """What this engine's SpecBranch runs measured (engine/methods/calibration.py), kept across runs, one table per
         method (each variant learns from its own runs only, so a bench's rows do not read each other's verdicts) and
         way of sampling (acceptance at T=0 is not acceptance at T=1): "acceptance", of the draft's own token by its
         confidence; "rescue", of a fork's other candidates, where its own was rejected, by the share of the rest
@@ -355,7 +355,7 @@ class Engine:
             self._busy_waiter.shutdown(wait=False, cancel_futures=True)
         self.target_worker.shutdown()
         self.draft_worker.shutdown()
-        if hasattr(self.pair.draft, "close"):  # a draft in its own process (engine/draft_process.py)
+        if hasattr(self.pair.draft, "close"):  # a draft in its own process (engine/drafts/process.py)
             self.pair.draft.close()
 
 

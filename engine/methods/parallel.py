@@ -17,7 +17,7 @@ hangs off the committed tokens.
 PEARL is this loop with no branches: an empty path is its pre-verify mode (the target scores the
 first drafted token's position while the draft drafts), a non-empty path its post-verify mode.
 SpecBranch branches where the policy says: at the first token the target is unlikely to accept (q < ε, with
-q the draft's confidence read as the acceptance this engine measured at that confidence, engine/calibration.py;
+q the draft's confidence read as the acceptance this engine measured at that confidence, engine/methods/calibration.py;
 --no-calibrate reads q as is, the paper's rule), or where H-RAD predicts a rejection; k adapts to q, up to
 --branches; with measured costs (--branch-costs) only where the fork's expected saving exceeds what its k rows cost.
 With --hold, SpecBranch is rollback-aware: it drafts nothing where the measured odds that it holds up (the pending

@@ -1,4 +1,4 @@
-"""`python -m engine distill --kind head`: train a feature-conditioned draft head (engine/head.py).
+"""`python -m engine distill --kind head`: train a feature-conditioned draft head (engine/drafts/head.py).
 
 Two resumable stages in --work-dir, after distill's own generate stage:
   features  the target's post-norm last hidden state at every position of every (prompt, response) row,
