@@ -40,14 +40,23 @@ THIS = "tests/test_paths.py"  # its strings are the check's examples, stale on p
 
 
 def repo_files() -> list[str]:
-    """The files of this tree that git tracks or would (untracked, not ignored)."""
-    out = subprocess.run(
-        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    """The files of this tree that git tracks or would (untracked, not ignored); outside a git checkout (an unpacked
+    archive), every file but the hidden ones, caches and run outputs."""
+    try:
+        out = subprocess.run(
+            ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        skip = {"__pycache__", "runs", "node_modules"}
+        return sorted(
+            str(p.relative_to(ROOT))
+            for p in ROOT.rglob("*")
+            if p.is_file() and not any(part.startswith(".") or part in skip for part in p.relative_to(ROOT).parts)
+        )
     return sorted({name for name in out.splitlines() if (ROOT / name).is_file()})
 
 
