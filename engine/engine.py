@@ -14,7 +14,17 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import GenerationConfig, SpecBranchError
+from engine.config import (
+    AR,
+    ASSISTED,
+    FIXED,
+    NO_BRANCH,
+    PARALLEL,
+    PEARL_POLICY,
+    SD,
+    GenerationConfig,
+    SpecBranchError,
+)
 from engine.events import DECODE, DRAFT, VERIFY, Event, Finished, Notice, RunStarted, TimingSpan, TokensEmitted
 from engine.measure.costs import draft_features, forward_costs, target_beside_draft
 from engine.measure.metrics import compute_metrics
@@ -29,15 +39,8 @@ from engine.methods.sd import speculative_decode
 from engine.models.loading import ModelPair
 from engine.runtime import PerProcess, Worker, default_solo_threads, new_event_loop, run_apart
 
-NEEDS_DRAFT = {
-    "sd",
-    "pearl",
-    "specbranch",
-    "specbranch-no-branch",
-    "specbranch-no-hrad",
-    "specbranch-fixed",
-    "hf-assisted",
-}
+# the decoders of the methods that are not parallel (a parallel one's also takes its policy: Engine.decoder)
+DECODERS = {AR: autoregressive_decode, SD: speculative_decode, ASSISTED: assisted_decode}
 
 
 @dataclass
@@ -117,9 +120,9 @@ class Engine:
     ) -> AsyncIterator[Event]:
         cfg.validate()
         self.check_prompt(prompt_ids)
-        if cfg.method in NEEDS_DRAFT and self.pair.draft is None:
+        if cfg.kind.needs_draft and self.pair.draft is None:
             raise SpecBranchError(f"method {cfg.method!r} needs a draft model")
-        if cfg.method == "hf-assisted" and getattr(self.pair.draft, "reads_target_features", False):
+        if cfg.kind.decoder == ASSISTED and getattr(self.pair.draft, "reads_target_features", False):
             raise SpecBranchError(
                 "hf-assisted cannot take a feature-conditioned draft head: transformers' assisted "
                 "generation needs a standalone causal LM as its assistant (use --draft embedded)"
@@ -166,7 +169,7 @@ class Engine:
         if take is not None:
             self.pair.draft = take()
         # measured before the run's clock starts; the run's RunStarted carries it (AR's own steps are one-token)
-        step_ms = self.target_step_ms() if self.measure_target_step and cfg.method != "ar" else -1.0
+        step_ms = self.target_step_ms() if self.measure_target_step and cfg.kind.needs_draft else -1.0
         state = RunState(
             self.pair, cfg, self.target_worker, self.draft_worker, list(prompt_ids), len(prompt_ids), self.pair.eos_ids
         )
@@ -185,11 +188,11 @@ class Engine:
         ]
         yield events[0]
         state.hrad_samples = collect_hrad
-        if cfg.method == "specbranch" and cfg.hrad and self.hrad is None:
+        if cfg.kind.hrad and cfg.hrad and self.hrad is None:
             notice = Notice("warning", f"H-RAD off ({self.hrad_notice}): branching by draft confidence only")
             events.append(notice)
             yield notice
-        notice = compile_notice(self.pair.draft) if cfg.method not in ("ar", "hf-assisted") else None
+        notice = compile_notice(self.pair.draft) if cfg.kind.drafts_here else None
         if notice:
             events.append(notice)
             yield notice
@@ -202,7 +205,7 @@ class Engine:
             async for event in stream:
                 events.append(event)
                 yield event
-                if checks < 40 and isinstance(event, TimingSpan) and cfg.method != "ar":
+                if checks < 40 and isinstance(event, TimingSpan) and cfg.kind.needs_draft:
                     checks += 1
                     notice = slow_draft_notice(events)
                     if notice:
@@ -220,14 +223,15 @@ class Engine:
     def policy(self, cfg: GenerationConfig) -> Policy:
         """Branching policy for the parallel methods: pearl never branches (nor holds back); the ablations of
         SpecBranch drop one part each and keep its rollback-aware hold (cfg.hold)."""
-        if cfg.method == "pearl":
+        policy = cfg.kind.policy
+        if policy == PEARL_POLICY:
             return Policy(max_branches=1)
         measured = (
             dict(calibration=self.calibration(cfg), rescues=self.calibration(cfg, "rescue")) if cfg.calibrate else {}
         )
-        if cfg.method == "specbranch-no-branch":
+        if policy == NO_BRANCH:
             return Policy(max_branches=1, hold=cfg.hold, **measured)
-        if cfg.method == "specbranch-fixed":
+        if policy == FIXED:
             return Policy(
                 max_branches=cfg.branches,
                 fixed_at=max(0, cfg.gamma // 2 - 1),
@@ -235,7 +239,7 @@ class Engine:
                 hold_branches=cfg.hold_branches,
                 **measured,
             )
-        use_hrad = cfg.hrad and cfg.method == "specbranch"
+        use_hrad = cfg.hrad and cfg.kind.hrad
         return Policy(
             max_branches=cfg.branches,
             epsilon=cfg.epsilon,
@@ -247,7 +251,7 @@ class Engine:
         )
 
     def calibration(self, cfg: GenerationConfig, table: str = "acceptance") -> AcceptanceCalibration:
-        """What this engine's SpecBranch runs measured (engine/calibration.py), kept across runs, one table per
+        """What this engine's SpecBranch runs measured (engine/methods/calibration.py), kept across runs, one table per
         method (each variant learns from its own runs only, so a bench's rows do not read each other's verdicts) and
         way of sampling (acceptance at T=0 is not acceptance at T=1): "acceptance", of the draft's own token by its
         confidence; "rescue", of a fork's other candidates, where its own was rejected, by the share of the rest
@@ -316,14 +320,10 @@ class Engine:
         return self._branch_costs
 
     def decoder(self, state: RunState):
-        method = state.cfg.method
-        if method == "ar":
-            return autoregressive_decode(state)
-        if method == "sd":
-            return speculative_decode(state)
-        if method == "hf-assisted":
-            return assisted_decode(state)
-        return parallel_decode(state, self.policy(state.cfg))
+        decoder = state.cfg.kind.decoder
+        if decoder == PARALLEL:
+            return parallel_decode(state, self.policy(state.cfg))
+        return DECODERS[decoder](state)
 
     def run(
         self,
@@ -356,7 +356,7 @@ class Engine:
             self._busy_waiter.shutdown(wait=False, cancel_futures=True)
         self.target_worker.shutdown()
         self.draft_worker.shutdown()
-        if hasattr(self.pair.draft, "close"):  # a draft in its own process (engine/draft_process.py)
+        if hasattr(self.pair.draft, "close"):  # a draft in its own process (engine/drafts/process.py)
             self.pair.draft.close()
 
 

@@ -66,8 +66,8 @@ class DraftProposed(Event):
     # it kept no token of a branch step, and the fork's branches wait for the target's verdict)
     top: list[list[list[float]]] = field(default_factory=list)  # per token: [[id, q], ...] top alternatives
     # a fork's candidates, or a hold (else -1): the draft's largest untempered probability there, and the odds the
-    # policy read it as (engine/calibration.py): that its own token is accepted (a fork), or that what it would have
-    # proposed holds up, the pending path included (a hold)
+    # policy read it as (engine/methods/calibration.py): that its own token is accepted (a fork), or that what it
+    # would have proposed holds up, the pending path included (a hold)
     confidence: float = -1.0
     odds: float = -1.0
 

@@ -1,7 +1,7 @@
-"""SpecBranch's verdict through a branch point (the target verifies the path and the branches as one token tree, so
-a rescue's branch is judged in the same pass), the policy that forks only where the measured costs say it pays, and the
-acceptance it reads the draft's confidence as (engine/calibration.py), and the hold that drafts nothing where that
-acceptance is too low to pay."""
+"""SpecBranch's verdict through a branch point (the target verifies the path and the branches as one token tree,
+so a rescue's branch is judged in the same pass), the policy that forks only where the measured costs say it pays,
+the acceptance it reads the draft's confidence as (engine/methods/calibration.py), and the hold that drafts nothing
+where that acceptance is too low to pay."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The draft in a process of its own (engine/draft_process.py): the child loads the same draft and computes its bits,
+"""The draft in a process of its own (engine/drafts/process.py): the child loads the same draft and computes its bits,
 through a fork, a collapse, rollbacks and steps taken ahead; output through it stays exact (greedy equals the target's
 generate(), sampled follows the target's distribution); a draft that cannot go there stays here with the reason; a
 child that dies ends the run with a message; closing the engine ends the child."""

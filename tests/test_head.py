@@ -1,4 +1,4 @@
-"""The feature-conditioned draft head (engine/head.py) on tiny random-weight targets: its training-time
+"""The feature-conditioned draft head (engine/drafts/head.py) on tiny random-weight targets: its training-time
 test attends exactly as drafting does, its cache rolls back by pointer and re-feeds stale rows, every
 decoder stays lossless with it (greedy equality to the end of the context, chi-square when sampling),
 `distill --kind head` trains one end to end, and a head for another target is refused at load."""

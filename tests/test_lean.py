@@ -1,5 +1,5 @@
-"""The lean decode path for a Llama draft (engine/lean.py): the same hidden states as transformers' forward through
-prefill, single steps, rollback, forks and a cache that outgrows its buffers; refusals where it does not fit."""
+"""The lean decode path for a Llama draft (engine/models/lean.py): the same hidden states as transformers' forward
+through prefill, single steps, rollback, forks and a cache that outgrows its buffers; refusals where it does not fit."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The CPU's row-count matmul layouts (engine/lm_head.py): the same product as F.linear for every row count, with
-and without the one-row copy, the packed copy and the row cap; the packed path's rows do not depend on how many
+"""The CPU's row-count matmul layouts (engine/kernels/lm_head.py): the same product as F.linear for every row count,
+with and without the one-row copy, the packed copy and the row cap; the packed path's rows do not depend on how many
 rows are fed (so padding 2-3 rows to PACK_ROWS changes nothing); fast_linears routes a model's linear layers
 through them without changing what the model computes (beyond float rounding) and without touching its LM head;
 a draft's bfloat16 and 4-bit matmuls (Bf16Matmul, Int4Matmul, and the 4-bit head's float32 shortlist,
@@ -257,7 +257,7 @@ def assert_speculation_equals_ar(pair) -> None:
 def test_low_precision_draft_leaves_the_target_exact(tiny_dirs, matmul, layer, head, draft, forward):
     """A bfloat16 or 4-bit draft streams fewer bytes; the target keeps its float32 layouts, also when it is its own
     draft: the draft is then a twin, modules of its own over the target's weight tensors (no copy), and greedy output
-    stays the target's, through either forward of the draft (engine/lean.py or transformers')."""
+    stays the target's, through either forward of the draft (engine/models/lean.py or transformers')."""
     pair = load_pair(
         str(tiny_dirs["target"]),
         "self" if draft == "self" else str(tiny_dirs[draft]),

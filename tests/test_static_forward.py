@@ -1,5 +1,5 @@
-"""The target's static-cache forward (engine/static_forward.py) computes transformers' forward bit for bit: the same
-logits, features and per-layer hidden states (torch.equal, not a tolerance) through prefill, single steps, verify
+"""The target's static-cache forward (engine/models/static_forward.py) computes transformers' forward bit for bit: the
+same logits, features and per-layer hidden states (torch.equal, not a tolerance) through prefill, single steps, verify
 passes, rollbacks and a cache that outgrows its buffers, on a tiny random Llama and on the embedded target; and it
 is used only where it fits."""
 

@@ -117,7 +117,7 @@ def causal_mask(t: int, past: int, device) -> torch.Tensor:
 
 class HeadCache:
     """The head's KV cache plus the features that go with each position. Looks like a transformers cache
-    to engine.cache (get_seq_length, crop, batch_repeat_interleave, batch_select_indices)."""
+    to engine.models.cache (get_seq_length, crop, batch_repeat_interleave, batch_select_indices)."""
 
     def __init__(self, config, capacity: int, device, dtype):
         self.kv = DynamicCache(config=config)
@@ -145,7 +145,7 @@ class HeadCache:
                 return r
         return self.length
 
-    # -- the transformers-cache surface engine.cache and the parallel loop use
+    # -- the transformers-cache surface engine.models.cache and the parallel loop use
     def get_seq_length(self) -> int:
         return self.length
 
@@ -191,7 +191,7 @@ class HeadLM:
     """A head as the decoders see a draft: forward(input_ids, cache) -> logits [B, T, V] (float32)."""
 
     reads_target_features = True
-    lean = False  # the head has a forward of its own (engine/lean.py is for standalone Llama drafts)
+    lean = False  # the head has a forward of its own (engine/models/lean.py is for standalone Llama drafts)
 
     def __init__(
         self, name: str, head: FeatureHead, target_lm, head_ids: torch.Tensor, tokenizer, matmul: str = "float32"

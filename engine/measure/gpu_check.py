@@ -389,26 +389,13 @@ def bench_engines(entries, setup: Setup, label: str) -> dict:
     """ar and the speculative methods on the same prompts, interleaved per prompt (the bench's own loop); each
     ratio is against the `ar` of this run. entries: (label, engine, method, draft spec), each method with its draft's
     preset (engine/presets.py), as `python -m engine bench` runs it."""
-    from engine.cli import parse, with_preset
-    from engine.config import config_from
-    from engine.measure.bench import run_bench
+    from engine.config import BASELINE
+    from engine.measure.bench import BenchSpec, run_bench
+    from engine.presets import config_for
 
-    args = parse(
-        [
-            "bench",
-            "--dataset",
-            "all",
-            "--limit",
-            "1",
-            "--warmup",
-            "1",
-            "--draft",
-            "embedded",
-            "--max-new-tokens",
-            str(setup.new_tokens),
-        ]
-    )
-    report = run_bench([(name, eng, config_from(with_preset(args, draft), m)) for name, eng, m, draft in entries], args)
+    given = {"max_new_tokens": setup.new_tokens}  # as `bench --max-new-tokens N`: the rest from each draft's preset
+    spec = BenchSpec(settings=config_for(BASELINE, "embedded", given), dataset="all", limit=1, warmup=1)
+    report = run_bench([(name, eng, config_for(m, draft, given).validate()) for name, eng, m, draft in entries], spec)
     keys = (
         "tokens_per_s",
         "speedup_vs_ar",

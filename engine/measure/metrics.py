@@ -19,6 +19,7 @@ Definitions (docs/specbranch.md (Metrics)):
 
 from __future__ import annotations
 
+from engine.config import REGISTRY
 from engine.events import (
     ACCEPTED,
     RESCUED,
@@ -54,6 +55,13 @@ FORMULAS = {
     "rate). Where the draft sets the pace, the most that any branch or rollback policy could "
     "speed this run up at the same forward costs: each committed draft token costs a draft step",
 }
+
+
+def is_serial(method: str) -> bool:
+    """Whether a method's draft and target take turns (SD), so that a round lasts both models' forwards. A name not
+    in the registry (a stored run, a bench report's label) is read as overlapped."""
+    kind = REGISTRY.get(method)
+    return kind is not None and not kind.overlapped
 
 
 def round_ms(verify_ms: float, draft_ms_a_round: float, serial: bool) -> float:
@@ -216,7 +224,7 @@ def forward_pace(
         (None, None)
         if opaque or not rounds or draft_ms is None
         else round_pace(
-            verify_ms, draft_forwards / rounds * draft_ms, wasted, started is not None and started.method == "sd"
+            verify_ms, draft_forwards / rounds * draft_ms, wasted, started is not None and is_serial(started.method)
         )
     )
     return {

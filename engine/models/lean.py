@@ -93,7 +93,7 @@ def fits(model) -> str | None:
 
 class KVBuffer:
     """K and V of every layer in buffers allocated once, [B, kv_heads, capacity, head_dim] each; positions
-    [0, length) hold tokens. The surface engine.cache and the parallel loop use (get_seq_length, crop,
+    [0, length) hold tokens. The surface engine.models.cache and the parallel loop use (get_seq_length, crop,
     batch_repeat_interleave, batch_select_indices) works as on a transformers cache."""
 
     def __init__(

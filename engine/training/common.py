@@ -1,16 +1,61 @@
-"""What the training tools share: reading corpora, batching (prompt, response) rows, splitting them by prompt,
-capping a corpus at a token budget, the frequent-token vocabulary of a reduced head, and one optimizer step."""
+"""What the training tools share: `distill`'s settings, reading corpora, batching (prompt, response) rows, splitting
+them by prompt, capping a corpus at a token budget, the frequent-token vocabulary of a reduced head, the optimiser and
+its schedule, and a training run's progress and log."""
 
 from __future__ import annotations
 
 import gzip
 import json
+import math
 import random
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TextIO, TypeVar
 
 import torch
 
 from engine.config import SpecBranchError
+
+Item = TypeVar("Item")
+
+
+@dataclass(frozen=True)
+class DistillSpec:
+    """What `python -m engine distill` trains, from what, and where it writes (the flags of the same names)."""
+
+    out: str  # the folder the draft is written to
+    target: str = "embedded"
+    corpus: list[str] | None = None  # JSONL rows with prompt_ids and response_ids
+    prompts: str | None = None  # JSONL prompts to generate the target's responses to
+    limit: int = 0  # use only the first N prompts (0: all)
+    self_prompts: int = 0  # let the target write N user questions of its own (Magpie) and answer them
+    generate_only: bool = False  # stop after generating responses
+    max_new_tokens: int = 128
+    gen_batch_size: int = 16
+    gen_temperature: float = 0.0
+    max_tokens: int = 0  # cap on response tokens used (0: all)
+    kind: str = "standalone"  # standalone: the target's first layers; head: a feature-conditioned head
+    layers: int = 4
+    init: str | None = None  # standalone: go on training this saved draft
+    unroll: int = 3  # head: training-time-test steps
+    vocab: int = 8192  # reduced LM-head size (FR-Spec)
+    epochs: float = 3
+    lr: float = 5e-4
+    batch_size: int = 16
+    label_batch_size: int = 8
+    top_k: int = 32  # teacher probabilities kept per position
+    val_fraction: float = 0.03
+    seed: int = 0
+    max_minutes: float | None = None  # stop training after this long
+    threads: int = 0  # torch threads (0: torch's default)
+    device: str | None = None
+    work_dir: str = "runs/distill"
+
+    def training_meta(self) -> dict:
+        """The training settings a saved draft's card records."""
+        return {"epochs": self.epochs, "lr": self.lr, "batch_size": self.batch_size, "seed": self.seed}
 
 
 # ---------------------------------------------------------------- data
@@ -61,14 +106,17 @@ def optimizer_step(loss: torch.Tensor, params, opt, sched) -> None:
     sched.step()
 
 
-def split_by_prompt(rows: list[dict], val_fraction: float, seed: int):
-    """Hold out whole prompts (a prompt's greedy and sampled responses go to the same side)."""
-    keys = sorted({tuple(r["prompt_ids"]) for r in rows})
-    random.Random(seed).shuffle(keys)
-    val_keys = set(keys[: max(1, int(len(keys) * val_fraction))])
-    train = [r for r in rows if tuple(r["prompt_ids"]) not in val_keys]
-    val = [r for r in rows if tuple(r["prompt_ids"]) in val_keys]
-    return train, val
+def split_by_prompt(
+    items: list[Item], fraction: float, seed: int, prompt_of: Callable[[Item], Hashable] | None = None
+) -> tuple[list[Item], list[Item]]:
+    """(train, held out): whole prompts held out, a seeded `fraction` of them (at least one), so that no held-out
+    item has a neighbour from its prompt in training (a prompt's greedy and sampled responses, a response's
+    samples). prompt_of: an item's prompt (default: a row's prompt_ids)."""
+    key = prompt_of or (lambda row: tuple(row["prompt_ids"]))
+    prompts = sorted({key(x) for x in items})
+    random.Random(seed).shuffle(prompts)
+    held = set(prompts[: max(1, int(len(prompts) * fraction))])
+    return [x for x in items if key(x) not in held], [x for x in items if key(x) in held]
 
 
 def capped_rows(rows: list[dict], max_tokens: int, seed: int) -> list[int]:
@@ -82,3 +130,70 @@ def capped_rows(rows: list[dict], max_tokens: int, seed: int) -> list[int]:
         kept.append(i)
         n += len(rows[i]["response_ids"])
     return kept
+
+
+@dataclass
+class Optimiser:
+    """AdamW without weight decay over `params`, with its learning-rate schedule."""
+
+    params: list
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LRScheduler
+
+    @classmethod
+    def warm_cosine(cls, params, lr: float, total_steps: int, warmup: int) -> Optimiser:
+        """A linear warm-up over `warmup` steps times a cosine decay to 0 at `total_steps`."""
+        opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt,
+            lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps)),
+        )
+        return cls(params, opt, sched)
+
+    def step(self, loss: torch.Tensor) -> None:
+        optimizer_step(loss, self.params, self.opt, self.sched)
+
+    @property
+    def lr(self) -> float:
+        return self.sched.get_last_lr()[0]
+
+
+@dataclass
+class Progress:
+    """A training run's steps against its budget (total steps, minutes), its progress bar and its JSON-lines log."""
+
+    log: TextIO
+    total_steps: int
+    per_epoch: int  # steps an epoch
+    max_minutes: float | None
+    step: int = 0
+    start: float = field(default_factory=time.time)
+    bar: Any = None  # tqdm's, once open_bar is called
+
+    def open_bar(self, desc: str) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=self.total_steps, desc=desc, unit="step")
+
+    def advance(self, **postfix) -> None:
+        """One step taken."""
+        self.step += 1
+        self.bar.update(1)
+        self.bar.set_postfix(**postfix)
+
+    def write(self, **fields) -> None:
+        print(json.dumps(fields), file=self.log, flush=True)
+
+    @property
+    def epoch(self) -> float:
+        return round(self.step / self.per_epoch, 3)
+
+    @property
+    def minutes(self) -> float:
+        return round((time.time() - self.start) / 60, 2)
+
+    def spent(self) -> bool:
+        """Whether the run has taken its steps, or its minutes."""
+        return self.step >= self.total_steps or bool(
+            self.max_minutes and time.time() - self.start > 60 * self.max_minutes
+        )

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import time
 from pathlib import Path
 
 import torch
@@ -22,7 +21,16 @@ from tqdm import tqdm
 
 from engine.config import SpecBranchError, writable_dir
 from engine.drafts.distilled import draft_from_target, is_specbranch_draft, load_draft_dir, save_draft
-from engine.training.common import batches, capped_rows, frequent_vocab, optimizer_step, read_jsonl, split_by_prompt
+from engine.training.common import (
+    DistillSpec,
+    Optimiser,
+    Progress,
+    batches,
+    capped_rows,
+    frequent_vocab,
+    read_jsonl,
+    split_by_prompt,
+)
 
 
 def encode_prompt(tokenizer, row: dict) -> list[int]:
@@ -214,95 +222,74 @@ def evaluate(draft, rows, labels, head, remap, batch_size) -> float:
     return agree / max(total, 1)
 
 
-def train_draft(
-    target,
-    rows: list[dict],
-    labels: list[dict],
-    val_rows,
-    val_labels,
-    *,
-    layers: int,
-    vocab: int,
-    epochs: float,
-    lr: float,
-    batch_size: int,
-    seed: int,
-    log_path: Path,
-    max_minutes: float | None,
-    init: Path | None = None,
-):
-    torch.manual_seed(seed)
-    draft = initial_draft(target, layers, init).train()
-    for module in (draft.model.embed_tokens, draft.lm_head):  # shared with the target: frozen
-        module.requires_grad_(False)
+def reduced_head(target, rows: list[dict], vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(subset, remap, head): the FR-Spec vocabulary of `vocab` ids (frequent_vocab), each target id's position in
+    it (-1 outside) [V], and the target's head rows of the subset [|subset|, H]."""
     vocab_size = target.get_output_embeddings().weight.shape[0]
     subset = frequent_vocab(rows, vocab, vocab_size)
     remap = torch.full((vocab_size,), -1, dtype=torch.long)
     remap[subset] = torch.arange(len(subset))
     head = target.get_output_embeddings().weight[subset].detach().contiguous()
+    return subset, remap, head
+
+
+def train_epoch(draft, rows, labels, head, remap, optimiser: Optimiser, progress: Progress, batch_size, seed) -> tuple:
+    """One epoch's steps, fewer where the budget runs out: (the steps' losses, whether it ran out)."""
+    losses = []
+    for chunk, ids, mask in batches(rows, batch_size, shuffle=True, seed=seed):
+        loss, agree, total = kl_loss(draft_logits(draft, ids, mask, head), rows, chunk, labels, remap)
+        losses.append(loss.item())
+        optimiser.step(loss)
+        progress.advance(loss=f"{loss.item():.3f}", agree=f"{agree / max(total, 1):.3f}")
+        if progress.step % 25 == 0 or progress.step == progress.total_steps:
+            progress.write(
+                step=progress.step,
+                epoch=progress.epoch,
+                loss=round(loss.item(), 4),
+                train_agreement=round(agree / max(total, 1), 4),
+                lr=optimiser.lr,
+                minutes=progress.minutes,
+            )
+        if progress.spent():
+            return losses, True
+    return losses, False
+
+
+def train_draft(target, rows: list[dict], labels: list[dict], val_rows, val_labels, spec: DistillSpec, log_path: Path):
+    """A standalone draft trained on the teacher's labels of `rows` (spec: its layers, vocabulary, epochs, learning
+    rate, batch size, seed, time budget and the draft it goes on from): (draft, its vocabulary subset, a summary)."""
+    epochs, batch_size, seed = spec.epochs, spec.batch_size, spec.seed
+    torch.manual_seed(seed)
+    draft = initial_draft(target, spec.layers, Path(spec.init) if spec.init else None).train()
+    for module in (draft.model.embed_tokens, draft.lm_head):  # shared with the target: frozen
+        module.requires_grad_(False)
+    subset, remap, head = reduced_head(target, rows, spec.vocab)
+    per_epoch = math.ceil(len(rows) / batch_size)
+    total_steps = max(1, int(epochs * per_epoch))
     params = [p for p in draft.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    steps_per_epoch = math.ceil(len(rows) / batch_size)
-    total_steps = max(1, int(epochs * steps_per_epoch))
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps))
-    )
-    log = open(log_path, "w")  # one log per training run (generation and labels are what resume)
-    start, step = time.time(), 0
-    first = evaluate(draft, val_rows, val_labels, head, remap, batch_size)
-    print(json.dumps({"step": 0, "val_agreement": round(first, 4)}), file=log, flush=True)
-    bar = tqdm(total=total_steps, desc="train", unit="step")
-    stopped = False
-    for epoch in range(math.ceil(epochs)):
-        epoch_losses = []
-        for chunk, ids, mask in batches(rows, batch_size, shuffle=True, seed=seed + epoch):
-            loss, agree, total = kl_loss(draft_logits(draft, ids, mask, head), rows, chunk, labels, remap)
-            epoch_losses.append(loss.item())
-            optimizer_step(loss, params, opt, sched)
-            step += 1
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.3f}", agree=f"{agree / max(total, 1):.3f}")
-            if step % 25 == 0 or step == total_steps:
-                print(
-                    json.dumps(
-                        {
-                            "step": step,
-                            "epoch": round(step / steps_per_epoch, 3),
-                            "loss": round(loss.item(), 4),
-                            "train_agreement": round(agree / max(total, 1), 4),
-                            "lr": sched.get_last_lr()[0],
-                            "minutes": round((time.time() - start) / 60, 2),
-                        }
-                    ),
-                    file=log,
-                    flush=True,
-                )
-            if step >= total_steps or (max_minutes and time.time() - start > 60 * max_minutes):
-                stopped = True
-                break
+    optimiser = Optimiser.warm_cosine(params, spec.lr, total_steps, warmup=20)
+    with open(log_path, "w") as log:  # one log per training run (generation and labels are what resume)
+        progress = Progress(log, total_steps, per_epoch, spec.max_minutes)
         val = evaluate(draft, val_rows, val_labels, head, remap, batch_size)
-        print(
-            json.dumps(
-                {
-                    "step": step,
-                    "epoch": round(step / steps_per_epoch, 3),
-                    "val_agreement": round(val, 4),
-                    "epoch_loss": round(sum(epoch_losses) / len(epoch_losses), 4),
-                }
-            ),
-            file=log,
-            flush=True,
-        )
-        tqdm.write(f"epoch {epoch + 1}: held-out greedy agreement {val:.4f}")
-        if stopped:
-            break
-    bar.close()
+        progress.write(step=0, val_agreement=round(val, 4))
+        progress.open_bar("train")
+        for epoch in range(math.ceil(epochs)):
+            losses, stopped = train_epoch(
+                draft, rows, labels, head, remap, optimiser, progress, batch_size, seed + epoch
+            )
+            val = evaluate(draft, val_rows, val_labels, head, remap, batch_size)
+            progress.write(
+                step=progress.step,
+                epoch=progress.epoch,
+                val_agreement=round(val, 4),
+                epoch_loss=round(sum(losses) / len(losses), 4),
+            )
+            tqdm.write(f"epoch {epoch + 1}: held-out greedy agreement {val:.4f}")
+            if stopped:
+                break
+        progress.bar.close()
     draft.eval()
-    return (
-        draft,
-        subset,
-        {"val_agreement": round(val, 4), "steps": step, "minutes": round((time.time() - start) / 60, 2)},
-    )
+    return draft, subset, {"val_agreement": round(val, 4), "steps": progress.step, "minutes": progress.minutes}
 
 
 def initial_draft(target, layers: int, init: Path | None):
@@ -314,115 +301,116 @@ def initial_draft(target, layers: int, init: Path | None):
     return draft
 
 
-def check_inputs(args) -> None:
+def check_inputs(spec: DistillSpec) -> None:
     """Fail fast, with the reason, on files that are missing or hold nothing to learn from."""
-    for path in [*(args.corpus or []), *([args.prompts] if args.prompts else [])]:
+    for path in [*(spec.corpus or []), *([spec.prompts] if spec.prompts else [])]:
         if not Path(path).is_file():
             raise SpecBranchError(f"file not found: {path}")
         if not read_jsonl(Path(path)):
             raise SpecBranchError(f"{path} holds no rows (the file is empty)")
-    if args.kind == "head" and args.unroll < 1:
-        raise SpecBranchError(f"--unroll must be >= 1, got {args.unroll}")
-    if args.init and args.kind == "head":
+    if spec.kind == "head" and spec.unroll < 1:
+        raise SpecBranchError(f"--unroll must be >= 1, got {spec.unroll}")
+    if spec.init and spec.kind == "head":
         raise SpecBranchError("--init continues a standalone draft; a head starts from the target's last layer")
-    if args.init and not is_specbranch_draft(Path(args.init)):
+    if spec.init and not is_specbranch_draft(Path(spec.init)):
         raise SpecBranchError(
-            f"--init {args.init}: not a draft directory (no config.json with a specbranch_draft entry)"
+            f"--init {spec.init}: not a draft directory (no config.json with a specbranch_draft entry)"
         )
-    if not (args.corpus or args.prompts or args.self_prompts):
+    if not (spec.corpus or spec.prompts or spec.self_prompts):
         raise SpecBranchError("distill needs training data: give --corpus, --prompts or --self-prompts")
 
 
-def run_distill(args) -> dict:
-    from engine.models.loading import load_pair
+def self_prompted_rows(spec: DistillSpec, target, tok, work: Path) -> list[dict]:
+    """The target's answers to questions it wrote itself (--self-prompts), none near a benchmark prompt."""
+    from engine.measure.datasets import DATASETS, benchmark_prompts
 
-    check_inputs(args)
-    work = writable_dir(Path(args.work_dir), "work files")
-    writable_dir(Path(args.out), "draft")
-    torch.set_num_threads(args.threads) if args.threads else None
-    pair = load_pair(args.target, None, device=args.device, dtype="float32")
-    target, tok = pair.target.model, pair.target.tokenizer
-    target.requires_grad_(False)
+    exclude = set().union(*(shingles(p.text) for d in DATASETS for p in benchmark_prompts(d)))
+    prompt_file, generated = work / "self_prompts.jsonl", work / "self_generated.jsonl"
+    generate_self_prompts(target, tok, spec.self_prompts, prompt_file, spec.gen_batch_size, spec.seed, exclude)
+    prompts = read_jsonl(prompt_file)[: spec.self_prompts]
+    generate_responses(
+        target, tok, prompts, generated, spec.max_new_tokens, spec.gen_batch_size, spec.gen_temperature, spec.seed
+    )
+    return read_jsonl(generated)[: spec.self_prompts]
+
+
+def distill_rows(spec: DistillSpec, target, tok, work: Path) -> list[dict]:
+    """The (prompt, response) rows to learn from, those with a response: the corpora's, then the target's answers
+    to --prompts and to --self-prompts (generated into the work folder, resumably)."""
     rows: list[dict] = []
-    for corpus in args.corpus or []:
+    for corpus in spec.corpus or []:
         rows += [{"prompt_ids": r["prompt_ids"], "response_ids": r["response_ids"]} for r in read_jsonl(Path(corpus))]
-    if args.prompts:
+    if spec.prompts:
         generated = work / "generated.jsonl"
-        prompts = read_jsonl(Path(args.prompts))[: args.limit or None]
+        prompts = read_jsonl(Path(spec.prompts))[: spec.limit or None]
         generate_responses(
-            target, tok, prompts, generated, args.max_new_tokens, args.gen_batch_size, args.gen_temperature, args.seed
+            target, tok, prompts, generated, spec.max_new_tokens, spec.gen_batch_size, spec.gen_temperature, spec.seed
         )
         rows += read_jsonl(generated)
-    if args.self_prompts:
-        from engine.measure.datasets import DATASETS, benchmark_prompts
+    if spec.self_prompts:
+        rows += self_prompted_rows(spec, target, tok, work)
+    return [r for r in rows if r["response_ids"]]
 
-        exclude = set().union(*(shingles(p.text) for d in DATASETS for p in benchmark_prompts(d)))
-        prompt_file, generated = work / "self_prompts.jsonl", work / "self_generated.jsonl"
-        generate_self_prompts(target, tok, args.self_prompts, prompt_file, args.gen_batch_size, args.seed, exclude)
-        prompts = read_jsonl(prompt_file)[: args.self_prompts]
-        generate_responses(
-            target, tok, prompts, generated, args.max_new_tokens, args.gen_batch_size, args.gen_temperature, args.seed
-        )
-        rows += read_jsonl(generated)[: args.self_prompts]
-    rows = [r for r in rows if r["response_ids"]]
-    if args.generate_only:
+
+def run_distill(spec: DistillSpec) -> dict:
+    """`python -m engine distill`: the rows, then a standalone draft or a head trained on them."""
+    from engine.models.loading import load_pair
+
+    check_inputs(spec)
+    work = writable_dir(Path(spec.work_dir), "work files")
+    writable_dir(Path(spec.out), "draft")
+    torch.set_num_threads(spec.threads) if spec.threads else None
+    pair = load_pair(spec.target, None, device=spec.device, dtype="float32")
+    target, tok = pair.target.model, pair.target.tokenizer
+    target.requires_grad_(False)
+    rows = distill_rows(spec, target, tok, work)
+    if spec.generate_only:
         print(f"distill: generated; {len(rows)} rows, {sum(len(r['response_ids']) for r in rows)} response tokens")
         return {"rows": len(rows)}
     if len(rows) < 2:
         raise SpecBranchError(
             "distill needs at least two (prompt, response) rows: give --corpus, --prompts or --self-prompts"
         )
-    if args.kind == "head":
+    if spec.kind == "head":
         from engine.training.head_distill import run_head_distill
 
-        return run_head_distill(args, target, rows, work)
-    train_rows, val_rows = split_by_prompt(rows, args.val_fraction, args.seed)
+        return run_head_distill(spec, target, rows, work)
+    return distill_standalone(spec, target, rows, work)
+
+
+def distill_standalone(spec: DistillSpec, target, rows: list[dict], work: Path) -> dict:
+    """Stages label and train for a standalone draft; saves it to spec.out with its card's facts."""
+    train_rows, val_rows = split_by_prompt(rows, spec.val_fraction, spec.seed)
     labels = label_topk(
         target,
         train_rows + val_rows,
-        work / f"labels_top{args.top_k}_{len(rows)}_{args.seed}.pt",
-        args.top_k,
-        args.label_batch_size,
+        work / f"labels_top{spec.top_k}_{len(rows)}_{spec.seed}.pt",
+        spec.top_k,
+        spec.label_batch_size,
     )
     train_labels, val_labels = labels[: len(train_rows)], labels[len(train_rows) :]
-    if args.max_tokens:  # a data-size curve: fewer training rows, the same held-out rows and labels
-        kept = capped_rows(train_rows, args.max_tokens, args.seed)
+    if spec.max_tokens:  # a data-size curve: fewer training rows, the same held-out rows and labels
+        kept = capped_rows(train_rows, spec.max_tokens, spec.seed)
         train_rows, train_labels = [train_rows[i] for i in kept], [train_labels[i] for i in kept]
     n_tokens = sum(len(r["response_ids"]) for r in train_rows)
     print(f"distill: {len(train_rows)} training rows ({n_tokens} response tokens), {len(val_rows)} held-out rows")
     draft, subset, summary = train_draft(
-        target,
-        train_rows,
-        train_labels,
-        val_rows,
-        val_labels,
-        layers=args.layers,
-        vocab=args.vocab,
-        epochs=args.epochs,
-        lr=args.lr,
-        batch_size=args.batch_size,
-        seed=args.seed,
-        log_path=work / "train_log.jsonl",
-        max_minutes=args.max_minutes,
-        init=Path(args.init) if args.init else None,
+        target, train_rows, train_labels, val_rows, val_labels, spec, work / "train_log.jsonl"
     )
     meta = {
-        "target": args.target,
+        "target": spec.target,
         "layers": draft.config.num_hidden_layers,
-        "init": args.init,
+        "init": spec.init,
         "vocab_subset_size": int(len(subset)),
         "train_rows": len(train_rows),
         "train_response_tokens": n_tokens,
         "held_out_rows": len(val_rows),
-        "epochs": args.epochs,
-        "lr": args.lr,
-        "batch_size": args.batch_size,
-        "seed": args.seed,
-        "top_k_labels": args.top_k,
+        **spec.training_meta(),
+        "top_k_labels": spec.top_k,
         **summary,
     }
-    use_subset = args.vocab < target.get_output_embeddings().weight.shape[0]
-    save_draft(draft, Path(args.out), subset if use_subset else None, meta)
-    (Path(args.out) / "training_log.jsonl").write_text((work / "train_log.jsonl").read_text())
+    use_subset = spec.vocab < target.get_output_embeddings().weight.shape[0]
+    save_draft(draft, Path(spec.out), subset if use_subset else None, meta)
+    (Path(spec.out) / "training_log.jsonl").write_text((work / "train_log.jsonl").read_text())
     print(json.dumps(meta))
     return meta

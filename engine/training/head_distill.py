@@ -1,4 +1,4 @@
-"""`python -m engine distill --kind head`: train a feature-conditioned draft head (engine/head.py).
+"""`python -m engine distill --kind head`: train a feature-conditioned draft head (engine/drafts/head.py).
 
 Two resumable stages in --work-dir, after distill's own generate stage:
   features  the target's post-norm last hidden state at every position of every (prompt, response) row,
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import math
-import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,7 +22,15 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from engine.drafts.head import FeatureHead, save_head
-from engine.training.common import batches, capped_rows, frequent_vocab, optimizer_step, split_by_prompt
+from engine.training.common import (
+    DistillSpec,
+    Optimiser,
+    Progress,
+    batches,
+    capped_rows,
+    frequent_vocab,
+    split_by_prompt,
+)
 
 CHUNK_ROWS = 256
 
@@ -133,134 +141,105 @@ def evaluate(head, rows, feats, embed, sub_head, steps: int, batch_size: int) ->
     return [round(x / max(y, 1), 4) for x, y in zip(a, n)]
 
 
-def train_head(
-    target,
-    rows,
-    feats,
-    val_rows,
-    val_feats,
-    *,
-    layers: int,
-    vocab: int,
-    steps: int,
-    epochs: float,
-    lr: float,
-    batch_size: int,
-    seed: int,
-    log_path: Path,
-    max_minutes: float | None,
-    reg_weight: float = 0.5,
-):
+@dataclass
+class HeadTraining:
+    """What each step of a head's training reads: the head, the target's embeddings and reduced head rows, the
+    unroll depth and the loss's weight on the feature."""
+
+    head: FeatureHead
+    embed: torch.nn.Module
+    sub_head: torch.Tensor  # [|subset|, H]
+    steps: int
+    reg_weight: float
+    device: torch.device
+
+    def evaluate(self, rows, feats, batch_size: int) -> list[float]:
+        return evaluate(self.head, rows, feats, self.embed, self.sub_head, self.steps, batch_size)
+
+    def epoch(self, rows, feats, optimiser: Optimiser, progress: Progress, batch_size: int, seed: int) -> bool:
+        """One epoch's steps, fewer where the budget runs out; returns whether it ran out."""
+        for ids, f, m in feature_batches(rows, feats, batch_size, True, seed, self.device):
+            with autocast(self.device):
+                outs = unrolled_outputs(self.head, self.embed(ids).float(), f, self.steps)
+                loss, agree = losses(outs, f, m, self.sub_head, self.reg_weight)
+            optimiser.step(loss)
+            progress.advance(loss=f"{loss.item():.3f}", d1=f"{agree[0][0] / max(agree[0][1], 1):.3f}")
+            if progress.step % 25 == 0:
+                progress.write(
+                    step=progress.step,
+                    epoch=progress.epoch,
+                    loss=round(loss.item(), 4),
+                    train_agreement_by_depth=[round(x / max(y, 1), 4) for x, y in agree],
+                    lr=optimiser.lr,
+                    minutes=progress.minutes,
+                )
+            if progress.spent():
+                return True
+        return False
+
+
+def train_head(target, rows, feats, val_rows, val_feats, spec: DistillSpec, log_path: Path, reg_weight: float = 0.5):
+    """A feature-conditioned head trained on the target's features of `rows` (spec: its layers, vocabulary, unroll
+    depth, epochs, learning rate, batch size, seed and time budget): (head, its vocabulary subset, a summary)."""
+    epochs, batch_size, seed = spec.epochs, spec.batch_size, spec.seed
     torch.manual_seed(seed)
     device = next(target.parameters()).device
-    head = FeatureHead.from_target(target, layers).float().to(device).train()
-    vocab_size = target.get_output_embeddings().weight.shape[0]
-    subset = frequent_vocab(rows, vocab, vocab_size)
+    head = FeatureHead.from_target(target, spec.layers).float().to(device).train()
+    subset = frequent_vocab(rows, spec.vocab, target.get_output_embeddings().weight.shape[0])
     sub_head = target.get_output_embeddings().weight[subset].detach().float().contiguous()
-    embed = target.get_input_embeddings()
-    params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    run = HeadTraining(head, target.get_input_embeddings(), sub_head, spec.unroll, reg_weight, device)
     per_epoch = math.ceil(len(rows) / batch_size)
     total_steps = max(1, int(epochs * per_epoch))
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps))
+    optimiser = Optimiser.warm_cosine(
+        [p for p in head.parameters() if p.requires_grad], spec.lr, total_steps, warmup=50
     )
-    log = open(log_path, "w")
-    val = evaluate(head, val_rows, val_feats, embed, sub_head, steps, batch_size)
-    print(json.dumps({"step": 0, "val_agreement_by_depth": val}), file=log, flush=True)
-    start, step, stopped = time.time(), 0, False
-    bar = tqdm(total=total_steps, desc="train head", unit="step")
-    for epoch in range(math.ceil(epochs)):
-        for ids, f, m in feature_batches(rows, feats, batch_size, True, seed + epoch, device):
-            with autocast(device):
-                outs = unrolled_outputs(head, embed(ids).float(), f, steps)
-                loss, agree = losses(outs, f, m, sub_head, reg_weight)
-            optimizer_step(loss, params, opt, sched)
-            step += 1
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.3f}", d1=f"{agree[0][0] / max(agree[0][1], 1):.3f}")
-            if step % 25 == 0:
-                print(
-                    json.dumps(
-                        {
-                            "step": step,
-                            "epoch": round(step / per_epoch, 3),
-                            "loss": round(loss.item(), 4),
-                            "train_agreement_by_depth": [round(x / max(y, 1), 4) for x, y in agree],
-                            "lr": sched.get_last_lr()[0],
-                            "minutes": round((time.time() - start) / 60, 2),
-                        }
-                    ),
-                    file=log,
-                    flush=True,
-                )
-            if step >= total_steps or (max_minutes and time.time() - start > 60 * max_minutes):
-                stopped = True
+    with open(log_path, "w") as log:
+        val = run.evaluate(val_rows, val_feats, batch_size)
+        progress = Progress(log, total_steps, per_epoch, spec.max_minutes)
+        progress.write(step=0, val_agreement_by_depth=val)
+        progress.open_bar("train head")
+        for epoch in range(math.ceil(epochs)):
+            stopped = run.epoch(rows, feats, optimiser, progress, batch_size, seed + epoch)
+            val = run.evaluate(val_rows, val_feats, batch_size)
+            progress.write(step=progress.step, epoch=progress.epoch, val_agreement_by_depth=val)
+            tqdm.write(f"epoch {epoch + 1}: held-out agreement by depth {val}")
+            if stopped:
                 break
-        val = evaluate(head, val_rows, val_feats, embed, sub_head, steps, batch_size)
-        print(
-            json.dumps({"step": step, "epoch": round(step / per_epoch, 3), "val_agreement_by_depth": val}),
-            file=log,
-            flush=True,
-        )
-        tqdm.write(f"epoch {epoch + 1}: held-out agreement by depth {val}")
-        if stopped:
-            break
-    bar.close()
-    return (
-        head.eval(),
-        subset,
-        {"val_agreement_by_depth": val, "steps": step, "minutes": round((time.time() - start) / 60, 2)},
-    )
+        progress.bar.close()
+    return head.eval(), subset, {"val_agreement_by_depth": val, "steps": progress.step, "minutes": progress.minutes}
 
 
-def run_head_distill(args, target, rows: list[dict], work: Path) -> dict:
-    """Stages features and train for --kind head; saves the head to --out."""
-    torch.manual_seed(args.seed)
-    train_rows, val_rows = split_by_prompt(rows, args.val_fraction, args.seed)
+def run_head_distill(spec: DistillSpec, target, rows: list[dict], work: Path) -> dict:
+    """Stages features and train for --kind head; saves the head to spec.out with its card's facts."""
+    torch.manual_seed(spec.seed)
+    train_rows, val_rows = split_by_prompt(rows, spec.val_fraction, spec.seed)
     ordered = train_rows + val_rows
-    feats = extract_features(target, ordered, work, args.label_batch_size)
+    feats = extract_features(target, ordered, work, spec.label_batch_size)
     train_feats, val_feats = feats[: len(train_rows)], feats[len(train_rows) :]
-    if args.max_tokens:  # a data-size curve: fewer training rows, the same held-out rows
-        kept = capped_rows(train_rows, args.max_tokens, args.seed)
+    if spec.max_tokens:  # a data-size curve: fewer training rows, the same held-out rows
+        kept = capped_rows(train_rows, spec.max_tokens, spec.seed)
         train_rows, train_feats = [train_rows[i] for i in kept], [train_feats[i] for i in kept]
     n_tokens = sum(len(r["response_ids"]) for r in train_rows)
     print(
         f"distill --kind head: {len(train_rows)} training rows ({n_tokens} response tokens), {len(val_rows)} held out"
     )
     head, subset, summary = train_head(
-        target,
-        train_rows,
-        train_feats,
-        val_rows,
-        val_feats,
-        layers=args.layers,
-        vocab=args.vocab,
-        steps=args.unroll,
-        epochs=args.epochs,
-        lr=args.lr,
-        batch_size=args.batch_size,
-        seed=args.seed,
-        log_path=work / "train_head_log.jsonl",
-        max_minutes=args.max_minutes,
+        target, train_rows, train_feats, val_rows, val_feats, spec, work / "train_head_log.jsonl"
     )
     meta = {
         "kind": "head",
-        "target": args.target,
+        "target": spec.target,
         "target_layers": target.config.num_hidden_layers,
-        "layers": args.layers,
-        "unroll": args.unroll,
+        "layers": spec.layers,
+        "unroll": spec.unroll,
         "vocab_subset_size": int(len(subset)),
         "train_rows": len(train_rows),
         "train_response_tokens": n_tokens,
         "held_out_rows": len(val_rows),
-        "epochs": args.epochs,
-        "lr": args.lr,
-        "batch_size": args.batch_size,
-        "seed": args.seed,
+        **spec.training_meta(),
         **summary,
     }
-    save_head(head, Path(args.out), subset, meta)
-    (Path(args.out) / "training_log.jsonl").write_text((work / "train_head_log.jsonl").read_text())
+    save_head(head, Path(spec.out), subset, meta)
+    (Path(spec.out) / "training_log.jsonl").write_text((work / "train_head_log.jsonl").read_text())
     print(json.dumps(meta))
     return meta
