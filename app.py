@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 
-from app.engines import DEFAULT_MAX_DRAFTS, MAX_DRAFTS_ENV, EngineCache
+from app.engines import DEFAULT_MAX_DRAFTS, MAX_DRAFTS_ENV, EngineCache, gpu_fronts
 from app.main import DEFAULT_MAX_QUEUE, MAX_QUEUE_ENV, SHOW_ERROR, bounded_queue, build_app, css_paths
 from app.settings import defaults_for
 from engine.args import add_model_arguments, fill_model_defaults, model_settings
@@ -55,6 +55,22 @@ def load_engine(models: ModelSettings, draft: str, target=None):
     if hasattr(pair.draft, "start_compile"):  # lean-compiled: by a second draft process, or here
         pair.draft.start_compile(print)
     return engine_for(models, pair, measure_target_step=True)  # the glance line's first-chat figure reads it
+
+
+def engine_getter(models: ModelSettings, max_drafts: int, specs: list[str]):
+    """get(draft spec or None) -> what the tabs run a draft on. Here: its Engine, loaded on its first pick (at most
+    max_drafts at once). On ZeroGPU: its GpuFront (the tokenizer, read now, on the main thread), while the Engines
+    load in the GPU worker, on the GPU it was given, when a request first asks for them (app/stream.py)."""
+    from app.stream import serve_on_gpu, spaces_module, zerogpu
+
+    def make() -> EngineCache:
+        return EngineCache(lambda draft, target: load_engine(models, draft, target), models.draft, max_drafts)
+
+    if not zerogpu(spaces_module()):
+        return make().get
+    serve_on_gpu(make)
+    fronts = gpu_fronts(models.target, specs)
+    return lambda draft=None: fronts[draft or models.draft]
 
 
 # the model flags' defaults that the environment may set (docs/app.md)
@@ -137,11 +153,11 @@ def main() -> None:
     if models.target == "embedded":
         specs += [d for d in EMBEDDED_CHOICES if d != models.draft]
     drafts = [(EMBEDDED_CHOICES.get(spec, spec), spec) for spec in specs]
-    engines = EngineCache(lambda draft, target: load_engine(models, draft, target), models.draft, args.max_drafts)
+    get_engine = engine_getter(models, args.max_drafts, specs)
     get_store = store_getter(args)
     get_store()
     demo = build_app(
-        engines.get,
+        get_engine,
         get_store,
         defaults_for(models.draft),
         about=f"target {models.target} · draft matmul {models.draft_matmul} · "

@@ -90,30 +90,10 @@ class Engine:
 
     def encode(self, prompt: str, chat: bool, history: list[dict] | None = None) -> list[int]:
         """Token ids of a prompt: raw text, or one user turn (after `history`) in the chat template."""
-        if not prompt or not prompt.strip():
-            raise SpecBranchError("the prompt is empty")
-        tok = self.pair.tokenizer
-        if chat:
-            if not getattr(tok, "chat_template", None):
-                raise SpecBranchError(
-                    "chat mode needs a tokenizer with a chat template, and this one has none: use raw text"
-                )
-            messages = list(history or []) + [{"role": "user", "content": prompt}]
-            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-            ids = ids["input_ids"] if isinstance(ids, dict) else ids
-        else:
-            ids = tok.encode(prompt)
-        return [int(i) for i in ids]
+        return encode_prompt(self.pair.tokenizer, prompt, chat, history)
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
-        if not prompt_ids:
-            raise SpecBranchError("the prompt is empty")
-        limit = self.pair.target.context_length
-        if len(prompt_ids) >= limit:
-            raise SpecBranchError(
-                f"the prompt is {len(prompt_ids)} tokens; the model's context holds {limit}, "
-                f"with room for at least one new token"
-            )
+        check_prompt_length(prompt_ids, self.pair.target.context_length)
 
     async def generate(
         self, prompt_ids: list[int], cfg: GenerationConfig, prompt_text: str = "", collect_hrad: list | None = None
@@ -358,6 +338,35 @@ class Engine:
         self.draft_worker.shutdown()
         if hasattr(self.pair.draft, "close"):  # a draft in its own process (engine/drafts/process.py)
             self.pair.draft.close()
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool, history: list[dict] | None = None) -> list[int]:
+    """Token ids of a prompt: raw text, or one user turn (after `history`) in the tokenizer's chat template (what
+    Engine.encode does, and the app's process on ZeroGPU, which holds the tokenizer but no model)."""
+    if not prompt or not prompt.strip():
+        raise SpecBranchError("the prompt is empty")
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise SpecBranchError(
+                "chat mode needs a tokenizer with a chat template, and this one has none: use raw text"
+            )
+        messages = list(history or []) + [{"role": "user", "content": prompt}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        ids = ids["input_ids"] if isinstance(ids, dict) else ids
+    else:
+        ids = tokenizer.encode(prompt)
+    return [int(i) for i in ids]
+
+
+def check_prompt_length(prompt_ids: list[int], context_length: int) -> None:
+    """Refuse an empty prompt, or one that leaves no room in the target's context for a new token."""
+    if not prompt_ids:
+        raise SpecBranchError("the prompt is empty")
+    if len(prompt_ids) >= context_length:
+        raise SpecBranchError(
+            f"the prompt is {len(prompt_ids)} tokens; the model's context holds {context_length}, "
+            f"with room for at least one new token"
+        )
 
 
 def compile_notice(draft) -> Notice | None:
