@@ -11,15 +11,18 @@ ZeroGPU the app's process may touch CUDA only inside its `spaces.GPU` function. 
   - before a forward, the worker's stream waits on an event recorded on the caller's (event loop's) current
     stream, so whatever the loop queued first (cache crops, features handed over from the other model)
     is done before the forward reads it; tensors of the inputs and caches are `record_stream`ed on the
-    worker's stream, so the allocator does not reuse their memory while the forward may still read it;
-  - after it, the caller's stream waits on the forward's end event, and the output tensors are
-    `record_stream`ed on the caller's stream.
+    worker's stream, so the allocator does not reuse their memory while the forward may still read it; the
+    inputs on the host are copied to page-locked memory first, so their copy to the device blocks no thread;
+  - the worker's thread waits for the forward's end event, and only then does the caller's stream wait on it (a
+    wait already met) and the output tensors get `record_stream`ed on the caller's stream. Had the caller's stream
+    waited on an end still to come, the `ready` event of the other worker's next forward, recorded after that
+    wait, would have held that forward behind this one: a draft step behind the target's verify pass, the overlap
+    lost. The event loop itself never waits: it awaits the worker's thread.
 Spans come from CUDA events on the worker's own stream (see `span_seconds`), so they say when the kernels
-ran, not when Python launched them. The host does not wait for a forward's end: the worker returns once the forward
-is queued, with a LateSpan whose times are read from its events when the span is read (`settled`, which the decoders'
-step loop calls as it hands a step's events on, after the step's verdict has waited for its forwards anyway). The
-CUDA path has NOT been run on a GPU yet: it is written to the documented semantics of torch.cuda streams and events
-and is tested on CPU only against fakes (tests/test_devices.py).
+ran, not when Python launched them: a LateSpan whose times are read from its events when the span is read
+(`settled`, which the decoders' step loop calls as it hands a step's events on). The CUDA path has NOT been run on a
+GPU yet: it is written to the documented semantics of torch.cuda streams and events and is tested on CPU only against
+fakes (tests/test_devices.py).
 """
 
 from __future__ import annotations
@@ -90,6 +93,14 @@ def _record_on(obj, stream) -> None:
     for t in _tensors(obj):
         if t.is_cuda and t.device == stream.device:
             t.record_stream(stream)
+
+
+def _pinned(arg):
+    """A CPU tensor in page-locked memory, from which a copy to the device (LM.forward's `to(non_blocking=True)`)
+    is queued on the worker's stream without blocking its thread; anything else as it is."""
+    if isinstance(arg, torch.Tensor) and arg.device.type == "cpu":
+        return arg.pin_memory()
+    return arg
 
 
 class PerProcess:
@@ -225,6 +236,7 @@ class Worker:
             caller = torch.cuda.current_stream(self.device)
             ready = torch.cuda.Event()
             ready.record(caller)  # what the loop queued before this forward (e.g. features it handed over)
+            args = tuple(_pinned(a) for a in args)  # the ids' copy to the device then blocks no thread
 
             def call():
                 return self._cuda_forward(stream, fn, args, ready, t0, (kind, step, tokens))
@@ -246,7 +258,7 @@ class Worker:
         result, start, end, done = await asyncio.get_running_loop().run_in_executor(self.executor, guarded)
         if done is None:
             return result, TimingSpan(self.name, kind, step, start, end, tokens)
-        caller.wait_event(done.end_ev)  # the loop's later work on the result waits for the forward
+        caller.wait_event(done.end_ev)  # the loop's later work on the result waits for the forward (which has run)
         _record_on(result, caller)
         return result, done
 
@@ -269,6 +281,10 @@ class Worker:
             result = fn(*args)
             end_ev.record(stream)
         self._last_end = end_ev
+        # this thread waits for the forward to run before the loop hears of it: the loop's stream waits on the end
+        # event only then (run), so it never holds the other worker's next forward behind this one (the `ready`
+        # event the other records is on the loop's stream); the loop itself never waits
+        end_ev.synchronize()
         return result, None, None, LateSpan(self.name, *what, start_ev, end_ev, self._ref, self._anchor)
 
     async def timed(self, fn: Callable[..., Any], *args, kind: str) -> TimingSpan:

@@ -233,7 +233,7 @@ class HeadLM:
         """input_ids [B, T]; appends T rows to the cache. Rows whose input features are all known run in one
         pass; a row that needs the previous row's prediction waits for it (drafting beyond the target).
         last_only: the logits of the last row only, [B, 1, V] (the LM head runs on it alone; models.LM.forward)."""
-        input_ids = input_ids.to(self.device)
+        input_ids = input_ids.to(self.device, non_blocking=True)  # from pinned memory on CUDA (Worker.run)
         b, t = input_ids.shape
         outs, done = [], 0
         while done < t:

@@ -294,7 +294,7 @@ class LM:
         (decoding.prefill, through LM.last_row); H-RAD's sampler and a draft's child read every row (the default).
         tree: how the T new tokens hang together where they are not one line (llama.TokenTree; the static path only:
         `trees` says whether this LM takes one)."""
-        input_ids = input_ids.to(self.device)
+        input_ids = input_ids.to(self.device, non_blocking=True)  # from pinned memory on CUDA (Worker.run)
         if tree is not None and not tree.is_line:
             if not (self.trees and isinstance(cache, KVBuffer)):
                 raise ValueError(f"{self.name}: only the static forward verifies a token tree in one pass")
