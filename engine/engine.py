@@ -37,7 +37,7 @@ from engine.methods.parallel import parallel_decode
 from engine.methods.policy import BranchCosts, Policy
 from engine.methods.sd import speculative_decode
 from engine.models.loading import ModelPair
-from engine.runtime import PerProcess, Worker, default_solo_threads, new_event_loop, run_apart
+from engine.runtime import PerProcess, default_solo_threads, model_worker, new_event_loop, run_apart
 
 # the decoders of the methods that are not parallel (a parallel one's also takes its policy: Engine.decoder)
 DECODERS = {AR: autoregressive_decode, SD: speculative_decode, ASSISTED: assisted_decode}
@@ -55,7 +55,12 @@ class Result:
 
 class Engine:
     def __init__(
-        self, pair: ModelPair, threads: int = 1, solo_threads: int | None = None, measure_target_step: bool = False
+        self,
+        pair: ModelPair,
+        threads: int = 1,
+        solo_threads: int | None = None,
+        measure_target_step: bool = False,
+        compile: bool = True,
     ):
         """threads: torch threads per worker. solo_threads: the draft's, for a step the target waits on (SD's block,
         a parallel method's head start), when it has the cores to itself (None: runtime.default_solo_threads()).
@@ -63,16 +68,20 @@ class Engine:
         output must not depend on how many threads ran it. The draft's numbers may: q is what its pass computed.
         measure_target_step: before its first speculative run, measure the target's one-token step
         (target_step_ms), which each speculative run's RunStarted then carries (the app's glance line reads it);
-        off, RunStarted says -1 and no forward runs besides the run's own."""
+        off, RunStarted says -1 and no forward runs besides the run's own.
+        Each model runs on its worker (runtime.model_worker: one per model, shared with other engines on it), and
+        the steps that compile on the thread that calls them (LM.compile_here: the generic kernels', CUDA graphs on a
+        GPU) compile here, on that worker's thread; compile=False leaves them eager (gpu-check after a compile that
+        failed)."""
         self.pair = pair
         self.measure_target_step = measure_target_step
-        self.target_worker = Worker("target", threads, pair.target.device)
-        self.draft_worker = Worker(
-            "draft",
-            threads,
-            pair.draft.device if pair.draft is not None else None,
-            solo_threads or max(threads, default_solo_threads()),
+        self.target_worker = model_worker("target", pair.target, threads)
+        self.draft_worker = model_worker(
+            "draft", pair.draft, threads, solo_threads or max(threads, default_solo_threads())
         )
+        self._said: set[str] = set()  # the compile failures a run's notice has told of
+        if compile:
+            self._compile_on_workers()
         # one generation at a time per engine; others queue (any event loop). Waits for the lock happen on their own
         # thread, one at a time (so in order), never on a loop's own executor: see _take_busy. Both are this
         # process's (PerProcess): a forked child, as on ZeroGPU, has neither the parent's threads nor its runs
@@ -82,6 +91,12 @@ class Engine:
         self._branch_costs: BranchCosts | None = None
         self._target_step_ms: float | None = None
         self._calibration: dict[tuple, AcceptanceCalibration] = {}
+
+    def _compile_on_workers(self) -> None:
+        """Each model's thread-bound steps compiled (and warmed up) on the thread of the worker that will call them."""
+        for worker, lm in ((self.target_worker, self.pair.target), (self.draft_worker, self.pair.draft)):
+            if getattr(lm, "compiles_here", False):
+                worker.executor.submit(lm.compile_here).result()
 
     @property
     def busy(self) -> bool:
@@ -172,8 +187,8 @@ class Engine:
             notice = Notice("warning", f"H-RAD off ({self.hrad_notice}): branching by draft confidence only")
             events.append(notice)
             yield notice
-        notice = compile_notice(self.pair.draft) if cfg.kind.drafts_here else None
-        if notice:
+        compiling = compile_notice(self.pair.draft) if cfg.kind.drafts_here else None
+        for notice in ([compiling] if compiling else []) + self._eager_notices():
             events.append(notice)
             yield notice
         if state.budget < cfg.max_new_tokens:
@@ -199,6 +214,19 @@ class Engine:
         events.append(done)
         metrics = compute_metrics(events)
         yield Finished(done.reason, done.prefill_s, done.decode_s, done.new_tokens, metrics)
+
+    def _eager_notices(self) -> list[Notice]:
+        """Once per engine, for each model whose steps were to run compiled and run eager (a compile, or a compiled
+        step, that failed: the same output, slower): why."""
+        out = []
+        for role, lm in (("target", self.pair.target), ("draft", self.pair.draft)):
+            why = getattr(lm, "compile_why", "") if lm is not None else ""
+            if why and f"{role}: {why}" not in self._said:
+                self._said.add(f"{role}: {why}")
+                out.append(
+                    Notice("warning", f"the {role}'s steps run eager, not compiled (the same output, slower): {why}")
+                )
+        return out
 
     def policy(self, cfg: GenerationConfig) -> Policy:
         """Branching policy for the parallel methods: pearl never branches (nor holds back); the ablations of
@@ -334,8 +362,8 @@ class Engine:
     def close(self) -> None:
         if self._waiter.made_here():
             self._busy_waiter.shutdown(wait=False, cancel_futures=True)
-        self.target_worker.shutdown()
-        self.draft_worker.shutdown()
+        self.target_worker.release()
+        self.draft_worker.release()
         if hasattr(self.pair.draft, "close"):  # a draft in its own process (engine/drafts/process.py)
             self.pair.draft.close()
 

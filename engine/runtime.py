@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
@@ -178,6 +180,7 @@ class Worker:
         # whether a job this worker runs has finished: on a CPU when its call returned; on CUDA when its kernels ran
         self.landed = self._landed_on_device if self.cuda else _done
         self.closed = False  # shutdown() was called: no forward runs here again
+        self.users = 0  # the engines that share this worker (model_worker); the last to release() shuts it down
         self._executor = PerProcess(
             lambda: ThreadPoolExecutor(
                 1, thread_name_prefix=f"specbranch-{name}", initializer=_init_thread, initargs=(threads,)
@@ -299,6 +302,35 @@ class Worker:
         if self._executor.made_here():
             self.executor.shutdown(wait=True)
         self.closed = True
+
+    def release(self) -> None:
+        """One engine is done with this shared worker (model_worker); the last one shuts it down."""
+        with _shared_lock:
+            self.users -= 1
+            last = self.users <= 0
+        if last:
+            self.shutdown()
+
+
+_shared: dict[tuple, Worker] = {}  # model_worker's workers, by the model's id and the thread counts
+_shared_lock = threading.Lock()
+
+
+def model_worker(name: str, model, threads: int = 1, solo_threads: int | None = None) -> Worker:
+    """The worker that runs `model`'s forwards (an LM; None: a worker of its own, for no model): one per model object
+    and thread counts in this process, shared by every Engine on it, so that each model's steps run on one thread,
+    the one that compiled them (CUDA graph trees keep their state per thread: LM.compile_here), also where several
+    engines share a target (the app's drafts, the bench's). Each Engine release()s it when it closes."""
+    if model is None:
+        return Worker(name, threads, None, solo_threads)
+    key = (id(model), name, threads, solo_threads)
+    with _shared_lock:
+        worker = _shared.get(key)
+        if worker is None or worker.closed:
+            worker = _shared[key] = Worker(name, threads, model.device, solo_threads)
+            weakref.finalize(model, _shared.pop, key, None)  # the id may be another model's once this one is gone
+        worker.users += 1
+    return worker
 
 
 def run_apart(make_coroutine: Callable[[], Any]):

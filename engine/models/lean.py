@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import threading
 import time
+import types
 import weakref
 
 import torch
@@ -335,7 +336,9 @@ class GenericDecoder:
     compile(mode): torch.compile of the step (fullgraph, shapes as dynamo sees them: a new number of tokens or
     branches, or a grown cache, records another graph); used for steps of at most GRAPH_TOKENS tokens in all and no
     per-layer states, the rest eager. Where compiling or a compiled step fails (not out of memory), the steps stay
-    eager and compile_why says why."""
+    eager and compile_why says why. A compiled step runs on the thread that compiled it only (`owner`): CUDA graph
+    trees keep their state per thread, and a graph recorded on one thread raises on another; elsewhere the step runs
+    eager (the engine calls every step of a model on its one worker thread, runtime.model_worker)."""
 
     def __init__(self, model, layers: int | None = None):
         c = model.config
@@ -349,7 +352,7 @@ class GenericDecoder:
         self.weights = [self._weights(block) for block in self.layers]
         self.scaling = self.layers[0].self_attn.scaling
         self._cos = self._sin = None
-        self._graph, self.mode, self.compile_why = None, None, ""
+        self._graph, self.mode, self.compile_why, self.owner = None, None, "", None
         self._spare = None  # (keys, values) of a cache that is gone, for the next new_cache
         self._spare_lock = threading.RLock()  # a cache may be collected on any thread (or inside new_cache, by a
         # collection there: reentrant): one pair of buffers is never handed out twice
@@ -419,12 +422,22 @@ class GenericDecoder:
 
     # -- compiling
     def compile(self, mode: str | None = None, backend: str = "inductor") -> None:
-        """Compile the step (lazily: each shape compiles at its first use). mode: compile_mode(device) unless given
-        ("reduce-overhead": CUDA graphs); backend: inductor, or another of torch.compile's (a test's "aot_eager")."""
+        """Compile the step (lazily: each shape compiles at its first use), for this thread (owner). mode:
+        compile_mode(device) unless given ("reduce-overhead": CUDA graphs); backend: inductor, or another of
+        torch.compile's (a test's "aot_eager")."""
         self.mode = mode or compile_mode(self.device)
         options = {"mode": self.mode} if backend == "inductor" else {}
-        self._graph = torch.compile(self._step, fullgraph=True, backend=backend, **options)
-        self.compile_why = ""
+        self._graph = torch.compile(self._own_step(), fullgraph=True, backend=backend, **options)
+        self.compile_why, self.owner = "", threading.get_ident()
+
+    def _own_step(self):
+        """_step bound to this decoder through a code object of its own. Dynamo keeps its compiled graphs, and its
+        limit of 8 recompiles, per code object: on one shared _step the target's and each draft's graphs (their
+        layer counts differ, so their guards do) took each other's places, and past 8 the step failed for good
+        (FailOnRecompileLimitHit)."""
+        step = GenericDecoder._step
+        own = types.FunctionType(step.__code__.replace(), step.__globals__, step.__name__, step.__defaults__)
+        return types.MethodType(own, self)
 
     @property
     def cuda_graphs(self) -> bool:
@@ -461,7 +474,7 @@ class GenericDecoder:
             cos[positions].to(self.dtype),
             sin[positions].to(self.dtype),
         )
-        if self._graph is not None and not hidden_states and rows * n <= GRAPH_TOKENS:
+        if self._graph is not None and not hidden_states and rows * n <= GRAPH_TOKENS and self._mine():
             x, hidden = self._compiled(args, branches, sees)
         else:
             x, hidden = self._step(*args, branches, sees, hidden_states)
@@ -469,6 +482,10 @@ class GenericDecoder:
         if branches > 1:
             x = x.view(t, b, -1).transpose(0, 1)  # [B, T, H]
         return x, hidden
+
+    def _mine(self) -> bool:
+        """Whether this thread compiled the step (its graphs are this thread's)."""
+        return threading.get_ident() == self.owner
 
     def _compiled(self, args: tuple, branches: int, sees: torch.Tensor | None):
         try:
@@ -556,8 +573,14 @@ class LeanLlama(torch.nn.Module):
         self.layers = [] if self._generic else [self._layer(block, kind) for block in model.model.layers]
         self._cos = self._sin = None
         self.kind, self._step, self.compile_why, self.compile_s = kind, None, "", None
-        if compiled:
+        if compiled and self._generic is None:  # the generic steps compile on the thread that runs them (compile_here)
             self.compile_step()
+
+    @property
+    def compiles_here(self) -> bool:
+        """Whether the steps compile on the thread that will call them (the generic kernels: CUDA graph trees keep
+        their state per thread), not at load: models.LM.compile_here, on the model's worker."""
+        return self._generic is not None
 
     def compile_step(self, backend: str = "inductor") -> None:
         """Compile the one-token, one-branch step and run it once on a scratch cache (shapes dynamic: the cache's

@@ -240,8 +240,27 @@ class LM:
 
     @property
     def compile_why(self) -> str:
-        """Why a draft asked to compile its steps runs them eager ("" when it compiled, or was not asked)."""
-        return self._lean.compile_why if self._lean is not None else ""
+        """Why steps asked to compile run eager ("" when they compiled, or were not asked): a lean draft's, a static
+        target's."""
+        if self._lean is not None:
+            return self._lean.compile_why if self._lean.compile_state != "compiled" else ""
+        return self._static.compile_why if self._static is not None else ""
+
+    @property
+    def compiles_here(self) -> bool:
+        """Whether this LM's steps compile on the thread that will call them (compile_here), not at load."""
+        lean = self._lean is not None and self.compiled and self._lean.compiles_here
+        return lean or (self._static is not None and self._static.compiles_here)
+
+    def compile_here(self) -> None:
+        """Compile (and a lean draft's, warm up) the steps that compile on the thread that calls them: the generic
+        kernels', whose CUDA graphs are per thread (lean.GenericDecoder). The Engine calls it on the model's worker,
+        the one thread that runs its forwards (runtime.model_worker); a second call does nothing."""
+        if self._lean is not None and self.compiled and self._lean.compiles_here:
+            if self._lean.compile_state == "off":
+                self._lean.compile_step()
+        elif self._static is not None:
+            self._static.compile_here()
 
     def compile_status(self) -> tuple[str, str]:
         """(state, why) of the draft's compiled step: "off" (not asked, or no lean path), "waiting" (asked for later:
@@ -256,7 +275,7 @@ class LM:
         then says how it ended. A draft in its own process compiles in a new one instead (draft_process.RemoteLM).
         Not on a thread of this process: tracing holds the interpreter, and the engine's own steps would wait on it
         (docs/models.md)."""
-        if self.compile_status()[0] == "waiting":
+        if self.compile_status()[0] == "waiting" and not self._lean.compiles_here:  # else on its worker (compile_here)
             self._lean.compile_step()
             if on_done is not None:
                 on_done(self.compile_message())

@@ -98,7 +98,9 @@ class StaticLlama:
     def __init__(self, model, kernels: str | None = None, compiled: bool | str = AUTO):
         """kernels: "cpu" (the stacked matmuls through lm_head's layouts, bit-identical to transformers) or "generic"
         (lean.GenericDecoder, any device); default_kernels(the model's device) unless given. compiled (generic only):
-        the steps through torch.compile in compile_mode(device); AUTO: on CUDA (CUDA graphs), not on the CPU."""
+        the steps through torch.compile in compile_mode(device); AUTO: on CUDA (CUDA graphs), not on the CPU. They
+        compile on the thread that will call them (compile_here, on the model's worker), not here: CUDA graph trees
+        keep their state per thread."""
         device = next(model.parameters()).device
         self.kernels = kernels or default_kernels(device)
         if self.kernels not in ("cpu", "generic"):
@@ -115,11 +117,10 @@ class StaticLlama:
         first = self.layers[0].self_attn
         self.heads = Heads(model.config.num_attention_heads, model.config.num_key_value_heads, first.head_dim)
         self.weights: list[LayerWeights] = []
-        self.generic = None
+        self.generic, self.compiles_here = None, False
         if self.kernels == "generic":
             self.generic = GenericDecoder(model, len(self.layers))
-            if compiled is True or (compiled == AUTO and compile_mode(device) == "reduce-overhead"):
-                self.generic.compile()  # lazily: each shape compiles at its first use
+            self.compiles_here = compiled is True or (compiled == AUTO and compile_mode(device) == "reduce-overhead")
             return
         room = COPY_BUDGET
         for layer in self.layers:
@@ -143,6 +144,11 @@ class StaticLlama:
     @property
     def device(self) -> torch.device:
         return self.model.norm.weight.device
+
+    def compile_here(self) -> None:
+        """Compile the generic steps for this thread, where asked (lazily: each shape compiles at its first use)."""
+        if self.compiles_here and self.generic._graph is None and not self.generic.compile_why:
+            self.generic.compile()
 
     @property
     def compile_why(self) -> str:
