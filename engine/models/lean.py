@@ -430,6 +430,14 @@ class GenericDecoder:
         self._graph = torch.compile(self._own_step(), fullgraph=True, backend=backend, **options)
         self.compile_why, self.owner = "", threading.get_ident()
 
+    def warm_up(self, cache) -> None:
+        """Three one-token steps on `cache`, on this thread: CUDA graph trees run a new graph eagerly once, then
+        record it, then replay it, so a run's first step pays none of it."""
+        ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            for _ in range(3):
+                self(ids, cache)
+
     def _own_step(self):
         """_step bound to this decoder through a code object of its own. Dynamo keeps its compiled graphs, and its
         limit of 8 recompiles, per code object: on one shared _step the target's and each draft's graphs (their
@@ -617,11 +625,7 @@ class LeanLlama(torch.nn.Module):
         start, generic = time.perf_counter(), self._generic
         try:
             generic.compile(backend=backend)
-            with torch.inference_mode():
-                cache = self.new_cache()
-                ids = torch.zeros(1, 1, dtype=torch.long, device=self.norm.device)
-                for _ in range(3):  # CUDA graph trees run a new graph eagerly once, then record it, then replay it
-                    generic(ids, cache)
+            generic.warm_up(self.new_cache())
             self.compile_why = generic.compile_why
             self._step = generic._graph
         except Exception as exc:  # noqa: BLE001 - whatever inductor raises, the eager step still serves

@@ -146,9 +146,11 @@ class StaticLlama:
         return self.model.norm.weight.device
 
     def compile_here(self) -> None:
-        """Compile the generic steps for this thread, where asked (lazily: each shape compiles at its first use)."""
+        """Compile the generic steps for this thread, where asked, and warm up the one-token step here (each other
+        shape compiles at its first use, on the thread that calls it)."""
         if self.compiles_here and self.generic._graph is None and not self.generic.compile_why:
             self.generic.compile()
+            self.generic.warm_up(self.new_cache())
 
     @property
     def compile_why(self) -> str:
