@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import threading
 import time
 import weakref
@@ -48,6 +49,24 @@ class OutOfMemory(SpecBranchError):
 
 def _init_thread(threads: int) -> None:
     torch.set_num_threads(threads)
+    _sanitize_this_thread()
+
+
+_sanitized: list[str] = []  # the worker threads the CUDA sanitizer checks (sanitized_threads)
+
+
+def _sanitize_this_thread() -> None:
+    """Under TORCH_CUDA_SANITIZER, have the sanitizer check this worker thread's kernels too: its dispatch mode is
+    per thread, entered at import on the main thread only, and the forwards run on the workers' threads."""
+    sanitizer = sys.modules.get("torch.cuda._sanitizer")
+    if sanitizer is not None and sanitizer.cuda_sanitizer.enabled:
+        sanitizer.cuda_sanitizer.dispatch.__enter__()
+        _sanitized.append(threading.current_thread().name)
+
+
+def sanitized_threads() -> list[str]:
+    """The worker threads of this process that the CUDA sanitizer checks (gpu-check's sanitizer section)."""
+    return list(_sanitized)
 
 
 def default_solo_threads() -> int:

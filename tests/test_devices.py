@@ -495,3 +495,27 @@ def test_distill_head_with_device_cpu(tmp_path):
     assert code == 0
     card = json.loads((tmp_path / "head" / "config.json").read_text())["specbranch_head"]
     assert card["unroll"] == 2 and len(card["val_agreement_by_depth"]) == 2
+
+
+def test_the_cuda_sanitizer_checks_the_workers_threads_too(monkeypatch):
+    """TORCH_CUDA_SANITIZER's dispatch mode is per thread, entered at import on the main thread only, while the
+    forwards run on the workers' threads: a worker thread enters it too when it is on, and says so (gpu-check's
+    sanitizer section lists the threads it checked instead of a bare "races: 0")."""
+    import types
+
+    import torch.cuda._sanitizer as sanitizer
+
+    entered = []
+
+    class Mode:
+        def __enter__(self):
+            entered.append(threading.current_thread().name)
+            return self
+
+    monkeypatch.setattr(sanitizer, "cuda_sanitizer", types.SimpleNamespace(enabled=True, dispatch=Mode()))
+    worker = Worker("sanitized")
+    try:
+        asyncio.run(worker.run(lambda: torch.ones(1), kind="decode", step=0, t0=0.0))
+    finally:
+        worker.shutdown()
+    assert entered == ["specbranch-sanitized_0"] and "specbranch-sanitized_0" in runtime.sanitized_threads()
