@@ -641,10 +641,10 @@ def test_a_draft_that_holds_again_after_a_hold_follows_the_target(tiny_engine):
         (Outcome([6], [CORRECTION], Speculation(), [0]), True),  # the target produced position 3
         (Outcome([], [], Speculation(), [0]), False),
     ):  # nothing committed yet: the hold stays
-        ds = DraftState(rows=[[2, 3, 4]], held=Drafted(-1, q, 0.0, 0.1))
+        ds = DraftState(rows=[[2, 3, 4]], held=Drafted(7, q, 0.1, 0.1))
         release_hold(state, one_hot_rows([6]), feed, outcome, ds, Policy(max_branches=3, hold=0.5))
         assert ds.after_hold is released and (ds.held is None) is released
-    ds = DraftState(rows=[[2, 3, 4, 9]], held=Drafted(-1, q, 0.0, 0.1))  # held at 4, but the target rejected 3's token
+    ds = DraftState(rows=[[2, 3, 4, 9]], held=Drafted(7, q, 0.1, 0.1))  # held at 4, but the target rejected 3's token
     release_hold(state, one_hot_rows([6]), feed, Outcome([6], [CORRECTION], Speculation(), [0]), ds, Policy(hold=0.5))
     assert ds.held is None and not ds.after_hold
 

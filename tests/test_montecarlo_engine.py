@@ -340,13 +340,17 @@ def fault_q_temperature(monkeypatch, pair) -> None:
     def token(self, probs):
         return sampling.sample_at(sharp(probs), self.u)
 
-    real = sampling.draw_candidates
+    def pick(self, probs):
+        return sampling.inverse_cdf(sharp(probs), torch.tensor([self.u], dtype=torch.float64))
 
-    def draw_candidates(q, k, scheme, generator):
-        return real(sharp(q), k, scheme, generator)
+    real = sampling.without_replacement
+
+    def without_replacement(q, u):
+        return real(sharp(q), u)
 
     monkeypatch.setattr(sampling.NextDraw, "token", token)
-    monkeypatch.setattr(drafting, "draw_candidates", draw_candidates)
+    monkeypatch.setattr(sampling.NextDraw, "pick", pick)
+    monkeypatch.setattr(drafting, "without_replacement", without_replacement)  # a fork's candidates
 
 
 def fault_stale_kv(monkeypatch, pair) -> None:

@@ -168,9 +168,9 @@ def compute_metrics(events: list[Event]) -> dict:
 
 
 def per_position(verified: list[Verified]) -> tuple[list[int], list[int]]:
-    """(accepted, reached) at each draft position: a verdict on the first branch (branch=1, fed through an accepted
-    branch point) goes on from the step's path verdict, since its tokens sit after the path and the branch point
-    (which passed)."""
+    """(accepted, reached) at each draft position: a verdict on the surviving branch (branch >= 1, judged in the pass
+    that resolved its branch point) goes on from the step's path verdict, since its tokens sit after the path and the
+    branch point (which passed)."""
     offsets, base = [], {}
     for v in verified:
         if v.branch == 0:

@@ -17,9 +17,17 @@ import torch
 from engine.drafts.process import step_fn
 from engine.events import BRANCH_DRAFT, DRAFT, DraftProposed, Event
 from engine.methods import hrad
-from engine.methods.decoding import RunState, forward
+from engine.methods.decoding import DraftRow, RunState, forward, read_row
 from engine.methods.policy import Policy, alternatives_share
-from engine.methods.sampling import NO_REPLACEMENT, TOPK, NextDraw, draw_candidates, top_alternatives
+from engine.methods.sampling import (
+    ALTERNATIVES,
+    NO_REPLACEMENT,
+    TOPK,
+    NextDraw,
+    alternatives,
+    to_host,
+    without_replacement,
+)
 from engine.methods.speculation import Branch, Drafted, Fork, Speculation
 from engine.models import cache as kv
 
@@ -33,12 +41,13 @@ class DraftState:
     linear_steps: int = 0  # linear draft steps since the last verdict
     confidence: float = 1.0  # the draft's (untempered) confidence in the token it drafted last
     held: Drafted | None = None  # where it held back (Policy.held_back), at the position after rows[0]: the row q
-    # (token -1: none drawn), its largest untempered probability (top) and the fork it could have made (alts); it
-    # drafts no further until the target has produced that position's token, or a rejection drops it
+    # (token: what its draw would have picked), its largest untempered probability (top), the fork it could have
+    # made (alts); it drafts no further until the target has produced that position's token, or a rejection drops it
     after_hold: bool = False  # the target produced the held position, and the draft has not stepped since: its next
     # step's decision is counted in holds_again
     holds_again: list[int] = field(default_factory=lambda: [1, 2])  # [first steps after a hold that held again,
     # first steps after a hold], with a prior of 1 in 2
+    later: list = field(default_factory=list)  # host work a verdict left for after the next pass has started
 
     def holding(self, spec: Speculation) -> bool:
         """The draft holds back: at the position after the path (held), or on the fork's branches (Fork.held)."""
@@ -54,33 +63,37 @@ class DraftState:
 
 
 @dataclass(slots=True)
-class DraftRow:
-    """One draft row [V], read once."""
+class BranchRows:
+    """A branch step's k draft rows, read once: each row's largest untempered probability, and the token its draw
+    picks with the exact row it was drawn from."""
 
-    top: list[float]  # its largest untempered probabilities, best first (k of them)
-    ids: list[int]  # ... their tokens
-    token: int  # what its draw picks
-    q: torch.Tensor | None  # the exact row the token was drawn from (None when greedy: a point mass)
-    conf: float  # the untempered probability of the token
-    raw: torch.Tensor  # [V]: the untempered probabilities (a fork's candidates are read from it)
+    tops: list[float]
+    tokens: list[int]
+    qs: list[torch.Tensor | None]  # None when greedy: point masses
+    confs: list[float]
+    q_xs: list[float]
+    shown: list[list[list[float]]]  # the UI's alternatives at each token
 
 
-def read_row(state: RunState, logits: torch.Tensor, draw: NextDraw, k: int) -> DraftRow:
-    """logits [V] -> DraftRow: confidence is read from the untempered distribution; the token from the row the
-    sampling settings make (state.probs), by the draw fixed before the forward."""
-    raw = logits.float().softmax(-1)  # [V]
-    best = raw.topk(min(k, raw.shape[-1]))
-    top, ids = best.values.tolist(), best.indices.tolist()
+def read_rows(state: RunState, logits: torch.Tensor, draws: list[NextDraw]) -> BranchRows:
+    """logits [k, V] -> BranchRows, in one host read (read_row's, for k rows at once)."""
+    raw = logits.float().softmax(-1)  # [k, V], untempered
+    best = raw.max(-1)
+    k = raw.shape[0]
     if state.cfg.greedy:
-        return DraftRow(top, ids, ids[0], None, top[0], raw)
-    q = state.probs(logits)
-    token = draw.token(q)
-    return DraftRow(top, ids, token, q, float(raw[token]), raw)
-
-
-def proposal(state: RunState, row: DraftRow) -> list[list[float]]:
-    """The UI's alternatives at a drafted token ([[id, q], ...]): its row's top 3 (greedy: the token, q = 1)."""
-    return [[row.token, 1.0]] if row.q is None else top_alternatives(row.q)
+        values = to_host(torch.cat([best.values.double(), best.indices.double()]))
+        tokens = [int(t) for t in values[k:]]
+        return BranchRows(values[:k], tokens, [None] * k, values[:k], [1.0] * k, [[[t, 1.0]] for t in tokens])
+    q = state.probs(logits)  # [k, V]
+    token = torch.stack([draw.pick(row) for draw, row in zip(draws, q)])  # [k]
+    at = torch.arange(k, device=q.device)
+    shown = q.topk(min(ALTERNATIVES, q.shape[-1]), -1)  # [k, a]
+    packed = [best.values, token, raw[at, token], q[at, token], shown.values.flatten(), shown.indices.flatten()]
+    v = to_host(torch.cat([t.double() for t in packed]))
+    a = shown.values.shape[-1]
+    alts = [alternatives(v[4 * k + i * a : 4 * k + (i + 1) * a], v[4 * k + (k + i) * a : 4 * k + (k + i + 1) * a])
+            for i in range(k)]  # fmt: skip
+    return BranchRows(v[:k], [int(t) for t in v[k : 2 * k]], list(q), v[2 * k : 3 * k], v[3 * k : 4 * k], alts)
 
 
 async def draft_step(
@@ -138,9 +151,9 @@ async def path_step(
             step=state.step,
             tokens=[row.token],
             pieces=state.pieces([row.token]),
-            q=q_of(row, [row.token]),
+            q=[row.q_x],
             parent_position=len(seq),
-            top=[proposal(state, row)],
+            top=[row.shown],
         )
     )
 
@@ -168,7 +181,7 @@ def hold_here(
     if not policy.held_back(odds):
         return False
     q = row.q if row.q is not None else state.probs(logits)  # the row the target's token there is measured against
-    ds.held = Drafted(-1, q, 0.0, row.top[0], alts)
+    ds.held = Drafted(row.token, q, row.conf, row.top[0], alts)  # the token its draw would pick, not drafted
     events.append(
         DraftProposed(
             step=state.step,
@@ -197,21 +210,27 @@ def fork_here(
     """Fork k branches here from the draft's candidates; False where fewer than two distinct candidates came out, so
     the path goes on. Greedy: the draft's top k (point masses: the rule needs only p, so the untempered row serves);
     sampled: k draws from q without replacement, verified in the order drawn."""
-    raw = row.raw
-    if state.cfg.greedy:
-        scheme, q, cands = TOPK, raw, [t for t, v in zip(row.ids[:k], row.top[:k]) if v > 0]
+    if state.cfg.greedy:  # the point masses: q(x) = 1 at the draft's token; the rule reads the untempered row
+        chosen = [(t, v) for t, v in zip(row.ids[:k], row.top[:k]) if v > 0]
+        scheme, q, cands, conf = TOPK, row.raw, [t for t, _ in chosen], [v for _, v in chosen]
+        qx, shown = conf, [float(c == row.token) for c in cands]
     else:
         scheme, q = NO_REPLACEMENT, row.q
-        cands = draw_candidates(q, k, scheme, state.draft_generator)
+        drawn = without_replacement(q, state.uniforms(k))  # [k]: -1 past the support
+        at = drawn.clamp(min=0)
+        values = to_host(torch.cat([drawn.double(), row.raw[at].double(), q[at].double()]))
+        cands = [int(t) for t in values[:k] if t >= 0]
+        conf, qx = values[k : k + len(cands)], values[2 * k : 2 * k + len(cands)]
+        shown = qx
     if len(cands) < 2:
         return False
-    conf = raw[cands].tolist()
     branches = [Branch(Drafted(c, q, p, row.top[0] if i == 0 else None)) for i, (c, p) in enumerate(zip(cands, conf))]
     share = alternatives_share(row.top, len(cands))
     spec.fork = Fork(
         q,
         scheme,
         branches,
+        qx=qx,
         depth=len(spec.path),
         top=row.top[0],
         share=share,
@@ -225,20 +244,15 @@ def fork_here(
             step=state.step,
             tokens=cands,
             pieces=state.pieces(cands),
-            q=q_of(row, cands),
+            q=shown,
             parent_position=position,
-            top=[proposal(state, row)],
+            top=[row.shown],
             kind="candidates",
             confidence=row.top[0],
             odds=policy.acceptance(row.top[0]),
         )
     )
     return True
-
-
-def q_of(row: DraftRow, tokens: list[int]) -> list[float]:
-    """q(x) of tokens under the row the draft samples from (greedy: a point mass at its token)."""
-    return [float(t == row.token) for t in tokens] if row.q is None else row.q[tokens].tolist()
 
 
 async def branch_step(
@@ -263,20 +277,12 @@ async def branch_step(
         solo=solo,
     )
     events.append(span)
-    raw = logits[:, -1].float().softmax(-1)  # [k, V], untempered
-    best = raw.max(-1)
-    tops = best.values.tolist()
+    rows = read_rows(state, logits[:, -1], draws)
     ds.fresh = False
-    if branches_hold(state, spec, ds, policy, tops[0], events):
+    if branches_hold(state, spec, ds, policy, rows.tops[0], events):
         return
-    ds.confidence = max(tops)  # the surest branch's
-    if state.cfg.greedy:
-        tokens, qs, confs = best.indices.tolist(), [None] * k, tops
-    else:
-        qs = list(state.probs(logits[:, -1]))  # k rows [V]
-        tokens = [draw.token(q) for draw, q in zip(draws, qs)]
-        confs = raw[torch.arange(k), torch.tensor(tokens)].tolist()
-    for i, (branch, token, q, conf) in enumerate(zip(fork.branches, tokens, qs, confs)):
+    ds.confidence = max(rows.tops)  # the surest branch's
+    for i, (branch, token, q, conf) in enumerate(zip(fork.branches, rows.tokens, rows.qs, rows.confs)):
         ds.rows[i] = ds.rows[i] + [last[i]]
         branch.tokens.append(Drafted(token, q, conf))
         events.append(
@@ -284,10 +290,10 @@ async def branch_step(
                 step=state.step,
                 tokens=[token],
                 pieces=state.pieces([token]),
-                q=[1.0 if q is None else float(q[token])],
+                q=[rows.q_xs[i]],
                 branch=i + 1,
                 parent_position=len(ds.rows[i]),
-                top=[[[token, 1.0]] if q is None else top_alternatives(q)],
+                top=[rows.shown[i]],
                 kind="branch",
             )
         )

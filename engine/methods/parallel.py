@@ -30,7 +30,7 @@ from engine.methods.decoding import RunState, crop_draft, emit, forward, share_f
 from engine.methods.drafting import DraftState, draft_until_verdict, head_start, hrad_features
 from engine.methods.policy import Policy
 from engine.methods.speculation import Feed, Speculation, feed_limit, plan_branches
-from engine.methods.verdict import Outcome, missed_rescue, resolve
+from engine.methods.verdict import Outcome, greedy_rescue, missed_rescue, resolve
 from engine.models import cache as kv
 
 
@@ -45,7 +45,8 @@ def parallel_decode(state: RunState, policy: Policy):
         await head_start(state, spec, ds, policy, events)
         feed = plan_feed(state, spec, policy)
         target_job = asyncio.ensure_future(verify_pass(state, spec, feed, policy, events))
-        try:  # the draft drafts ahead while the target verifies
+        try:  # the draft drafts ahead while the target verifies; the last verdict's sampled probes run first
+            run_later(ds)
             await draft_until_verdict(state, spec, ds, policy, target_job, events)
             out = await target_job
         except BaseException:
@@ -92,7 +93,7 @@ def verify_round(
     still hangs off the committed tokens."""
     start, fed = len(state.target_seq), feed.ids(spec)
     result = resolve(state, spec, feed, out.logits, events)
-    learn(policy, result)
+    learn(policy, result, ds)
     if ds.held is not None:
         release_hold(state, out.logits, feed, result, ds, policy)
     if result.dropped:
@@ -109,19 +110,36 @@ def verify_round(
     if out.hidden_states is not None and not new.path and new.fork is None and not state.finish_reason:
         ds.hrad_features = hrad_features(state, out.hidden_states, result.kept[-1])
     if state.finish_reason:
+        run_later(ds)
         return Speculation()
     sync_draft(state, ds, new)
     ds.fresh, ds.linear_steps = True, 0
     return new
 
 
-def learn(policy: Policy, result: Outcome) -> None:
-    """The measured tables learn from the verdict: the acceptance by confidence, and the rescues."""
+def learn(policy: Policy, result: Outcome, ds: DraftState) -> None:
+    """The measured tables learn from the verdict: the acceptance by confidence, and the rescues (a sampled
+    missed_rescue's play once the next target pass has started: run_later)."""
     if policy.calibration is not None:
         for top, accepted in result.judged:
             policy.calibration.record(top, accepted)
     if policy.rescues is not None and result.rescue is not None:
         policy.rescues.record(*result.rescue)
+    if policy.rescues is not None and result.probe is not None:
+        probe = result.probe
+        ds.later.append(lambda: record(policy.rescues, probe()))
+
+
+def record(table, verdict: tuple[float, bool] | None) -> None:
+    if verdict is not None:
+        table.record(*verdict)
+
+
+def run_later(ds: DraftState) -> None:
+    """What the last verdict left for later (DraftState.later): host work off the critical path, beside the pass."""
+    for job in ds.later:
+        job()
+    ds.later.clear()
 
 
 def keep_verified(state: RunState, fed: list[int], start: int, result: Outcome, out, events: list[Event]) -> None:
@@ -150,14 +168,29 @@ def release_hold(state: RunState, logits: torch.Tensor, feed: Feed, result: Outc
     if common_prefix(ds.rows[0], line) < at:
         ds.held = None
     elif len(state.tokens) + len(result.tokens) > at:
-        p = state.probs(logits[feed.path_rows()[at - len(state.tokens)]])
-        held = ds.held
-        if policy.calibration is not None:
-            policy.calibration.record(held.top, float(torch.minimum(p, held.q).sum()))
-        missed = missed_rescue(p, held.q, held.alts, None, state.cfg.greedy, state.probe_generator)
-        if policy.rescues is not None and missed is not None:
-            policy.rescues.record(*missed)
+        held, i = ds.held, at - len(state.tokens)
+        if state.cfg.greedy:  # the target's token there is known: q is a point mass at the draft's argmax
+            target = result.tokens[i]
+            missed = None if held.alts is None else greedy_rescue(held.alts, target)
+            learn_held(policy, held.top, float(held.token == target), missed)
+        else:
+            row = logits[feed.path_rows()[i]]
+
+            def later():
+                p = state.probs(row)
+                missed = missed_rescue(p, held.q, held.alts, None, False, state.probe_generator)
+                learn_held(policy, held.top, float(torch.minimum(p, held.q).sum()), missed)
+
+            ds.later.append(later)
         ds.held, ds.after_hold = None, True
+
+
+def learn_held(policy: Policy, top: float, acceptance: float, missed: tuple[float, bool] | None) -> None:
+    """A held position the target produced: the acceptance the held token would have had, and the missed rescue."""
+    if policy.calibration is not None:
+        policy.calibration.record(top, acceptance)
+    if policy.rescues is not None:
+        record(policy.rescues, missed)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -171,7 +204,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 def collapse_draft(state: RunState, ds: DraftState, row: int) -> None:
     """Keep one cache row (the surviving branch, or any when all speculation is dropped)."""
     if len(ds.rows) > 1:
-        state.draft_cache.batch_select_indices(torch.tensor([row]))
+        kv.select_row(state.draft_cache, row)
         ds.rows = [ds.rows[row]]
 
 

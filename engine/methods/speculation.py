@@ -60,6 +60,7 @@ class Fork:
     share: float | None = None  # alternatives_share there (what Policy.rescues learns from)
     odds: float = 1.0  # Policy.holds_up there: the odds that one of the candidates survives
     held: bool = False  # a branch step held back (drafting.branch_step): no branch goes further until the verdict
+    qx: list[float] = field(default_factory=list)  # each candidate's probability under q (what the event shows)
 
     @property
     def candidates(self) -> list[int]:

@@ -13,6 +13,7 @@ one read of it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -21,15 +22,16 @@ from engine.events import ACCEPTED, BONUS, CORRECTION, RESCUED, BranchResolved, 
 from engine.methods.decoding import RunState
 from engine.methods.sampling import (
     NO_REPLACEMENT,
-    TOPK,
     CandidateVerdict,
     Verdict,
     candidate_q,
     check_block,
     check_candidates,
     draw_candidates,
+    greedy_block,
     residual_distribution,
     settle,
+    to_host,
     verify_candidates,
 )
 from engine.methods.speculation import Drafted, Feed, Fork, Speculation
@@ -50,6 +52,8 @@ class Outcome:
     # drafted token judged where that probability is known: what AcceptanceCalibration learns from
     rescue: tuple[float, bool] | None = None  # (Fork.share, rescued) where a fork's first candidate was rejected,
     # or where a path token was rejected: whether a fork there would have rescued it (missed_rescue)
+    probe: Callable[[], tuple[float, bool] | None] | None = None  # sampled: that fork's play (missed_rescue), left
+    # for after the next target pass has started (parallel.learn): its draws and reads are not on the critical path
 
 
 @dataclass
@@ -66,8 +70,8 @@ def judge(state: RunState, spec: Speculation, feed: Feed, logits: torch.Tensor) 
     fork_row = spec.fork is not None and feed.path == len(spec.path)
     fed = range(len(feed.branches)) if fork_row else range(0)
     if state.cfg.greedy:
-        best = logits.argmax(-1).tolist()  # [T]: the one read of a greedy verdict
-        path = greedy_line(spec.path, [best[r] for r in feed.path_rows()], ends=spec.fork is None)
+        best = [int(t) for t in to_host(logits.argmax(-1))]  # [T]: the one read of a greedy verdict
+        path = greedy_block([d.token for d in spec.path], [best[r] for r in feed.path_rows()], spec.fork is None)
         fork = greedy_fork(spec.fork, best[feed.fork_row()]) if fork_row else None
         branches = [branch_verdict(spec.fork.branches[i], feed, i, best) for i in fed]
         return Judgements(path, fork, branches)
@@ -86,21 +90,6 @@ def judge(state: RunState, spec: Speculation, feed: Feed, logits: torch.Tensor) 
     return Judgements(path, rest[0] if rest else None, rest[1:])
 
 
-def greedy_line(tokens: list[Drafted], best: list[int], ends: bool) -> Verdict:
-    """The rule on a line at T=0: accept while a token is its row's argmax; the first that is not is corrected to it;
-    where every judged token holds and nothing follows (`ends`), a spare row gives the bonus token."""
-    n = 0
-    while n < min(len(tokens), len(best)) and tokens[n].token == best[n]:
-        n += 1
-    tried = min(n + 1, len(tokens), len(best))
-    p, q, u = [1.0] * n + [0.0] * (tried - n), [1.0] * tried, [-1.0] * tried
-    if n < min(len(tokens), len(best)):
-        return Verdict(n, best[n], 1.0, False, p, q, u)
-    if ends and len(best) > n:
-        return Verdict(n, best[n], 1.0, True, p, q, u)
-    return Verdict(n, None, 0.0, False, p, q, u)
-
-
 def greedy_fork(fork: Fork, best: int) -> CandidateVerdict:
     """The multi-candidate rule at T=0: the candidate that is the target's argmax survives; none: the argmax."""
     index = next((i for i, c in enumerate(fork.candidates) if c == best), None)
@@ -111,7 +100,7 @@ def greedy_fork(fork: Fork, best: int) -> CandidateVerdict:
 
 def branch_verdict(branch, feed: Feed, i: int, best: list[int]) -> Verdict | None:
     rows = feed.branch_rows(i)
-    return greedy_line(branch.tokens, [best[r] for r in rows], ends=True) if len(rows) else None
+    return greedy_block([d.token for d in branch.tokens], [best[r] for r in rows], True) if len(rows) else None
 
 
 def line_check(state: RunState, tokens: list[Drafted], rows: torch.Tensor, ends: bool):
@@ -127,7 +116,7 @@ def resolve(state: RunState, spec: Speculation, feed: Feed, logits: torch.Tensor
     """The verdict on the speculation: the path's, then, where the path holds up and the rows reach it, the fork's
     and its surviving branch's."""
     j = judge(state, spec, feed, logits)
-    record_line(state, [d.token for d in spec.path], j.path, 0, events)
+    record_line(state, [d.token for d in spec.path[: len(feed.path_rows())]], j.path, 0, events)
     n = j.path.accepted
     if j.path.next_token is not None:  # a rejection on the path, or a bonus after it
         return path_ends(state, spec, feed, logits, j.path)
@@ -141,11 +130,17 @@ def resolve(state: RunState, spec: Speculation, feed: Feed, logits: torch.Tensor
 def path_ends(state: RunState, spec: Speculation, feed: Feed, logits: torch.Tensor, v: Verdict) -> Outcome:
     """A verdict that ends on the path: a rejection there (everything after it is rolled back), or a bonus token."""
     n, path = v.accepted, spec.path
-    missed = None
+    missed = probe = None
     if not v.bonus and n < len(path) and path[n].alts is not None:
-        row = logits[feed.path_rows()[n]]  # greedy reads its argmax; sampled, its distribution
-        p = row if state.cfg.greedy else state.probs(row)
-        missed = missed_rescue(p, path[n].q, path[n].alts, path[n].token, state.cfg.greedy, state.probe_generator)
+        if state.cfg.greedy:  # exact: was the target's token (the correction) among the draft's 2nd to kth?
+            missed = greedy_rescue(path[n].alts, v.next_token)
+        else:
+            row, d = logits[feed.path_rows()[n]], path[n]
+
+            def probe():
+                p = state.probs(row)
+                return missed_rescue(p, d.q, d.alts, d.token, False, state.probe_generator)
+
     return Outcome(
         [d.token for d in path[:n]] + [v.next_token],
         [ACCEPTED] * n + [BONUS if v.bonus else CORRECTION],
@@ -155,6 +150,7 @@ def path_ends(state: RunState, spec: Speculation, feed: Feed, logits: torch.Tens
         "superseded" if v.bonus else "rejected",
         judged=judged_path(path, n, not v.bonus),
         rescue=missed,
+        probe=probe,
     )
 
 
@@ -187,7 +183,8 @@ def fork_resolved(
         return Outcome(
             tokens, kinds, pending, feed.kept(n, cv.index), losers, "losing branches", cv.index, judged, rescue
         )
-    record_line(state, [d.token for d in branch.tokens], bv, cv.index + 1, events)
+    judged_tokens = branch.tokens[: len(feed.branch_rows(cv.index))]
+    record_line(state, [d.token for d in judged_tokens], bv, cv.index + 1, events)
     m = bv.accepted
     tokens, kinds = tokens + [d.token for d in branch.tokens[:m]], kinds + [ACCEPTED] * m
     kept = feed.kept(n, cv.index, m)
@@ -209,7 +206,7 @@ def branch_resolved(state: RunState, fork: Fork, cv: CandidateVerdict, position:
         position=position,
         candidates=fork.candidates,
         pieces=state.pieces(fork.candidates),
-        q=[b.candidate.conf if fork.scheme == TOPK else float(fork.q[b.candidate.token]) for b in fork.branches],
+        q=fork.qx or [b.candidate.conf for b in fork.branches],
         p=cv.p,
         u=cv.u,
         scheme=fork.scheme,
@@ -222,9 +219,9 @@ def branch_resolved(state: RunState, fork: Fork, cv: CandidateVerdict, position:
     )
 
 
-def record_line(state: RunState, tokens: list[int], v: Verdict, branch: int, events: list[Event]) -> None:
-    """The Verified event of a verdict on a linear run (branch: 0 for the path, i + 1 for the fork's branch i)."""
-    checked = tokens[: len(v.q)]
+def record_line(state: RunState, checked: list[int], v: Verdict, branch: int, events: list[Event]) -> None:
+    """The Verified event of a verdict on a linear run (branch: 0 for the path, i + 1 for the fork's branch i):
+    `checked`, the tokens the pass's rows judged (those after a rejection count as judged, never as tried)."""
     events.append(
         Verified(
             step=state.step,
@@ -248,6 +245,13 @@ def judged_path(path: list[Drafted], accepted: int, rejected: bool) -> list[tupl
     return [(d.top, i < accepted) for i, d in enumerate(path[: accepted + rejected]) if d.top is not None]
 
 
+def greedy_rescue(alts: tuple[float, list[int]], target: int) -> tuple[float, bool] | None:
+    """missed_rescue at T=0 where the target's token is known: None where the draft's own token was the target's,
+    else (the alternatives' share, whether the target's token was among the draft's 2nd to kth)."""
+    share, top_k = alts
+    return None if top_k[0] == target else (share, target in top_k[1:])
+
+
 def missed_rescue(
     p: torch.Tensor,
     q: torch.Tensor | None,
@@ -269,8 +273,7 @@ def missed_rescue(
         return None
     share, top_k = alts
     if greedy:
-        best = int(p.argmax())
-        return None if top_k[0] == best else (share, best in top_k[1:])
+        return greedy_rescue(alts, int(p.argmax()))
     if first is None:  # the whole fork: its first candidate may survive
         cands = draw_candidates(q, len(top_k), NO_REPLACEMENT, probe)
         cv = verify_candidates(p, q, cands, NO_REPLACEMENT, probe, False)

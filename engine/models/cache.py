@@ -6,6 +6,7 @@ transformers 5 `DynamicCache.crop(n)` takes a *negative* n: the number of positi
 
 from __future__ import annotations
 
+import torch
 from transformers import DynamicCache
 
 
@@ -43,3 +44,12 @@ def keep_rows(cache, start: int, rows: list[int]) -> None:
     if rows != list(range(len(rows))):
         raise ValueError("only a static cache keeps a branch of a token tree")
     rollback(cache, start + len(rows))
+
+
+def select_row(cache, row: int) -> None:
+    """Keep one row of a cache of several (a fork resolved): by its index as a number where the cache takes one
+    (the lean draft's BranchKV, a draft in its own process: no tensor read for it), else as transformers' caches do."""
+    if hasattr(cache, "select_row"):
+        cache.select_row(row)
+    else:
+        cache.batch_select_indices(torch.tensor([row]))

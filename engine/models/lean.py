@@ -286,6 +286,10 @@ class BranchKV(KVBuffer):
     def batch_select_indices(self, idx: torch.Tensor) -> None:
         self._regroup([int(i) % self.branches for i in idx.tolist()])
 
+    def select_row(self, row: int) -> None:
+        """Keep branch `row` alone (cache.select_row)."""
+        self._regroup([row % self.branches])
+
     def shared_length(self) -> int:
         return self.shared
 
