@@ -93,12 +93,14 @@ def test_fast_linears_routes_the_layers_not_the_head(tmp_path):
     torch.testing.assert_close(fast, plain, rtol=1e-4, atol=1e-4)
 
 
-def test_engine_greedy_equals_ar_with_routed_layers(tiny_engine):
+def test_engine_greedy_equals_ar_with_routed_layers(tiny_engine, tiny_reference):
     """Speculation verifies a few rows at a time (the multi-row layout) while AR decodes one (the one-row
-    layout): greedy output stays identical."""
+    layout): greedy output stays identical, and is transformers' own greedy generate() on a model without the routed
+    layers (conftest.tiny_reference)."""
     assert any(getattr(m, "_fast_layout", False) for m in tiny_engine.pair.target.model.modules())
     for prompt in ([2, 3, 4, 5], [8] * 6):
         want = tiny_engine.run(prompt, GenerationConfig(method="ar", max_new_tokens=40)).token_ids
+        assert want == tiny_reference(prompt, 40)
         for method in ("sd", "pearl", "specbranch"):
             r = tiny_engine.run(prompt, GenerationConfig(method=method, max_new_tokens=40, gamma=3, epsilon=0.7))
             assert r.token_ids == want, method

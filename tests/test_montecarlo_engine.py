@@ -10,7 +10,8 @@ budget, and SpecBranch forks (with 2 and 3 candidates, and rescues) in most runs
 generator seeded by the run's seed (seeded_schedule), not left to this machine's timing, so every figure below
 reproduces exactly; the real overlapped timing is exercised by tests/test_parallel_lossless.py.
 
-The reference is independent of the engine: the target's rows from transformers' own forward of the model over each
+The reference is independent of the engine: the target's rows from transformers' own forward of the model (loaded
+apart from the engine's, so none of the engine's kernels run in it: tests/reference.py `transformers_model`) over each
 output, turned into probabilities by a float64 softmax with the tests' own temperature / top-k / top-p
 (tests/reference.py `processed`), never engine.methods.sampling.logits_to_probs. Three statistics, Bonferroni-combined
 (the
@@ -72,7 +73,7 @@ from engine.models import cache
 from engine.models.loading import load_pair
 
 from .conftest import schedule_draft, tiny_tokenizer
-from .reference import processed
+from .reference import processed, transformers_model
 
 WORDS = ["<unk>", "<eos>", "a", "b", "c", "d"]  # V = 6
 EOS = 1
@@ -443,7 +444,14 @@ def pair(tmp_path_factory):
     )
 
 
-def monte_carlo(pair, cfg: GenerationConfig, monkeypatch) -> tuple[float, dict, Runs]:
+@pytest.fixture(scope="module")
+def reference(pair):
+    """The target as transformers' own model, loaded apart from the engine's (none of the engine's kernels run in
+    it): the verdict's rows come from it."""
+    return transformers_model(pair.target.name)
+
+
+def monte_carlo(pair, reference, cfg: GenerationConfig, monkeypatch) -> tuple[float, dict, Runs]:
     """N seeded runs of cfg through a fresh Engine (its calibration tables start empty, so the runs do not depend on
     the tests before), on the seeded schedule; the verdict against the target. One torch thread for the draft's solo
     steps too: switching a worker's thread count costs milliseconds a step here, and the bits are the same."""
@@ -453,15 +461,15 @@ def monte_carlo(pair, cfg: GenerationConfig, monkeypatch) -> tuple[float, dict, 
         runs = run_many(engine, cfg, N)
     finally:
         engine.close()
-    p, ps = verdict(pair.target.model, cfg, runs.counts, N)
+    p, ps = verdict(reference, cfg, runs.counts, N)
     return p, ps, runs
 
 
 @pytest.mark.parametrize("sampling", list(SAMPLING))
 @pytest.mark.parametrize("method", list(METHODS))
-def test_engine_output_follows_the_target(pair, method, sampling, monkeypatch):
+def test_engine_output_follows_the_target(pair, reference, method, sampling, monkeypatch):
     cfg = config(method, sampling)
-    p, ps, runs = monte_carlo(pair, cfg, monkeypatch)
+    p, ps, runs = monte_carlo(pair, reference, cfg, monkeypatch)
     print(
         f"{method} {sampling}: p = {p:.3g} {ps} chains {dict(sorted(runs.chains.items()))} eos {runs.eos} "
         f"forks {dict(runs.forks)} rescues {runs.rescues} bonus {runs.bonus}"
@@ -480,9 +488,9 @@ FAULT_CASES = [("q_temperature", "sd"), ("stale_kv", "pearl"), ("bonus_row", "sd
 
 
 @pytest.mark.parametrize("fault, method", FAULT_CASES)
-def test_the_same_test_catches_a_fault_in_the_plumbing(pair, fault, method, monkeypatch):
+def test_the_same_test_catches_a_fault_in_the_plumbing(pair, reference, fault, method, monkeypatch):
     """Negative controls: each fault patched into the engine, the same Monte Carlo test at the same N rejects."""
     FAULTS[fault](monkeypatch, pair)
-    p, ps, runs = monte_carlo(pair, config(method), monkeypatch)
+    p, ps, runs = monte_carlo(pair, reference, config(method), monkeypatch)
     print(f"{fault} on {method}: p = {p:.3g} {ps}")
     assert p < ALPHA, ps

@@ -142,12 +142,13 @@ def test_greedy_equals_generate(embedded_target, greedy_references, method, extr
 
 @pytest.mark.parametrize("method", ["pearl", "specbranch", "specbranch-no-hrad", "specbranch-fixed"])
 @pytest.mark.parametrize("gamma", [2, 3, 6])
-def test_long_runs_to_the_context_end_match_ar(tiny_engine, method, gamma):
+def test_long_runs_to_the_context_end_match_ar(tiny_engine, tiny_reference, method, gamma):
     """Many rounds, forks placed mid-path and kept across rounds, the context's end: greedy output
-    equals AR's, and sampled runs complete with every token accounted for."""
+    equals AR's, which is transformers' own greedy generate() (conftest.tiny_reference), and sampled runs complete
+    with every token accounted for."""
     for prompt in ([2, 3, 4, 5], [8] * 10):
         want = tiny_engine.run(prompt, GenerationConfig(method="ar", max_new_tokens=100)).token_ids
-        assert len(want) == 64 - len(prompt)
+        assert len(want) == 64 - len(prompt) and want == tiny_reference(prompt, 100)
         for epsilon in (0.5, 0.7, 1.0):
             cfg = dict(
                 method=method,
