@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,17 @@ def schedule_draft(monkeypatch, looks) -> None:
         await real(state, spec, ds, policy, VerdictAt(looks(state)), events)
 
     monkeypatch.setattr(parallel, "draft_until_verdict", draft_until_verdict)
+
+
+def seeded_schedule(monkeypatch) -> None:
+    """schedule_draft with each round's draft steps beside the target's pass, 1 to 2γ (as a machine's timing could
+    make them), drawn from a generator seeded by the run's seed: every run is reproducible, and every depth is
+    exercised."""
+
+    def looks(state) -> int:
+        return state.__dict__.setdefault("schedule", random.Random(state.cfg.seed)).randrange(2 * state.cfg.gamma)
+
+    schedule_draft(monkeypatch, looks)
 
 
 def free_port() -> int:

@@ -161,9 +161,11 @@ def test_greedy_output_through_the_child_is_the_targets(process_engine, tiny_ref
     "method, extra",
     [("specbranch", dict(gamma=3, branches=3, epsilon=1.0, head_start=0.2)), ("pearl", dict(gamma=3, head_start=0.01))],
 )
-def test_sampled_output_through_the_child_follows_the_target(process_engine, method, extra):
+def test_sampled_output_through_the_child_follows_the_target(
+    process_engine, tiny_reference_model, method, extra, monkeypatch
+):
     taken = process_engine.pair.draft.steps_taken_ahead
-    check_sampled(process_engine, method, extra)
+    check_sampled(process_engine, tiny_reference_model, method, extra, monkeypatch)
     if method == "pearl":  # its head start's second step was served by the sampled step taken ahead (SpecBranch here
         # forks at every step, and a fork undoes the step taken ahead), and its output still follows the target
         assert process_engine.pair.draft.steps_taken_ahead > taken

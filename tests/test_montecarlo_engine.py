@@ -8,7 +8,8 @@ verdicts accept chains of 2 and 3 drafted tokens (counted and asserted), outputs
 budget, and SpecBranch forks (with 2 and 3 candidates, and rescues) in most runs. Each test is N = 400 runs, seeds
 0..N-1, on a fresh Engine. How many steps the draft takes beside each target pass (PEARL, SpecBranch) is drawn from a
 generator seeded by the run's seed (seeded_schedule), not left to this machine's timing, so every figure below
-reproduces exactly; the real overlapped timing is exercised by tests/test_parallel_lossless.py.
+reproduces exactly; the real overlapped timing is exercised by the greedy tests of tests/test_parallel_lossless.py
+(test_long_runs_to_the_context_end_match_ar) and tests/test_greedy_equivalence.py.
 
 The reference is independent of the engine: the target's rows from transformers' own forward of the model (loaded
 apart from the engine's, so none of the engine's kernels run in it: tests/reference.py `transformers_model`) over each
@@ -56,7 +57,6 @@ passes silently.
 from __future__ import annotations
 
 import math
-import random
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -72,7 +72,7 @@ from engine.methods import decoding, parallel, sampling
 from engine.models import cache
 from engine.models.loading import load_pair
 
-from .conftest import schedule_draft, tiny_tokenizer
+from .conftest import seeded_schedule, tiny_tokenizer
 from .reference import processed, transformers_model
 
 WORDS = ["<unk>", "<eos>", "a", "b", "c", "d"]  # V = 6
@@ -297,16 +297,6 @@ class Runs:
     forks: Counter = field(default_factory=Counter)  # branch points resolved, by their number of candidates
     rescues: int = 0  # ... where a candidate other than the draft's own survived
     bonus: int = 0  # bonus tokens
-
-
-def seeded_schedule(monkeypatch) -> None:
-    """Each round, the draft steps beside the target's pass 1 to 2γ times (as a machine's timing could make it),
-    drawn from a generator seeded by the run's seed: every run is reproducible, and every depth is exercised."""
-
-    def looks(state) -> int:
-        return state.__dict__.setdefault("schedule", random.Random(state.cfg.seed)).randrange(2 * state.cfg.gamma)
-
-    schedule_draft(monkeypatch, looks)
 
 
 def run_many(engine: Engine, cfg: GenerationConfig, n: int) -> Runs:
