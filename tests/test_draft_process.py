@@ -161,6 +161,7 @@ def test_greedy_output_through_the_child_is_the_targets(process_engine, tiny_ref
     "method, extra",
     [("specbranch", dict(gamma=3, branches=3, epsilon=1.0, head_start=0.2)), ("pearl", dict(gamma=3, head_start=0.01))],
 )
+@pytest.mark.slow
 def test_sampled_output_through_the_child_follows_the_target(
     process_engine, tiny_reference_model, method, extra, monkeypatch
 ):

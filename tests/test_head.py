@@ -138,6 +138,7 @@ def test_head_greedy_equals_target_to_context_end(head_engine, method, extra):
         ("specbranch", dict(gamma=3, branches=3, epsilon=1.0)),
     ],
 )
+@pytest.mark.slow
 def test_head_sampled_follows_target(tiny_target, head_engine, method, extra, monkeypatch):
     """The first 3 tokens of 1,500 seeded runs against the target's exact distribution (transformers' own model,
     loaded apart from the engine's). How far the draft drafts beside each pass is drawn from the run's seed

@@ -75,6 +75,8 @@ from engine.models.loading import load_pair
 from .conftest import seeded_schedule, tiny_tokenizer
 from .reference import processed, transformers_model
 
+pytestmark = pytest.mark.slow  # minutes of CPU: `make test` runs it, `make test-fast` leaves it out
+
 WORDS = ["<unk>", "<eos>", "a", "b", "c", "d"]  # V = 6
 EOS = 1
 PROMPT = [2, 3, 4]

@@ -57,6 +57,7 @@ def rounds_computed_at_once(events) -> int:
         ("specbranch", dict(gamma=3, branches=3, epsilon=1.0, head_start=0.2)),  # the draft leads short blocks
     ],
 )
+@pytest.mark.slow
 def test_sampled_first_tokens_follow_target(tiny_engine, tiny_reference_model, method, extra, monkeypatch):
     check_sampled(tiny_engine, tiny_reference_model, method, extra, monkeypatch)
 
@@ -68,6 +69,7 @@ def test_sampled_first_tokens_follow_target(tiny_engine, tiny_reference_model, m
         pytest.param("self", "int4", marks=pytest.mark.skipif(not int4_supported(), reason="no CPU int4 kernel")),
     ],
 )
+@pytest.mark.slow
 def test_sampled_output_is_exact_with_a_low_precision_draft(
     tiny_dirs, tiny_reference_model, draft, matmul, monkeypatch
 ):
