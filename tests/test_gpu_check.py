@@ -14,6 +14,7 @@ from engine.measure import gpu_check
 from engine.measure.gpu_check import SECTIONS, first_divergence, run_check
 
 
+@pytest.mark.slow
 def test_the_dry_run_writes_every_section(tmp_path):
     # the caps are the check's own business (the next test); here each section must finish and be right, however
     # busy the machine that runs the suite is

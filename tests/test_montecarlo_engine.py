@@ -8,9 +8,11 @@ verdicts accept chains of 2 and 3 drafted tokens (counted and asserted), outputs
 budget, and SpecBranch forks (with 2 and 3 candidates, and rescues) in most runs. Each test is N = 400 runs, seeds
 0..N-1, on a fresh Engine. How many steps the draft takes beside each target pass (PEARL, SpecBranch) is drawn from a
 generator seeded by the run's seed (seeded_schedule), not left to this machine's timing, so every figure below
-reproduces exactly; the real overlapped timing is exercised by tests/test_parallel_lossless.py.
+reproduces exactly; the real overlapped timing is exercised by the greedy tests of tests/test_parallel_lossless.py
+(test_long_runs_to_the_context_end_match_ar) and tests/test_greedy_equivalence.py.
 
-The reference is independent of the engine: the target's rows from transformers' own forward of the model over each
+The reference is independent of the engine: the target's rows from transformers' own forward of the model (loaded
+apart from the engine's, so none of the engine's kernels run in it: tests/reference.py `transformers_model`) over each
 output, turned into probabilities by a float64 softmax with the tests' own temperature / top-k / top-p
 (tests/reference.py `processed`), never engine.methods.sampling.logits_to_probs. Three statistics, Bonferroni-combined
 (the
@@ -55,7 +57,6 @@ passes silently.
 from __future__ import annotations
 
 import math
-import random
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -72,8 +73,10 @@ from engine.methods import verdict as verdicts
 from engine.models import cache
 from engine.models.loading import load_pair
 
-from .conftest import schedule_draft, tiny_tokenizer
-from .reference import processed
+from .conftest import seeded_schedule, tiny_tokenizer
+from .reference import processed, transformers_model
+
+pytestmark = pytest.mark.slow  # minutes of CPU: `make test` runs it, `make test-fast` leaves it out
 
 WORDS = ["<unk>", "<eos>", "a", "b", "c", "d"]  # V = 6
 EOS = 1
@@ -299,16 +302,6 @@ class Runs:
     bonus: int = 0  # bonus tokens
 
 
-def seeded_schedule(monkeypatch) -> None:
-    """Each round, the draft steps beside the target's pass 1 to 2γ times (as a machine's timing could make it),
-    drawn from a generator seeded by the run's seed: every run is reproducible, and every depth is exercised."""
-
-    def looks(state) -> int:
-        return state.__dict__.setdefault("schedule", random.Random(state.cfg.seed)).randrange(2 * state.cfg.gamma)
-
-    schedule_draft(monkeypatch, looks)
-
-
 def run_many(engine: Engine, cfg: GenerationConfig, n: int) -> Runs:
     runs = Runs()
     for seed in range(n):
@@ -443,7 +436,14 @@ def pair(tmp_path_factory):
     )
 
 
-def monte_carlo(pair, cfg: GenerationConfig, monkeypatch) -> tuple[float, dict, Runs]:
+@pytest.fixture(scope="module")
+def reference(pair):
+    """The target as transformers' own model, loaded apart from the engine's (none of the engine's kernels run in
+    it): the verdict's rows come from it."""
+    return transformers_model(pair.target.name)
+
+
+def monte_carlo(pair, reference, cfg: GenerationConfig, monkeypatch) -> tuple[float, dict, Runs]:
     """N seeded runs of cfg through a fresh Engine (its calibration tables start empty, so the runs do not depend on
     the tests before), on the seeded schedule; the verdict against the target. One torch thread for the draft's solo
     steps too: switching a worker's thread count costs milliseconds a step here, and the bits are the same."""
@@ -453,15 +453,15 @@ def monte_carlo(pair, cfg: GenerationConfig, monkeypatch) -> tuple[float, dict, 
         runs = run_many(engine, cfg, N)
     finally:
         engine.close()
-    p, ps = verdict(pair.target.model, cfg, runs.counts, N)
+    p, ps = verdict(reference, cfg, runs.counts, N)
     return p, ps, runs
 
 
 @pytest.mark.parametrize("sampling", list(SAMPLING))
 @pytest.mark.parametrize("method", list(METHODS))
-def test_engine_output_follows_the_target(pair, method, sampling, monkeypatch):
+def test_engine_output_follows_the_target(pair, reference, method, sampling, monkeypatch):
     cfg = config(method, sampling)
-    p, ps, runs = monte_carlo(pair, cfg, monkeypatch)
+    p, ps, runs = monte_carlo(pair, reference, cfg, monkeypatch)
     print(
         f"{method} {sampling}: p = {p:.3g} {ps} chains {dict(sorted(runs.chains.items()))} eos {runs.eos} "
         f"forks {dict(runs.forks)} rescues {runs.rescues} bonus {runs.bonus}"
@@ -480,9 +480,9 @@ FAULT_CASES = [("q_temperature", "sd"), ("stale_kv", "pearl"), ("bonus_row", "sd
 
 
 @pytest.mark.parametrize("fault, method", FAULT_CASES)
-def test_the_same_test_catches_a_fault_in_the_plumbing(pair, fault, method, monkeypatch):
+def test_the_same_test_catches_a_fault_in_the_plumbing(pair, reference, fault, method, monkeypatch):
     """Negative controls: each fault patched into the engine, the same Monte Carlo test at the same N rejects."""
     FAULTS[fault](monkeypatch, pair)
-    p, ps, runs = monte_carlo(pair, config(method), monkeypatch)
+    p, ps, runs = monte_carlo(pair, reference, config(method), monkeypatch)
     print(f"{fault} on {method}: p = {p:.3g} {ps}")
     assert p < ALPHA, ps

@@ -192,6 +192,7 @@ class HeadLM:
 
     reads_target_features = True
     lean = False  # the head has a forward of its own (engine/models/lean.py is for standalone Llama drafts)
+    compile_why = ""  # never compiled, so never eager against a request (models.LM.compile_why)
 
     def __init__(
         self, name: str, head: FeatureHead, target_lm, head_ids: torch.Tensor, tokenizer, matmul: str = "float32"
@@ -217,6 +218,10 @@ class HeadLM:
     @property
     def context_length(self) -> int:
         return int(getattr(self.model.config, "max_position_embeddings", 2048))
+
+    def compile_status(self) -> tuple[str, str]:
+        """(state, why) as models.LM.compile_status has it: always "off", a head's steps are not compiled."""
+        return "off", ""
 
     def new_cache(self) -> HeadCache:
         return HeadCache(self.model.config, self.context_length + 1, self.device, self.dtype)

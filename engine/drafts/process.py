@@ -102,8 +102,9 @@ def _stop(conn, process) -> None:
         pass
     try:
         process.wait(timeout=5)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired:  # still loading (a busy machine): it reads the closed connection only after
         process.kill()
+        process.wait()  # reaped, so the child is gone when close returns
 
 
 def _start(recipe: dict, low: bool = False):
