@@ -1,6 +1,9 @@
 """Monte Carlo through the engine with real blocks: whole sampled outputs of sd, PEARL and SpecBranch (k = 2, 3), at
-T = 1 and at T = 0.8 with top-k 4 and top-p 0.9, follow the target's exact distribution; and the same test, at the same
-N, rejects each of four faults patched into the engine's plumbing.
+T = 1 and at T = 0.8 with top-k 4 and top-p 0.9, follow the target's exact distribution; so do the settings that ship
+(engine/presets.py: the hold, on a fork's branches too, head starts and draft stops, the draft in its own process,
+the int4 self-draft), with floors on the holds, head starts and forks they made; every accepted or rescued token is
+one the draft proposed at its position (check_provenance, every run); and the same test, at the same N, rejects each
+of six faults patched into the engine.
 
 Set-up. A tiny random-weight one-layer Llama target over V = 6 tokens with an EOS, and a draft that is the target with
 noise on every weight (tiny_llama). γ = 3 and NEW = 8 new tokens a run: the prefill's token, then blocks of 3, so
@@ -36,6 +39,12 @@ Observed (N = 400, these seeds; p is the combined p-value, then whole outputs / 
           (b) one stale target KV position (pearl):     5.7e-142 (1.5e-137 / 1.9e-142 / 3.4e-35)
           (c) bonus drawn from the wrong row (sd):      7.9e-12 (0.18 / 2.6e-12 / 0.10)
           (d) surviving branch's q shifted (specbranch k=3): 8.3e-58 (1.2e-32 / 2.8e-58 / 7.5e-7)
+          (e) a hold decided after the draw (specbranch, the often-wrong preset): 2.5e-7 (2.5e-6 / 1.2e-4 / 8.2e-8)
+          (f) a head start's q from the wrong step (pearl, distilled preset): 1.6e-226 (5.3e-227 / 1.9e-197 / 8.7e-34)
+  shipped       pearl, distilled preset             0.46 (0.30 / 0.22 / 0.15)   head-start tokens 2523
+                specbranch, often-wrong preset      1.0 (0.59 / 0.58 / 0.98)    holds 902 path / 369 branches, 473 forks
+                specbranch, distilled, own process  0.87 (0.39 / 0.41 / 0.29)   holds 966, 407 forks, 152 rescues
+                specbranch, self preset, int4 draft 0.35 (0.25 / 0.37 / 0.12)   head-start tokens 3646, chains up to 7
 (c) shows only per (position, previous token): the wrong row is the previous position's, whose tokens are much like
 this one's over all contexts. At N = 500 the faults gave 8.8e-11, 8.3e-171, 2.5e-24 and 1.8e-95. Time: at N = 400
 the file used 135 s of CPU (user + sys) and took 225-254 s on this 2-core machine while other suites kept its load
@@ -56,6 +65,7 @@ passes silently.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -67,11 +77,13 @@ from scipy.stats import chi2
 
 from engine.config import GenerationConfig
 from engine.engine import Engine
-from engine.events import BranchResolved, TokensEmitted, Verified
+from engine.events import ACCEPTED, RESCUED, BranchResolved, DraftProposed, TokensEmitted, Verified
+from engine.kernels.lm_head import int4_supported
 from engine.methods import decoding, drafting, parallel, sampling
 from engine.methods import verdict as verdicts
 from engine.models import cache
-from engine.models.loading import load_pair
+from engine.models.loading import load_pair, with_draft
+from engine.presets import config_for
 
 from .conftest import seeded_schedule, tiny_tokenizer
 from .reference import processed, transformers_model
@@ -300,16 +312,51 @@ class Runs:
     forks: Counter = field(default_factory=Counter)  # branch points resolved, by their number of candidates
     rescues: int = 0  # ... where a candidate other than the draft's own survived
     bonus: int = 0  # bonus tokens
+    holds: Counter = field(default_factory=Counter)  # holds (DraftProposed "held"), by branch: 0 the path, 1 a fork's
+    head_start: int = 0  # tokens drafted in head starts (counted by count_head_starts)
 
 
-def run_many(engine: Engine, cfg: GenerationConfig, n: int) -> Runs:
-    runs = Runs()
+def check_provenance(prompt: list[int], events) -> None:
+    """Every emitted token marked accepted or rescued is a token the draft proposed at its position (DraftProposed,
+    since the last token committed there: a path or branch token at parent_position + i, a fork's candidates at
+    parent_position); an engine that logged verdicts but emitted fresh target samples would fail here."""
+    proposed: dict[int, set[int]] = {}
+    position = len(prompt)
+    for e in events:
+        if isinstance(e, DraftProposed):
+            for i, t in enumerate(e.tokens):
+                proposed.setdefault(e.parent_position + (0 if e.kind == "candidates" else i), set()).add(t)
+        elif isinstance(e, TokensEmitted):
+            for t, kind in zip(e.tokens, e.kinds):
+                if kind in (ACCEPTED, RESCUED):
+                    assert t in proposed.get(position, ()), (position, t, kind, proposed.get(position))
+                proposed.pop(position, None)
+                position += 1
+
+
+def count_head_starts(monkeypatch, runs: Runs) -> None:
+    """Count the tokens the draft drafts in head starts (parallel.head_start, wrapping whatever is patched there)."""
+    real = parallel.head_start
+
+    async def head_start(state, spec, ds, policy, events):
+        before = len(spec.line())
+        await real(state, spec, ds, policy, events)
+        runs.head_start += max(len(spec.line()) - before, 0)
+
+    monkeypatch.setattr(parallel, "head_start", head_start)
+
+
+def run_many(engine: Engine, cfg: GenerationConfig, n: int, runs: Runs | None = None) -> Runs:
+    runs = runs if runs is not None else Runs()
     for seed in range(n):
         r = engine.run(PROMPT, GenerationConfig(**{**cfg.to_dict(), "seed": seed}))
+        check_provenance(PROMPT, r.events)
         runs.counts[tuple(r.token_ids)] += 1
         runs.eos += r.finish_reason == "eos"
         for e in r.events:
-            if isinstance(e, Verified):
+            if isinstance(e, DraftProposed) and e.kind == "held":
+                runs.holds[e.branch] += 1
+            elif isinstance(e, Verified):
                 runs.chains[e.accepted] += 1
             elif isinstance(e, BranchResolved):
                 runs.forks[len(e.candidates)] += 1
@@ -402,11 +449,44 @@ def fault_branch_q(monkeypatch, pair) -> None:
     monkeypatch.setattr(parallel, "resolve", resolve)
 
 
+def fault_hold_after_draw(monkeypatch, pair) -> None:
+    """(e) The hold decided after seeing the draw: besides where its odds say so, the draft also holds wherever its
+    draw picked a token other than its most likely one. The target then draws that position itself, and the tokens
+    the draft does propose are its most likely ones, while they are still judged against the whole row q."""
+    real = drafting.hold_here
+
+    def hold_here(state, spec, ds, policy, row, k, alts, position, logits, events):
+        if row.token != row.ids[0]:
+            policy = dataclasses.replace(policy, hold=2.0)  # odds are at most 1: held back
+        return real(state, spec, ds, policy, row, k, alts, position, logits, events)
+
+    monkeypatch.setattr(drafting, "hold_here", hold_here)
+
+
+def fault_head_start_q(monkeypatch, pair) -> None:
+    """(f) The q of a token drafted in a head start taken from the wrong step: each keeps the row its predecessor in
+    the same head start was drawn from (the first, its successor's), where the head start drafted two or more."""
+    real = parallel.head_start
+
+    async def head_start(state, spec, ds, policy, events):
+        before = len(spec.path)
+        await real(state, spec, ds, policy, events)
+        new = spec.path[before:]
+        if len(new) >= 2:
+            rows = [d.q for d in new]
+            for i, d in enumerate(new):
+                d.q = rows[i - 1] if i else rows[1]
+
+    monkeypatch.setattr(parallel, "head_start", head_start)
+
+
 FAULTS = {
     "q_temperature": fault_q_temperature,
     "stale_kv": fault_stale_kv,
     "bonus_row": fault_bonus_row,
     "branch_q": fault_branch_q,
+    "hold_after_draw": fault_hold_after_draw,
+    "head_start_q": fault_head_start_q,
 }
 
 
@@ -426,14 +506,14 @@ def config(method: str, sampling: str = "T=1") -> GenerationConfig:
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
+def dirs(tmp_path_factory) -> tuple[str, str]:
     root = tmp_path_factory.mktemp("mc")
-    return load_pair(
-        str(tiny_llama(root / "target", seed=1)),
-        str(tiny_llama(root / "draft", seed=1, perturb=0.2)),
-        device="cpu",
-        draft_matmul="float32",
-    )
+    return str(tiny_llama(root / "target", seed=1)), str(tiny_llama(root / "draft", seed=1, perturb=0.2))
+
+
+@pytest.fixture(scope="module")
+def pair(dirs):
+    return load_pair(*dirs, device="cpu", draft_matmul="float32")
 
 
 @pytest.fixture(scope="module")
@@ -448,9 +528,11 @@ def monte_carlo(pair, reference, cfg: GenerationConfig, monkeypatch) -> tuple[fl
     the tests before), on the seeded schedule; the verdict against the target. One torch thread for the draft's solo
     steps too: switching a worker's thread count costs milliseconds a step here, and the bits are the same."""
     seeded_schedule(monkeypatch)
+    runs = Runs()
+    count_head_starts(monkeypatch, runs)
     engine = Engine(pair, solo_threads=1)
     try:
-        runs = run_many(engine, cfg, N)
+        run_many(engine, cfg, N, runs)
     finally:
         engine.close()
     p, ps = verdict(reference, cfg, runs.counts, N)
@@ -476,13 +558,99 @@ def test_engine_output_follows_the_target(pair, reference, method, sampling, mon
     assert p > ALPHA, ps
 
 
-FAULT_CASES = [("q_temperature", "sd"), ("stale_kv", "pearl"), ("bonus_row", "sd"), ("branch_q", "specbranch-k3")]
+# What ships (engine/presets.py): each draft's preset, run on the pair it is meant for. The tiny draft stands in for
+# the distilled ones; "process" puts it in its own process (engine/drafts/process.py); "int4" is the target read in
+# 4 bits drafting for itself (the self-draft), where this CPU has the kernel.
+SHIPPED = {  # name: (method, the draft spec whose preset it runs, where its draft runs, what must happen)
+    "pearl-distilled": ("pearl", "embedded", "thread", {"head starts"}),  # ... and the draft stop
+    "specbranch-often-wrong": (
+        "specbranch",
+        "embedded-weak",
+        "thread",
+        {"holds", "branch holds", "head starts", "forks"},
+    ),
+    "specbranch-distilled-process": ("specbranch", "embedded", "process", {"holds", "head starts", "forks"}),
+    "specbranch-self-int4": ("specbranch", "self", "int4", {"head starts"}),  # forks only where very unsure: none here
+}
+
+
+def shipped_config(name: str) -> GenerationConfig:
+    method, draft, _, _ = SHIPPED[name]
+    return config_for(method, draft, dict(max_new_tokens=NEW, temperature=1.0))
+
+
+def shipped_pair(name: str, pair, dirs):
+    where = SHIPPED[name][2]
+    if where == "process":
+        return with_draft(pair.target, dirs[1], draft_matmul="float32", draft_worker="process")
+    if where == "int4":
+        return with_draft(pair.target, "self", draft_matmul="int4")
+    return pair
+
+
+@pytest.mark.parametrize("name", list(SHIPPED))
+def test_shipped_settings_follow_the_target(pair, dirs, reference, name, monkeypatch):
+    """Each draft's preset through the engine: holds (on the path; on a fork's branches with hold_branches), head
+    starts, draft stops, a draft in its own process, the int4 self-draft; and the same floors on what happened."""
+    if SHIPPED[name][2] == "int4" and not int4_supported():
+        pytest.skip("this torch has no CPU int4 kernel")
+    cfg = shipped_config(name)
+    run_pair = shipped_pair(name, pair, dirs)
+    assert run_pair.draft_worker == ("process" if SHIPPED[name][2] == "process" else "thread")
+    assert (getattr(run_pair.draft, "matmul", "") == "int4") == (SHIPPED[name][2] == "int4")
+    p, ps, runs = monte_carlo(run_pair, reference, cfg, monkeypatch)
+    print(
+        f"{name}: p = {p:.3g} {ps} chains {dict(sorted(runs.chains.items()))} eos {runs.eos} forks {dict(runs.forks)} "
+        f"rescues {runs.rescues} holds {dict(runs.holds)} head start {runs.head_start}"
+    )
+    assert runs.chains[2] >= N / 50 and N / 10 <= runs.eos <= N - N / 10, runs.chains
+    happened = {
+        "holds": runs.holds[0] >= N / 10,
+        "branch holds": runs.holds[1] >= N / 20,
+        "head starts": runs.head_start >= N / 10,
+        "forks": sum(runs.forks.values()) >= N / 10 and runs.rescues >= N / 20,
+    }
+    assert {what for what in SHIPPED[name][3] if not happened[what]} == set(), (runs.holds, runs.forks)
+    assert p > ALPHA, ps
+
+
+def test_provenance_fails_on_an_accepted_token_the_draft_never_proposed(pair):
+    """check_provenance can fail: one run's first accepted token swapped for each other token in turn; at least one
+    of them (a fork proposes at most 3 of the 6) was proposed nowhere at that position, and the check rejects it."""
+    engine = Engine(pair, solo_threads=1)
+    try:
+        events = engine.run(PROMPT, config("specbranch-k3")).events
+    finally:
+        engine.close()
+    check_provenance(PROMPT, events)
+    at = next(i for i, e in enumerate(events) if isinstance(e, TokensEmitted) and ACCEPTED in e.kinds)
+    e, j = events[at], events[at].kinds.index(ACCEPTED)
+    caught = 0
+    for other in range(1, len(WORDS)):
+        tokens = list(e.tokens)
+        tokens[j] = (tokens[j] + other) % len(WORDS)
+        try:
+            check_provenance(PROMPT, [*events[:at], dataclasses.replace(e, tokens=tokens), *events[at + 1 :]])
+        except AssertionError:
+            caught += 1
+    assert caught >= len(WORDS) - 1 - 3
+
+
+FAULT_CASES = [
+    ("q_temperature", "sd"),
+    ("stale_kv", "pearl"),
+    ("bonus_row", "sd"),
+    ("branch_q", "specbranch-k3"),
+    ("hold_after_draw", "specbranch-often-wrong"),
+    ("head_start_q", "pearl-distilled"),
+]
 
 
 @pytest.mark.parametrize("fault, method", FAULT_CASES)
 def test_the_same_test_catches_a_fault_in_the_plumbing(pair, reference, fault, method, monkeypatch):
     """Negative controls: each fault patched into the engine, the same Monte Carlo test at the same N rejects."""
     FAULTS[fault](monkeypatch, pair)
-    p, ps, runs = monte_carlo(pair, reference, config(method), monkeypatch)
+    cfg = config(method) if method in METHODS else shipped_config(method)
+    p, ps, runs = monte_carlo(pair, reference, cfg, monkeypatch)
     print(f"{fault} on {method}: p = {p:.3g} {ps}")
     assert p < ALPHA, ps
