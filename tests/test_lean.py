@@ -283,7 +283,7 @@ def test_a_draft_in_its_process_compiles_in_another_and_decodes_exactly_meanwhil
         first.start_compile(messages.append)
         assert first.compile_status()[0] in ("compiling", "compiled")
         compile_notices()  # while it compiles, most likely
-        first._twin_thread.join(300)
+        first._twin_thread.join()  # however long compiling takes on a busy machine (pytest-timeout ends a hang)
         assert first.compile_status() == ("compiled", ""), messages
         assert compile_notices() == [] and engine.pair.draft is not first and first._process.poll() is not None
         assert engine.pair.draft.compile_status() == ("compiled", "") and "compiled in a process" in messages[0]

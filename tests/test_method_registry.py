@@ -3,6 +3,8 @@ whether it needs a draft, whether the engine's own loop drives the draft, and wh
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from engine.config import METHODS, REGISTRY, GenerationConfig, SpecBranchError
@@ -36,9 +38,30 @@ def test_a_method_without_a_draft_runs_only_where_it_needs_none(target_only, met
         assert len(target_only.run(PROMPT, cfg).token_ids) == 4
 
 
+def beside_the_draft(pair, monkeypatch, wait_s: float = 5.0) -> None:
+    """A target forward over several tokens (a verify pass) finishes only once a draft forward has started since
+    the last one (or after wait_s: a serial method never drafts beside it): on a busy machine a tiny pair's 1 ms
+    passes could otherwise run before the draft's thread is scheduled at all, and show no overlap by chance."""
+    started, target_forward, draft_forward = threading.Event(), pair.target.forward, pair.draft.forward
+
+    def draft(*args, **kwargs):
+        started.set()
+        return draft_forward(*args, **kwargs)
+
+    def target(input_ids, *args, **kwargs):
+        out = target_forward(input_ids, *args, **kwargs)
+        if input_ids.shape[-1] > 1 and started.wait(wait_s):
+            started.clear()
+        return out
+
+    monkeypatch.setattr(pair.draft, "forward", draft)
+    monkeypatch.setattr(pair.target, "forward", target)
+
+
 @pytest.mark.parametrize("method", METHODS)
-def test_what_a_run_shows_matches_the_registry(tiny_engine, method):
+def test_what_a_run_shows_matches_the_registry(tiny_engine, method, monkeypatch):
     kind = REGISTRY[method]
+    beside_the_draft(tiny_engine.pair, monkeypatch)
     result = tiny_engine.run(PROMPT, GenerationConfig(method=method, max_new_tokens=8, gamma=3))
     spans = [e for e in result.events if isinstance(e, TimingSpan)]
     draft_steps = [s for s in spans if s.worker == "draft" and s.kind in (DRAFT, BRANCH_DRAFT)]
