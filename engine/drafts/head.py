@@ -37,6 +37,7 @@ from engine.config import SpecBranchError
 from engine.drafts.storage import load_weights, save_weights
 from engine.kernels.lm_head import draft_matmul, fast_linears
 from engine.models.devices import cast_model
+from engine.models.lean import compile_report
 
 HEAD_KEY = "specbranch_head"
 
@@ -217,6 +218,25 @@ class HeadLM:
     @property
     def context_length(self) -> int:
         return int(getattr(self.model.config, "max_position_embeddings", 2048))
+
+    # -- the compile surface the CLI, the engine and the app read off any draft (models.LM's): a head's step is
+    # never compiled (it has no lean path), so there is nothing to wait for and nothing to report
+    compiled = False
+
+    @property
+    def compile_why(self) -> str:
+        return ""
+
+    def compile_status(self) -> tuple[str, str]:
+        return "off", ""
+
+    def start_compile(self, on_done=None) -> None:
+        """Nothing to compile; on_done still hears how it ended, as from an LM."""
+        if on_done is not None:
+            on_done(self.compile_message())
+
+    def compile_message(self) -> str:
+        return compile_report(self.name, "", "a draft head's steps run eager (no compiled path)")
 
     def new_cache(self) -> HeadCache:
         return HeadCache(self.model.config, self.context_length + 1, self.device, self.dtype)
