@@ -34,6 +34,18 @@ def thread_count(text: str) -> int:
     return value
 
 
+def layer_list(text: str) -> tuple[int, ...]:
+    """Hidden-state indices for argparse: "2,15,27" -> (2, 15, 27), each >= 0, no repeats (the target's depth is
+    checked once it is loaded)."""
+    try:
+        layers = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of layer indices: {text!r}") from None
+    if any(i < 0 for i in layers) or len(set(layers)) != len(layers):
+        raise argparse.ArgumentTypeError(f"layer indices must be >= 0 and distinct, got {text!r}")
+    return layers
+
+
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="embedded", help="embedded | PATH.gguf | DIR | hub id")
     p.add_argument(
@@ -250,6 +262,19 @@ def add_distill_arguments(p: argparse.ArgumentParser) -> None:
         default=3,
         help="head: training-time-test steps (drafting depths trained on the head's own predictions)",
     )
+    p.add_argument(
+        "--feature-layers",
+        type=layer_list,
+        default=None,
+        help="head: fuse these of the target's hidden states (0 = embeddings, i = layer i's output, L = the "
+        "final-norm state), e.g. 2,15,27 for low, mid and high of 30 layers (EAGLE-3); default: the final-norm state",
+    )
+    p.add_argument(
+        "--held-out",
+        help="head: hold out these rows (a JSONL corpus; training rows with their prompts are dropped) instead of a "
+        "random split, so held-out figures stay comparable as corpora are added",
+    )
+    p.add_argument("--eval-every", type=int, default=0, help="head: held-out evaluation every N steps too")
     p.add_argument("--vocab", type=int, default=8192, help="reduced LM-head size (FR-Spec); >= vocab means full")
     p.add_argument("--epochs", type=float, default=3)
     p.add_argument("--lr", type=float, default=5e-4)

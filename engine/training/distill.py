@@ -323,6 +323,10 @@ def check_inputs(args) -> None:
             raise SpecBranchError(f"{path} holds no rows (the file is empty)")
     if args.kind == "head" and args.unroll < 1:
         raise SpecBranchError(f"--unroll must be >= 1, got {args.unroll}")
+    if args.kind != "head" and (args.feature_layers or args.held_out):
+        raise SpecBranchError("--feature-layers and --held-out are for --kind head")
+    if args.held_out and not Path(args.held_out).is_file():
+        raise SpecBranchError(f"file not found: {args.held_out}")
     if args.init and args.kind == "head":
         raise SpecBranchError("--init continues a standalone draft; a head starts from the target's last layer")
     if args.init and not is_specbranch_draft(Path(args.init)):
@@ -374,6 +378,10 @@ def run_distill(args) -> dict:
         )
     if args.kind == "head":
         from engine.training.head_distill import run_head_distill
+
+        deepest = target.config.num_hidden_layers
+        if args.feature_layers and max(args.feature_layers) > deepest:
+            raise SpecBranchError(f"--feature-layers: the target has hidden states 0..{deepest}")
 
         return run_head_distill(args, target, rows, work)
     train_rows, val_rows = split_by_prompt(rows, args.val_fraction, args.seed)

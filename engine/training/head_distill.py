@@ -12,64 +12,143 @@ Two resumable stages in --work-dir, after distill's own generate stage:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
 from engine.drafts.head import FeatureHead, save_head
-from engine.training.common import batches, capped_rows, frequent_vocab, optimizer_step, split_by_prompt
+from engine.kernels.lm_head import bf16_supported
+from engine.training.common import (
+    batches,
+    capped_rows,
+    frequent_vocab,
+    optimizer_step,
+    read_jsonl,
+    split_by_prompt,
+)
 
 CHUNK_ROWS = 256
 
 
 def autocast(device: torch.device):
-    """bfloat16 matmuls where they pay (CPU with avx512-bf16 measured 2.2x fp32 here; CUDA)."""
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    """bfloat16 matmuls where they pay (a CPU that runs them natively measured 2.2x fp32; CUDA); else float32 (a CPU
+    without them emulates bfloat16 no faster, and the target drafts on float32 features)."""
+    on = device.type == "cuda" or bf16_supported()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=on)
+
+
+class FeatureStore:
+    """The target's features for a list of (prompt, response) rows, on disk: per row [n, W] float16 (n = its prompt and
+    response tokens). W is (k + 1) H for a head fusing k layers (those hidden states side by side, then the final-norm
+    state the labels are computed from), H for a last-state head (the two coincide). One raw float16 file per chunk of
+    CHUNK_ROWS rows, rows back to back, read through a memory map (a corpus larger than memory trains). A chunk is
+    written under a temporary name and renamed when whole, so an interrupted extraction resumes; the files are named
+    by a hash of the rows and the layers, so another corpus never reads them."""
+
+    def __init__(self, work: Path, rows: list[dict], feature_layers: tuple[int, ...] | None, hidden: int):
+        self.layers, self.hidden = tuple(feature_layers or ()), hidden
+        self.width = (len(self.layers) + 1) * hidden if self.layers else hidden
+        self.lengths = [len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows]
+        key = hashlib.sha1(
+            json.dumps([self.layers, [r["prompt_ids"] + r["response_ids"] for r in rows]]).encode()
+        ).hexdigest()[:12]
+        self.paths = [work / f"feats_{key}_{c0:06d}.f16" for c0 in range(0, len(rows), CHUNK_ROWS)]
+        self.offsets = []  # (chunk, first token row in it) per row
+        for c0 in range(0, len(rows), CHUNK_ROWS):
+            at = 0
+            for n in self.lengths[c0 : c0 + CHUNK_ROWS]:
+                self.offsets.append((c0 // CHUNK_ROWS, at))
+                at += n
+        self._maps: dict[int, np.memmap] = {}
+
+    def chunk_tokens(self, c: int) -> int:
+        return sum(self.lengths[c * CHUNK_ROWS : (c + 1) * CHUNK_ROWS])
+
+    def missing(self) -> list[int]:
+        return [c for c, path in enumerate(self.paths) if not path.exists()]
+
+    def write(self, c: int, feats: np.ndarray) -> None:
+        """feats [chunk tokens, W] float16, the chunk's rows back to back."""
+        tmp = self.paths[c].with_suffix(".tmp")
+        feats.astype(np.float16).tofile(tmp)
+        tmp.rename(self.paths[c])
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        """Row i's features [n, W] float16 (a copy)."""
+        c, at = self.offsets[i]
+        if c not in self._maps:
+            self._maps[c] = np.memmap(self.paths[c], np.float16, "r", shape=(self.chunk_tokens(c), self.width))
+        return torch.from_numpy(np.array(self._maps[c][at : at + self.lengths[i]]))
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+
+class Rows:
+    """Some rows of a FeatureStore, by index (a split, a capped subset), read as a list is."""
+
+    def __init__(self, store: FeatureStore, index: list[int]):
+        self.store, self.index = store, index
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.store[self.index[i]]
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+
+def target_features(target, ids: torch.Tensor, mask: torch.Tensor, layers: tuple[int, ...]) -> torch.Tensor:
+    """One target pass: [B, T, W], the hidden states `layers` and the final-norm state side by side (or that alone)."""
+    out = target.model(input_ids=ids, attention_mask=mask, output_hidden_states=bool(layers))
+    if not layers:
+        return out.last_hidden_state
+    return torch.cat([out.hidden_states[i] for i in layers] + [out.last_hidden_state], dim=-1)
 
 
 @torch.inference_mode()
-def extract_features(target, rows: list[dict], work: Path, batch_size: int = 8) -> list[torch.Tensor]:
-    """Per row: [len(prompt) + len(response), H] float16 post-norm features. Chunks already on disk are kept."""
+def extract_features(target, rows: list[dict], store: FeatureStore, batch_size: int = 8) -> FeatureStore:
+    """Fill the store's missing chunks, one target forward per batch; chunks already on disk are kept."""
     device = next(target.parameters()).device
-    out: list[torch.Tensor | None] = [None] * len(rows)
-    for c0 in tqdm(range(0, len(rows), CHUNK_ROWS), desc="features", unit="chunk"):
-        path = work / f"features_{len(rows)}_{c0:06d}.pt"
+    for c in tqdm(store.missing(), desc="features", unit="chunk"):
+        c0 = c * CHUNK_ROWS
         part = rows[c0 : c0 + CHUNK_ROWS]
-        if path.exists():
-            saved = torch.load(path)
-            if len(saved) == len(part):
-                out[c0 : c0 + len(part)] = saved
-                continue
-        feats: list[torch.Tensor | None] = [None] * len(part)
+        out = np.empty((store.chunk_tokens(c), store.width), np.float16)
         for chunk, ids, mask in batches(part, batch_size, shuffle=False):
             with autocast(device):
-                hidden = target.model(input_ids=ids.to(device), attention_mask=mask.to(device)).last_hidden_state
+                feats = target_features(target, ids.to(device), mask.to(device), store.layers)
             for b, i in enumerate(chunk):
-                n = len(part[i]["prompt_ids"]) + len(part[i]["response_ids"])
-                feats[i] = hidden[b, :n].to("cpu", torch.float16).clone()
-        torch.save(feats, path)
-        out[c0 : c0 + len(part)] = feats
-    return out
+                at, n = store.offsets[c0 + i][1], store.lengths[c0 + i]
+                out[at : at + n] = feats[b, :n].to("cpu", torch.float16).numpy()
+        store.write(c, out)
+    return store
 
 
-def feature_batches(rows, feats, batch_size: int, shuffle: bool, seed: int, device="cpu"):
-    """Length-bucketed batches on `device`: ids [B, T], true features [B, T, H] (float32), loss mask [B, T]
-    (rows that predict a response token)."""
+def feature_batches(rows, feats, batch_size: int, shuffle: bool, seed: int, device="cpu", hidden: int | None = None):
+    """Length-bucketed batches on `device`: ids [B, T], the head's input features [B, T, W'] (the feature layers side
+    by side, or the final-norm state), the final-norm features [B, T, H] (float32; the labels' source) and the loss
+    mask [B, T] (rows that predict a response token). hidden: H where the stored rows are wider than H."""
     for chunk, ids, _ in batches(rows, batch_size, shuffle, seed):
         t = ids.shape[1]
         f = torch.zeros(len(chunk), t, feats[chunk[0]].shape[-1])
         loss_mask = torch.zeros(len(chunk), t, dtype=torch.bool)
         for b, i in enumerate(chunk):
-            n = feats[i].shape[0]
-            f[b, :n] = feats[i].float()
+            row = feats[i]
+            f[b, : row.shape[0]] = row.float()
             p, r = len(rows[i]["prompt_ids"]), len(rows[i]["response_ids"])
             loss_mask[b, p - 1 : p + r - 1] = True
-        yield ids.to(device), f.to(device), loss_mask.to(device)
+        f = f.to(device)
+        if hidden is None or f.shape[-1] == hidden:
+            yield ids.to(device), f, f, loss_mask.to(device)
+        else:
+            yield ids.to(device), f[..., :-hidden], f[..., -hidden:], loss_mask.to(device)
 
 
 def ttt_mask(t: int, step: int, device=None) -> torch.Tensor:
@@ -82,13 +161,14 @@ def ttt_mask(t: int, step: int, device=None) -> torch.Tensor:
 
 
 def unrolled_outputs(head: FeatureHead, embeds: torch.Tensor, true_feats: torch.Tensor, steps: int):
-    """The head's predictions at depths 1..steps for every position: a list of [B, T, H]."""
+    """The head's predictions at depths 1..steps for every position: a list of [B, T, H]. true_feats: the target's
+    features as the head reads them ([B, T, k H] side by side for a fused head, fused here; else [B, T, H])."""
     from transformers import DynamicCache
 
     b, t, _ = embeds.shape
     cache = DynamicCache(config=head.config)
     position_ids = torch.arange(t, device=embeds.device)[None]
-    prev = true_feats
+    prev = head.fused(true_feats)
     outs = []
     for j in range(steps):
         feats_in = F.pad(prev[:, :-1], (0, 0, 1, 0))  # row r reads f_{r-1}; row 0 reads zeros
@@ -99,8 +179,10 @@ def unrolled_outputs(head: FeatureHead, embeds: torch.Tensor, true_feats: torch.
 
 
 def losses(outs, true_feats, loss_mask, sub_head: torch.Tensor, reg_weight: float):
-    """Per unroll step: soft cross-entropy against the target's reduced-vocabulary distribution, smooth L1 on
-    the feature, and greedy agreements (argmax equal) at the rows in loss_mask."""
+    """Per unroll step: soft cross-entropy against the target's reduced-vocabulary distribution (from its final-norm
+    features true_feats [B, T, H]), smooth L1 of the predicted feature to it (a last-state head's output stands in
+    for it; reg_weight 0 for a fused head, whose output stands in for the fused layers), and greedy agreements
+    (argmax equal) at the rows in loss_mask."""
     with torch.no_grad():
         p = (true_feats[loss_mask] @ sub_head.T).float().softmax(-1)  # [N, S]
         target_top = p.argmax(-1)
@@ -112,8 +194,9 @@ def losses(outs, true_feats, loss_mask, sub_head: torch.Tensor, reg_weight: floa
         keep = valid[loss_mask]
         logq = (out[loss_mask] @ sub_head.T).float().log_softmax(-1)
         ce = -(p[keep] * logq[keep]).sum(-1).mean()
-        reg = F.smooth_l1_loss(out[valid].float(), true_feats[valid])
-        total = total + ce + reg_weight * reg
+        total = total + ce
+        if reg_weight:
+            total = total + reg_weight * F.smooth_l1_loss(out[valid].float(), true_feats[valid])
         agree.append((int((logq[keep].argmax(-1) == target_top[keep]).sum()), int(keep.sum())))
     return total / len(outs), agree
 
@@ -122,9 +205,10 @@ def evaluate(head, rows, feats, embed, sub_head, steps: int, batch_size: int) ->
     """Held-out greedy agreement with the target at drafting depths 1..steps (conditional on the chain so far)."""
     head.eval()
     a, n = [0] * steps, [0] * steps
+    device, hidden = next(head.parameters()).device, head.config.hidden_size
     with torch.inference_mode():
-        for ids, f, m in feature_batches(rows, feats, batch_size, False, 0, next(head.parameters()).device):
-            outs = unrolled_outputs(head, embed(ids).float(), f, steps)
+        for ids, raw, f, m in feature_batches(rows, feats, batch_size, False, 0, device, hidden):
+            outs = unrolled_outputs(head, embed(ids).float(), raw, steps)
             _, agree = losses(outs, f, m, sub_head, 0.0)
             for j, (x, y) in enumerate(agree):
                 a[j] += x
@@ -133,116 +217,197 @@ def evaluate(head, rows, feats, embed, sub_head, steps: int, batch_size: int) ->
     return [round(x / max(y, 1), 4) for x, y in zip(a, n)]
 
 
-def train_head(
-    target,
-    rows,
-    feats,
-    val_rows,
-    val_feats,
-    *,
-    layers: int,
-    vocab: int,
-    steps: int,
-    epochs: float,
-    lr: float,
-    batch_size: int,
-    seed: int,
-    log_path: Path,
-    max_minutes: float | None,
-    reg_weight: float = 0.5,
-):
-    torch.manual_seed(seed)
-    device = next(target.parameters()).device
-    head = FeatureHead.from_target(target, layers).float().to(device).train()
-    vocab_size = target.get_output_embeddings().weight.shape[0]
-    subset = frequent_vocab(rows, vocab, vocab_size)
-    sub_head = target.get_output_embeddings().weight[subset].detach().float().contiguous()
-    embed = target.get_input_embeddings()
-    params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    per_epoch = math.ceil(len(rows) / batch_size)
-    total_steps = max(1, int(epochs * per_epoch))
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps))
-    )
-    log = open(log_path, "w")
-    val = evaluate(head, val_rows, val_feats, embed, sub_head, steps, batch_size)
-    print(json.dumps({"step": 0, "val_agreement_by_depth": val}), file=log, flush=True)
-    start, step, stopped = time.time(), 0, False
-    bar = tqdm(total=total_steps, desc="train head", unit="step")
-    for epoch in range(math.ceil(epochs)):
-        for ids, f, m in feature_batches(rows, feats, batch_size, True, seed + epoch, device):
-            with autocast(device):
-                outs = unrolled_outputs(head, embed(ids).float(), f, steps)
-                loss, agree = losses(outs, f, m, sub_head, reg_weight)
-            optimizer_step(loss, params, opt, sched)
-            step += 1
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.3f}", d1=f"{agree[0][0] / max(agree[0][1], 1):.3f}")
-            if step % 25 == 0:
-                print(
-                    json.dumps(
-                        {
-                            "step": step,
-                            "epoch": round(step / per_epoch, 3),
-                            "loss": round(loss.item(), 4),
-                            "train_agreement_by_depth": [round(x / max(y, 1), 4) for x, y in agree],
-                            "lr": sched.get_last_lr()[0],
-                            "minutes": round((time.time() - start) / 60, 2),
-                        }
-                    ),
-                    file=log,
-                    flush=True,
-                )
-            if step >= total_steps or (max_minutes and time.time() - start > 60 * max_minutes):
-                stopped = True
-                break
-        val = evaluate(head, val_rows, val_feats, embed, sub_head, steps, batch_size)
-        print(
-            json.dumps({"step": step, "epoch": round(step / per_epoch, 3), "val_agreement_by_depth": val}),
-            file=log,
-            flush=True,
+@dataclass(frozen=True)
+class HeadSettings:
+    """How a head is trained (distill's flags for --kind head)."""
+
+    layers: int = 1
+    vocab: int = 8192
+    unroll: int = 3  # training-time-test steps
+    epochs: float = 2
+    lr: float = 5e-4
+    batch_size: int = 8
+    seed: int = 0
+    feature_layers: tuple[int, ...] | None = None  # fused: these hidden states; None: the final-norm state
+    max_minutes: float | None = None  # stop after this long (wall clock, this run)
+    cpu_minutes: float | None = None  # stop after this much of the process's CPU time (fair on a shared machine)
+    eval_every: int = 0  # steps between held-out evaluations besides each epoch's end (0: at epoch ends only)
+    checkpoint_every: int = 100  # steps between checkpoints a rerun resumes from (0: none)
+    stop_at: int = 0  # stop (checkpointed) at this step, for a rerun to go on from (0: run to the end)
+    warmup: int = 50
+
+    @property
+    def reg_weight(self) -> float:
+        return 0.0 if self.feature_layers else 0.5
+
+
+class Trainer:
+    """One head's training state: the head, its optimiser and schedule, the step reached; checkpointed to `ckpt`
+    every `checkpoint_every` steps so a rerun of the same command resumes where it stopped."""
+
+    def __init__(self, target, rows, settings: HeadSettings, ckpt: Path):
+        s = self.settings = settings
+        torch.manual_seed(s.seed)
+        device = next(target.parameters()).device
+        self.head = FeatureHead.from_target(target, s.layers, feature_layers=s.feature_layers)
+        self.head = self.head.float().to(device).train()
+        self.subset = frequent_vocab(rows, s.vocab, target.get_output_embeddings().weight.shape[0])
+        self.sub_head = target.get_output_embeddings().weight[self.subset].detach().float().contiguous()
+        self.embed = target.get_input_embeddings()
+        self.params = [p for p in self.head.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=s.lr, weight_decay=0.0)
+        self.per_epoch = math.ceil(len(rows) / s.batch_size)
+        self.total = total = max(1, int(s.epochs * self.per_epoch))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt,
+            lambda k: min(1.0, (k + 1) / s.warmup) * 0.5 * (1 + math.cos(math.pi * min(k, total) / total)),
         )
-        tqdm.write(f"epoch {epoch + 1}: held-out agreement by depth {val}")
-        if stopped:
-            break
+        self.step, self.ckpt, self.cpu0 = 0, ckpt, time.process_time()
+        if ckpt.exists():
+            state = torch.load(ckpt)
+            self.head.load_state_dict(state["head"])
+            self.opt.load_state_dict(state["opt"])
+            self.sched.load_state_dict(state["sched"])
+            self.step, self.cpu0 = state["step"], self.cpu0 - state["cpu_s"]
+
+    def save(self) -> None:
+        state = dict(
+            head=self.head.state_dict(),
+            opt=self.opt.state_dict(),
+            sched=self.sched.state_dict(),
+            step=self.step,
+            cpu_s=time.process_time() - self.cpu0,
+        )
+        torch.save(state, self.ckpt.with_suffix(".tmp"))
+        self.ckpt.with_suffix(".tmp").rename(self.ckpt)
+
+    def cpu_minutes(self) -> float:
+        return (time.process_time() - self.cpu0) / 60
+
+    def train_step(self, ids, raw, f, m) -> tuple[float, list]:
+        device = ids.device
+        with autocast(device):
+            outs = unrolled_outputs(self.head, self.embed(ids).float(), raw, self.settings.unroll)
+            loss, agree = losses(outs, f, m, self.sub_head, self.settings.reg_weight)
+        optimizer_step(loss, self.params, self.opt, self.sched)
+        self.step += 1
+        if self.settings.checkpoint_every and self.step % self.settings.checkpoint_every == 0:
+            self.save()
+        return loss.item(), agree
+
+
+def log_line(log, **fields) -> None:
+    print(json.dumps(fields), file=log, flush=True)
+
+
+def train_head(target, rows, feats, val_rows, val_feats, settings: HeadSettings, work: Path):
+    """Train (or resume) a head; returns (head, vocabulary subset, summary). Logs to work/train_head_log.jsonl."""
+    s = settings
+    t = Trainer(target, rows, s, work / "head_checkpoint.pt")
+    log = open(work / "train_head_log.jsonl", "a" if t.step else "w")
+    held_out = lambda: evaluate(t.head, val_rows, val_feats, t.embed, t.sub_head, s.unroll, s.batch_size)  # noqa: E731
+    tokens_per_step = sum(len(r["response_ids"]) for r in rows) / t.per_epoch
+    if not t.step:
+        log_line(log, step=0, val_agreement_by_depth=held_out())
+    start, val = time.time(), None
+    bar = tqdm(total=t.total, initial=t.step, desc="train head", unit="step")
+    while t.step < t.total and not out_of_time(s, start, t):
+        epoch, skip = divmod(t.step, t.per_epoch)
+        batches_ = feature_batches(
+            rows, feats, s.batch_size, True, s.seed + epoch, t.head.fc.weight.device, t.head.config.hidden_size
+        )
+        for k, (ids, raw, f, m) in enumerate(batches_):
+            if k < skip:
+                continue  # done before a resume
+            loss, agree = t.train_step(ids, raw, f, m)
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.3f}", d1=f"{agree[0][0] / max(agree[0][1], 1):.3f}")
+            if t.step % 25 == 0:
+                log_line(
+                    log,
+                    step=t.step,
+                    epoch=round(t.step / t.per_epoch, 3),
+                    tokens=round(t.step * tokens_per_step),
+                    loss=round(loss, 4),
+                    train_agreement_by_depth=[round(x / max(y, 1), 4) for x, y in agree],
+                    lr=t.sched.get_last_lr()[0],
+                    cpu_minutes=round(t.cpu_minutes(), 2),
+                )
+            end = t.step >= t.total or out_of_time(s, start, t) or t.step % t.per_epoch == 0
+            if end or (s.eval_every and t.step % s.eval_every == 0):
+                val = held_out()
+                log_line(
+                    log,
+                    step=t.step,
+                    epoch=round(t.step / t.per_epoch, 3),
+                    tokens=round(t.step * tokens_per_step),
+                    val_agreement_by_depth=val,
+                    cpu_minutes=round(t.cpu_minutes(), 2),
+                )
+                tqdm.write(f"step {t.step}: held-out agreement by depth {val}")
+            if end:
+                break
     bar.close()
-    return (
-        head.eval(),
-        subset,
-        {"val_agreement_by_depth": val, "steps": step, "minutes": round((time.time() - start) / 60, 2)},
+    t.save()
+    val = val or held_out()
+    summary = {"val_agreement_by_depth": val, "steps": t.step, "cpu_minutes": round(t.cpu_minutes(), 2)}
+    return t.head.eval(), t.subset, summary
+
+
+def out_of_time(s: HeadSettings, start: float, t: Trainer) -> bool:
+    return bool(
+        (s.stop_at and t.step >= s.stop_at)
+        or (s.max_minutes and time.time() - start > 60 * s.max_minutes)
+        or (s.cpu_minutes and t.cpu_minutes() > s.cpu_minutes)
+    )
+
+
+def held_out_split(rows: list[dict], args) -> tuple[list[dict], list[dict]]:
+    """(training rows, held-out rows): the rows of --held-out (training rows with their prompts left out), else a
+    seeded split by prompt (--val-fraction)."""
+    if not getattr(args, "held_out", None):
+        return split_by_prompt(rows, args.val_fraction, args.seed)
+    val_rows = [
+        {"prompt_ids": r["prompt_ids"], "response_ids": r["response_ids"]} for r in read_jsonl(Path(args.held_out))
+    ]
+    val_keys = {tuple(r["prompt_ids"]) for r in val_rows}
+    return [r for r in rows if tuple(r["prompt_ids"]) not in val_keys], val_rows
+
+
+def head_settings(args) -> HeadSettings:
+    return HeadSettings(
+        layers=args.layers,
+        vocab=args.vocab,
+        unroll=args.unroll,
+        epochs=args.epochs,
+        lr=args.lr,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        feature_layers=tuple(args.feature_layers) if args.feature_layers else None,
+        max_minutes=args.max_minutes,
+        eval_every=args.eval_every,
     )
 
 
 def run_head_distill(args, target, rows: list[dict], work: Path) -> dict:
     """Stages features and train for --kind head; saves the head to --out."""
     torch.manual_seed(args.seed)
-    train_rows, val_rows = split_by_prompt(rows, args.val_fraction, args.seed)
+    settings = head_settings(args)
+    train_rows, val_rows = held_out_split(rows, args)
     ordered = train_rows + val_rows
-    feats = extract_features(target, ordered, work, args.label_batch_size)
-    train_feats, val_feats = feats[: len(train_rows)], feats[len(train_rows) :]
+    store = FeatureStore(work, ordered, settings.feature_layers, target.config.hidden_size)
+    extract_features(target, ordered, store, args.label_batch_size)
+    train_index = list(range(len(train_rows)))
     if args.max_tokens:  # a data-size curve: fewer training rows, the same held-out rows
-        kept = capped_rows(train_rows, args.max_tokens, args.seed)
-        train_rows, train_feats = [train_rows[i] for i in kept], [train_feats[i] for i in kept]
+        train_index = capped_rows(train_rows, args.max_tokens, args.seed)
+        train_rows = [train_rows[i] for i in train_index]
+    val_feats = Rows(store, list(range(len(ordered) - len(val_rows), len(ordered))))
     n_tokens = sum(len(r["response_ids"]) for r in train_rows)
     print(
         f"distill --kind head: {len(train_rows)} training rows ({n_tokens} response tokens), {len(val_rows)} held out"
     )
     head, subset, summary = train_head(
-        target,
-        train_rows,
-        train_feats,
-        val_rows,
-        val_feats,
-        layers=args.layers,
-        vocab=args.vocab,
-        steps=args.unroll,
-        epochs=args.epochs,
-        lr=args.lr,
-        batch_size=args.batch_size,
-        seed=args.seed,
-        log_path=work / "train_head_log.jsonl",
-        max_minutes=args.max_minutes,
+        target, train_rows, Rows(store, train_index), val_rows, val_feats, settings, work
     )
     meta = {
         "kind": "head",
