@@ -394,7 +394,7 @@ def test_feature_store_holds_each_rows_layers_and_resumes(tiny_target, tmp_path,
     lm.model.model.register_forward_hook(lambda *a: calls.append(1))
     again = extract_features(lm.model, rows, FeatureStore(tmp_path, rows, FUSED, 32), batch_size=4)
     assert not calls and torch.equal(again[5], store[5])
-    assert FeatureStore(tmp_path, rows[:-1], FUSED, 32).missing()  # other rows: other files
+    assert FeatureStore(tmp_path, rows[:-1], FUSED, 32).missing() == [2]  # its first two chunks are these
 
 
 def test_head_training_resumes_where_it_stopped(tiny_target, tmp_path):

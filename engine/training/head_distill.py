@@ -50,17 +50,17 @@ class FeatureStore:
     response tokens). W is (k + 1) H for a head fusing k layers (those hidden states side by side, then the final-norm
     state the labels are computed from), H for a last-state head (the two coincide). One raw float16 file per chunk of
     CHUNK_ROWS rows, rows back to back, read through a memory map (a corpus larger than memory trains). A chunk is
-    written under a temporary name and renamed when whole, so an interrupted extraction resumes; the files are named
-    by a hash of the rows and the layers, so another corpus never reads them."""
+    written under a temporary name and renamed when whole, so an interrupted extraction resumes; each file is named by
+    a hash of its rows and the layers, so another corpus never reads it (and one sharing whole chunks shares them)."""
 
     def __init__(self, work: Path, rows: list[dict], feature_layers: tuple[int, ...] | None, hidden: int):
         self.layers, self.hidden = tuple(feature_layers or ()), hidden
         self.width = (len(self.layers) + 1) * hidden if self.layers else hidden
         self.lengths = [len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows]
-        key = hashlib.sha1(
-            json.dumps([self.layers, [r["prompt_ids"] + r["response_ids"] for r in rows]]).encode()
-        ).hexdigest()[:12]
-        self.paths = [work / f"feats_{key}_{c0:06d}.f16" for c0 in range(0, len(rows), CHUNK_ROWS)]
+        self.paths = [
+            work / f"feats_{chunk_key(rows[c0 : c0 + CHUNK_ROWS], self.layers)}.f16"
+            for c0 in range(0, len(rows), CHUNK_ROWS)
+        ]
         self.offsets = []  # (chunk, first token row in it) per row
         for c0 in range(0, len(rows), CHUNK_ROWS):
             at = 0
@@ -90,6 +90,12 @@ class FeatureStore:
 
     def __len__(self) -> int:
         return len(self.lengths)
+
+
+def chunk_key(rows: list[dict], layers: tuple[int, ...]) -> str:
+    """A chunk file's name: a hash of its rows' tokens and the layers (row lists that share chunks share files)."""
+    tokens = [r["prompt_ids"] + r["response_ids"] for r in rows]
+    return hashlib.sha1(json.dumps([list(layers), tokens]).encode()).hexdigest()[:16]
 
 
 class Rows:

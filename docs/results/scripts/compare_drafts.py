@@ -73,7 +73,8 @@ def load_rows(args) -> tuple[list[dict], list[dict]]:
             {"prompt_ids": r["prompt_ids"], "response_ids": r["response_ids"]} for r in read_jsonl(Path(args.rows))
         ]
         train = [r for r in train if r["response_ids"]]
-    return [train[i] for i in capped_rows(train, args.tokens, 0)], val
+    train = [train[i] for i in capped_rows(train, args.tokens, 0)]
+    return train[: args.train_rows or None], val[: args.val_rows or None]
 
 
 def load_target(threads: int):
@@ -238,6 +239,8 @@ def main() -> None:
         q.add_argument("--tokens", type=int, default=150_000, help="response tokens of training rows")
         q.add_argument("--rows", help="train on these rows (JSONL) instead of a subset of the shipped corpora")
         q.add_argument("--threads", type=int, default=1)
+        q.add_argument("--train-rows", type=int, default=0, help="only the first N of those rows (0: all)")
+        q.add_argument("--val-rows", type=int, default=0, help="only the first N held-out rows (0: all 258)")
         if name == "train":
             q.add_argument("candidate", choices=("head-fused", "head-last", "standalone6", "standalone6-shipped"))
             q.add_argument("--cpu-minutes", type=float, default=20)
