@@ -257,6 +257,12 @@ def add_distill_arguments(p: argparse.ArgumentParser) -> None:
         "instead of starting from the target's first layers",
     )
     p.add_argument(
+        "--grow",
+        type=int,
+        default=0,
+        help="standalone, with --init: add N layers on top that start as no-ops (their output projections zero)",
+    )
+    p.add_argument(
         "--unroll",
         type=int,
         default=3,

@@ -277,3 +277,25 @@ def test_the_shipped_training_corpora_read_gzipped():
     assert len(rows) == 2360 and {"prompt_ids", "response_ids"} <= set(rows[0])
     plain = DATA_DIR / "tuning_prompts.jsonl"
     assert read_jsonl(plain) == [json.loads(line) for line in plain.read_text().splitlines() if line]
+
+
+def test_grown_draft_starts_as_the_draft_it_grew_from(tmp_path):
+    """--grow: the new layers add nothing until trained (the same logits, to float rounding), yet they are the
+    target's layers at that depth apart from their zeroed output projections, so their gradients flow at once."""
+    from engine.drafts.distilled import grown
+    from engine.models.loading import load_model
+
+    model, _ = load_model(str(make_tiny_model(tmp_path / "t", seed=3, layers=4)), torch.device("cpu"), torch.float32)
+    draft = draft_from_target(model, 2)
+    with torch.no_grad():
+        for p in draft.model.layers.parameters():
+            p.add_(0.1 * torch.randn_like(p))  # a trained draft: no longer the target's layers
+    bigger = grown(draft, model, 1)
+    ids = torch.tensor([[2, 5, 3, 7, 4, 4, 8]])
+    with torch.no_grad():
+        assert torch.allclose(bigger(ids).logits, draft(ids).logits, atol=1e-5)
+    assert bigger.config.num_hidden_layers == 3
+    assert torch.equal(bigger.model.layers[1].mlp.up_proj.weight, draft.model.layers[1].mlp.up_proj.weight)
+    assert torch.equal(bigger.model.layers[2].mlp.up_proj.weight, model.model.layers[2].mlp.up_proj.weight)
+    bigger(ids).logits.sum().backward()
+    assert bigger.model.layers[2].mlp.down_proj.weight.grad.abs().sum() > 0

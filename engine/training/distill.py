@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from engine.config import SpecBranchError, writable_dir
-from engine.drafts.distilled import draft_from_target, is_specbranch_draft, load_draft_dir, save_draft
+from engine.drafts.distilled import draft_from_target, grown, is_specbranch_draft, load_draft_dir, save_draft
 from engine.training.common import batches, capped_rows, frequent_vocab, optimizer_step, read_jsonl, split_by_prompt
 
 
@@ -230,9 +230,10 @@ def train_draft(
     log_path: Path,
     max_minutes: float | None,
     init: Path | None = None,
+    grow: int = 0,
 ):
     torch.manual_seed(seed)
-    draft = initial_draft(target, layers, init).train()
+    draft = initial_draft(target, layers, init, grow).train()
     for module in (draft.model.embed_tokens, draft.lm_head):  # shared with the target: frozen
         module.requires_grad_(False)
     vocab_size = target.get_output_embeddings().weight.shape[0]
@@ -305,13 +306,14 @@ def train_draft(
     )
 
 
-def initial_draft(target, layers: int, init: Path | None):
-    """The target's first `layers` layers, or (init) a saved draft to go on training (more data, more epochs)."""
+def initial_draft(target, layers: int, init: Path | None, grow: int = 0):
+    """The target's first `layers` layers, or (init) a saved draft to go on training (more data, more epochs), with
+    `grow` layers added on top that start as no-ops (drafts.distilled.grown)."""
     device = next(target.parameters()).device
     if init is None:
         return draft_from_target(target, layers).to(device)
     draft, _ = load_draft_dir(init, target, torch.float32, device)  # its vocab subset is re-chosen from the rows
-    return draft
+    return grown(draft, target, grow).to(device) if grow else draft
 
 
 def check_inputs(args) -> None:
@@ -329,6 +331,8 @@ def check_inputs(args) -> None:
         raise SpecBranchError(f"file not found: {args.held_out}")
     if args.init and args.kind == "head":
         raise SpecBranchError("--init continues a standalone draft; a head starts from the target's last layer")
+    if args.grow and not args.init:
+        raise SpecBranchError("--grow adds layers to the draft --init names")
     if args.init and not is_specbranch_draft(Path(args.init)):
         raise SpecBranchError(
             f"--init {args.init}: not a draft directory (no config.json with a specbranch_draft entry)"
@@ -413,11 +417,13 @@ def run_distill(args) -> dict:
         log_path=work / "train_log.jsonl",
         max_minutes=args.max_minutes,
         init=Path(args.init) if args.init else None,
+        grow=args.grow,
     )
     meta = {
         "target": args.target,
         "layers": draft.config.num_hidden_layers,
         "init": args.init,
+        "grow": args.grow,
         "vocab_subset_size": int(len(subset)),
         "train_rows": len(train_rows),
         "train_response_tokens": n_tokens,

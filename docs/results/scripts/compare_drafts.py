@@ -7,7 +7,8 @@ scored on the same held-out rows (the 258 rows `distill` holds out of the three 
   head-fused   a 1-layer head reading the target's hidden states 2, 15 and 27 (low, mid, high; EAGLE-3)
   head-last    the same head reading the target's final-norm state (the shipped embedded-head's design)
   standalone6  the target's first 6 layers as a small LM (the shipped embedded draft's design, from its start)
-  standalone6-shipped  the shipped 6-layer draft trained on (only meaningful on rows it has not seen: --rows)
+  standalone6-shipped  the shipped 6-layer draft trained on (on rows it has seen, unless --rows: a control)
+  standalone8-grown    the shipped draft with 2 more layers that start as no-ops (drafts.distilled.grown)
 
 Stages (each resumable; the target's features are stored once, memory-mapped, under --work):
   python docs/results/scripts/compare_drafts.py features --work DIR [--tokens 150000] [--rows FILE.jsonl]
@@ -28,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from engine.drafts.distilled import draft_from_target, load_draft_dir  # noqa: E402
+from engine.drafts.distilled import draft_from_target, grown, load_draft_dir  # noqa: E402
 from engine.drafts.shipped import DRAFTS_DIR, EMBEDDED_DRAFTS  # noqa: E402
 from engine.training.common import capped_rows, frequent_vocab, optimizer_step, read_jsonl, split_by_prompt  # noqa: E402
 from engine.training.head_distill import (  # noqa: E402
@@ -106,13 +107,14 @@ class StandaloneTrainer:
     """A standalone draft trained on the same labels as the heads: its final-norm state over the reduced head, soft
     cross-entropy against the target's distribution (losses() with one 'unroll step'); the Trainer's surface."""
 
-    def __init__(self, target, rows, s: HeadSettings, init: Path | None):
+    def __init__(self, target, rows, s: HeadSettings, init: Path | None, grow: int = 0):
         torch.manual_seed(s.seed)
         self.settings = s
         if init is None:
             self.draft = draft_from_target(target, 6)
         else:
             self.draft, _ = load_draft_dir(init, target, torch.float32, torch.device("cpu"))
+            self.draft = grown(self.draft, target, grow) if grow else self.draft
         self.draft.train()
         for module in (self.draft.model.embed_tokens, self.draft.lm_head):
             module.requires_grad_(False)
@@ -184,8 +186,9 @@ def cmd_train(args) -> None:
         def held_out():
             return evaluate(t.head, val, val_feats, embed, t.sub_head, 3, 8)
     else:
-        init = DRAFTS_DIR / EMBEDDED_DRAFTS["embedded"] if args.candidate == "standalone6-shipped" else None
-        t = StandaloneTrainer(target, train, s, init)
+        shipped = args.candidate in ("standalone6-shipped", "standalone8-grown")
+        init = DRAFTS_DIR / EMBEDDED_DRAFTS["embedded"] if shipped else None
+        t = StandaloneTrainer(target, train, s, init, 2 if args.candidate == "standalone8-grown" else 0)
 
         def held_out():
             return t.evaluate(val, val_feats, 8)
