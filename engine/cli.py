@@ -276,8 +276,14 @@ def add_distill_arguments(p: argparse.ArgumentParser) -> None:
         "final-norm state), e.g. 2,15,27 for low, mid and high of 30 layers (EAGLE-3); default: the final-norm state",
     )
     p.add_argument(
+        "--hard-labels",
+        action="store_true",
+        help="standalone: train on the answers' own tokens (no target pass to label them); the held-out rows keep "
+        "the target's top-k",
+    )
+    p.add_argument(
         "--held-out",
-        help="head: hold out these rows (a JSONL corpus; training rows with their prompts are dropped) instead of a "
+        help="hold out these rows (a JSONL corpus; training rows with their prompts are dropped) instead of a "
         "random split, so held-out figures stay comparable as corpora are added",
     )
     p.add_argument("--eval-every", type=int, default=0, help="head: held-out evaluation every N steps too")

@@ -299,3 +299,35 @@ def test_grown_draft_starts_as_the_draft_it_grew_from(tmp_path):
     assert torch.equal(bigger.model.layers[2].mlp.up_proj.weight, model.model.layers[2].mlp.up_proj.weight)
     bigger(ids).logits.sum().backward()
     assert bigger.model.layers[2].mlp.down_proj.weight.grad.abs().sum() > 0
+
+
+def test_distill_hard_labels_need_no_target_pass_over_training_rows(tmp_path):
+    """--hard-labels trains a standalone draft on the answers' own tokens: only the held-out rows (from --held-out)
+    are labelled by the target, and the draft still learns to agree with the target's argmax there."""
+    from engine.training.distill import hard_labels
+
+    rows = [{"prompt_ids": [2, 3], "response_ids": [4, 5, 6]}]
+    (label,) = hard_labels(rows)
+    assert label["ids"].tolist() == [[4], [5], [6]] and label["probs"].tolist() == [[1.0]] * 3
+    target = make_tiny_model(tmp_path / "target", seed=5, layers=3, init=0.3, context=128)
+    corpus, held_out = tmp_path / "corpus.jsonl", tmp_path / "held_out.jsonl"
+    model = load_pair(str(target), None, device="cpu").target.model
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        prompts = torch.randint(2, 10, (48, 4))
+        out = model.generate(prompts, do_sample=False, max_new_tokens=20, min_new_tokens=20)
+    lines = [
+        json.dumps({"prompt_ids": p.tolist(), "response_ids": o[4:].tolist()}) + "\n" for p, o in zip(prompts, out)
+    ]
+    corpus.write_text("".join(lines))
+    held_out.write_text("".join(lines[:6]))  # their prompts are dropped from training
+    argv = ["distill", "--target", str(target), "--corpus", str(corpus), "--held-out", str(held_out), "--hard-labels"]
+    argv += ["--layers", "1", "--vocab", "10", "--epochs", "6", "--lr", "3e-3", "--batch-size", "8", "--top-k", "4"]
+    code = main([*argv, "--work-dir", str(tmp_path / "work"), "--out", str(tmp_path / "d"), "--device", "cpu"])
+    assert code == 0
+    card = json.loads((tmp_path / "d" / "config.json").read_text())["specbranch_draft"]
+    assert card["hard_labels"] and card["held_out_rows"] == 6 and card["train_rows"] == 48 - 6
+    assert [p.name for p in (tmp_path / "work").glob("labels_*.pt")] == ["labels_top4_val_6_0.pt"]
+    log = [json.loads(x) for x in (tmp_path / "d" / "training_log.jsonl").read_text().splitlines()]
+    val = [r["val_agreement"] for r in log if "val_agreement" in r]
+    assert val[-1] > val[0] + 0.1  # from 0.55 (the target's first layer) to 0.68 when written

@@ -71,6 +71,16 @@ def split_by_prompt(rows: list[dict], val_fraction: float, seed: int):
     return train, val
 
 
+def held_out_split(rows: list[dict], held_out: str | None, val_fraction: float, seed: int):
+    """(training rows, held-out rows): the rows of the file `held_out` (training rows with their prompts left out),
+    else a seeded split by prompt."""
+    if not held_out:
+        return split_by_prompt(rows, val_fraction, seed)
+    val = [{"prompt_ids": r["prompt_ids"], "response_ids": r["response_ids"]} for r in read_jsonl(Path(held_out))]
+    keys = {tuple(r["prompt_ids"]) for r in val}
+    return [r for r in rows if tuple(r["prompt_ids"]) not in keys], val
+
+
 def capped_rows(rows: list[dict], max_tokens: int, seed: int) -> list[int]:
     """Indices of a seeded random subset of rows holding about `max_tokens` response tokens (whole rows)."""
     order = list(range(len(rows)))

@@ -22,7 +22,14 @@ from tqdm import tqdm
 
 from engine.config import SpecBranchError, writable_dir
 from engine.drafts.distilled import draft_from_target, grown, is_specbranch_draft, load_draft_dir, save_draft
-from engine.training.common import batches, capped_rows, frequent_vocab, optimizer_step, read_jsonl, split_by_prompt
+from engine.training.common import (
+    batches,
+    capped_rows,
+    frequent_vocab,
+    held_out_split,
+    optimizer_step,
+    read_jsonl,
+)
 
 
 def encode_prompt(tokenizer, row: dict) -> list[int]:
@@ -325,8 +332,10 @@ def check_inputs(args) -> None:
             raise SpecBranchError(f"{path} holds no rows (the file is empty)")
     if args.kind == "head" and args.unroll < 1:
         raise SpecBranchError(f"--unroll must be >= 1, got {args.unroll}")
-    if args.kind != "head" and (args.feature_layers or args.held_out):
-        raise SpecBranchError("--feature-layers and --held-out are for --kind head")
+    if args.kind != "head" and args.feature_layers:
+        raise SpecBranchError("--feature-layers is for --kind head")
+    if args.kind == "head" and args.hard_labels:
+        raise SpecBranchError("--hard-labels is for a standalone draft (a head's labels come with its features)")
     if args.held_out and not Path(args.held_out).is_file():
         raise SpecBranchError(f"file not found: {args.held_out}")
     if args.init and args.kind == "head":
@@ -388,15 +397,36 @@ def run_distill(args) -> dict:
             raise SpecBranchError(f"--feature-layers: the target has hidden states 0..{deepest}")
 
         return run_head_distill(args, target, rows, work)
-    train_rows, val_rows = split_by_prompt(rows, args.val_fraction, args.seed)
-    labels = label_topk(
-        target,
-        train_rows + val_rows,
-        work / f"labels_top{args.top_k}_{len(rows)}_{args.seed}.pt",
-        args.top_k,
-        args.label_batch_size,
-    )
-    train_labels, val_labels = labels[: len(train_rows)], labels[len(train_rows) :]
+    return run_standalone_distill(args, target, rows, work)
+
+
+def hard_labels(rows: list[dict]) -> list[dict]:
+    """Each response token as a label of probability 1, in label_topk's form: the target's own answers are its
+    greedy (or sampled) tokens, so no target pass is needed (a sampled token is an unbiased draw of p)."""
+    return [
+        {
+            "ids": torch.tensor(r["response_ids"], dtype=torch.int32)[:, None],
+            "probs": torch.ones(len(r["response_ids"]), 1, dtype=torch.float16),
+        }
+        for r in rows
+    ]
+
+
+def draft_labels(args, target, train_rows, val_rows, work: Path) -> tuple[list[dict], list[dict]]:
+    """(training labels, held-out labels): the target's top-k at every response position, or with --hard-labels the
+    answers' own tokens for training (the held-out rows keep the target's top-k: agreement is with its argmax)."""
+    if args.hard_labels:
+        path = work / f"labels_top{args.top_k}_val_{len(val_rows)}_{args.seed}.pt"
+        return hard_labels(train_rows), label_topk(target, val_rows, path, args.top_k, args.label_batch_size)
+    path = work / f"labels_top{args.top_k}_{len(train_rows) + len(val_rows)}_{args.seed}.pt"
+    labels = label_topk(target, train_rows + val_rows, path, args.top_k, args.label_batch_size)
+    return labels[: len(train_rows)], labels[len(train_rows) :]
+
+
+def run_standalone_distill(args, target, rows: list[dict], work: Path) -> dict:
+    """Stages label and train for a standalone draft; saves it to --out."""
+    train_rows, val_rows = held_out_split(rows, args.held_out, args.val_fraction, args.seed)
+    train_labels, val_labels = draft_labels(args, target, train_rows, val_rows, work)
     if args.max_tokens:  # a data-size curve: fewer training rows, the same held-out rows and labels
         kept = capped_rows(train_rows, args.max_tokens, args.seed)
         train_rows, train_labels = [train_rows[i] for i in kept], [train_labels[i] for i in kept]
@@ -433,6 +463,7 @@ def run_distill(args) -> dict:
         "batch_size": args.batch_size,
         "seed": args.seed,
         "top_k_labels": args.top_k,
+        "hard_labels": args.hard_labels,
         **summary,
     }
     use_subset = args.vocab < target.get_output_embeddings().weight.shape[0]

@@ -30,9 +30,8 @@ from engine.training.common import (
     batches,
     capped_rows,
     frequent_vocab,
+    held_out_split,
     optimizer_step,
-    read_jsonl,
-    split_by_prompt,
 )
 
 CHUNK_ROWS = 256
@@ -368,18 +367,6 @@ def out_of_time(s: HeadSettings, start: float, t: Trainer) -> bool:
     )
 
 
-def held_out_split(rows: list[dict], args) -> tuple[list[dict], list[dict]]:
-    """(training rows, held-out rows): the rows of --held-out (training rows with their prompts left out), else a
-    seeded split by prompt (--val-fraction)."""
-    if not getattr(args, "held_out", None):
-        return split_by_prompt(rows, args.val_fraction, args.seed)
-    val_rows = [
-        {"prompt_ids": r["prompt_ids"], "response_ids": r["response_ids"]} for r in read_jsonl(Path(args.held_out))
-    ]
-    val_keys = {tuple(r["prompt_ids"]) for r in val_rows}
-    return [r for r in rows if tuple(r["prompt_ids"]) not in val_keys], val_rows
-
-
 def head_settings(args) -> HeadSettings:
     return HeadSettings(
         layers=args.layers,
@@ -399,7 +386,7 @@ def run_head_distill(args, target, rows: list[dict], work: Path) -> dict:
     """Stages features and train for --kind head; saves the head to --out."""
     torch.manual_seed(args.seed)
     settings = head_settings(args)
-    train_rows, val_rows = held_out_split(rows, args)
+    train_rows, val_rows = held_out_split(rows, args.held_out, args.val_fraction, args.seed)
     ordered = train_rows + val_rows
     store = FeatureStore(work, ordered, settings.feature_layers, target.config.hidden_size)
     extract_features(target, ordered, store, args.label_batch_size)
