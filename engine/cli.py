@@ -286,7 +286,7 @@ def add_distill_arguments(p: argparse.ArgumentParser) -> None:
         help="hold out these rows (a JSONL corpus; training rows with their prompts are dropped) instead of a "
         "random split, so held-out figures stay comparable as corpora are added",
     )
-    p.add_argument("--eval-every", type=int, default=0, help="head: held-out evaluation every N steps too")
+    p.add_argument("--eval-every", type=int, default=0, help="held-out evaluation every N steps too")
     p.add_argument("--vocab", type=int, default=8192, help="reduced LM-head size (FR-Spec); >= vocab means full")
     p.add_argument("--epochs", type=float, default=3)
     p.add_argument("--lr", type=float, default=5e-4)

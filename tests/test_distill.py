@@ -331,3 +331,26 @@ def test_distill_hard_labels_need_no_target_pass_over_training_rows(tmp_path):
     log = [json.loads(x) for x in (tmp_path / "d" / "training_log.jsonl").read_text().splitlines()]
     val = [r["val_agreement"] for r in log if "val_agreement" in r]
     assert val[-1] > val[0] + 0.1  # from 0.55 (the target's first layer) to 0.68 when written
+
+
+def test_draft_training_resumes_where_it_stopped(tmp_path):
+    """A standalone run stopped at a step and rerun from its checkpoint ends with exactly the weights of a run that
+    never stopped (the same batches, optimiser state and schedule)."""
+    from engine.models.loading import load_model
+    from engine.training.distill import DraftSettings, hard_labels, train_draft
+
+    model, _ = load_model(str(make_tiny_model(tmp_path / "t", seed=3, layers=3)), torch.device("cpu"), torch.float32)
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        out = model.generate(torch.randint(2, 10, (24, 3)), do_sample=True, max_new_tokens=8, min_new_tokens=8)
+    rows = [{"prompt_ids": o[:3].tolist(), "response_ids": o[3:].tolist()} for o in out]
+    settings = DraftSettings(layers=1, vocab=12, epochs=3, lr=3e-3, batch_size=4, checkpoint_every=2)
+    args = (model, rows[:20], hard_labels(rows[:20]), rows[20:], hard_labels(rows[20:]))
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    straight, _, summary = train_draft(*args, settings, tmp_path / "a")
+    assert summary["steps"] == 15
+    assert train_draft(*args, DraftSettings(**{**settings.__dict__, "stop_at": 7}), tmp_path / "b")[2]["steps"] == 7
+    resumed, _, summary = train_draft(*args, settings, tmp_path / "b")
+    assert summary["steps"] == 15
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name

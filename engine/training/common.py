@@ -4,6 +4,7 @@ capping a corpus at a token budget, the frequent-token vocabulary of a reduced h
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import random
 from pathlib import Path
@@ -92,3 +93,33 @@ def capped_rows(rows: list[dict], max_tokens: int, seed: int) -> list[int]:
         kept.append(i)
         n += len(rows[i]["response_ids"])
     return kept
+
+
+class Checkpoint:
+    """A training run's state on disk (`state_dict`s by name, the step reached and the CPU seconds spent), written
+    every `every` steps under a temporary name and renamed, so a rerun of the same command resumes exactly (the
+    batches are a function of the seed and the epoch, so the rerun skips those already taken). The file is named by
+    a hash of the run's settings and training rows: another run in the same work dir starts afresh."""
+
+    def __init__(self, work: Path, kind: str, settings, rows: list[dict], every: int):
+        fields = {k: str(v) for k, v in sorted(vars(settings).items()) if k not in ("max_minutes", "stop_at")}
+        tokens = [r["prompt_ids"] + r["response_ids"] for r in rows]
+        key = hashlib.sha1(json.dumps([fields, tokens]).encode()).hexdigest()[:16]
+        self.path, self.every = work / f"{kind}_checkpoint_{key}.pt", every
+
+    def restore(self, parts: dict) -> tuple[int, float]:
+        """Load `parts` (name -> module, optimiser or schedule) from the file where there is one: (step, CPU s)."""
+        if not self.path.exists():
+            return 0, 0.0
+        state = torch.load(self.path)
+        for name, part in parts.items():
+            part.load_state_dict(state[name])
+        return state["step"], state["cpu_s"]
+
+    def save(self, parts: dict, step: int, cpu_s: float) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        torch.save({**{name: part.state_dict() for name, part in parts.items()}, "step": step, "cpu_s": cpu_s}, tmp)
+        tmp.rename(self.path)
+
+    def due(self, step: int) -> bool:
+        return bool(self.every) and step % self.every == 0

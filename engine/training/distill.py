@@ -15,6 +15,7 @@ import json
 import math
 import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ from tqdm import tqdm
 from engine.config import SpecBranchError, writable_dir
 from engine.drafts.distilled import draft_from_target, grown, is_specbranch_draft, load_draft_dir, save_draft
 from engine.training.common import (
+    Checkpoint,
     batches,
     capped_rows,
     frequent_vocab,
@@ -221,96 +223,112 @@ def evaluate(draft, rows, labels, head, remap, batch_size) -> float:
     return agree / max(total, 1)
 
 
-def train_draft(
-    target,
-    rows: list[dict],
-    labels: list[dict],
-    val_rows,
-    val_labels,
-    *,
-    layers: int,
-    vocab: int,
-    epochs: float,
-    lr: float,
-    batch_size: int,
-    seed: int,
-    log_path: Path,
-    max_minutes: float | None,
-    init: Path | None = None,
-    grow: int = 0,
-):
-    torch.manual_seed(seed)
-    draft = initial_draft(target, layers, init, grow).train()
-    for module in (draft.model.embed_tokens, draft.lm_head):  # shared with the target: frozen
-        module.requires_grad_(False)
-    vocab_size = target.get_output_embeddings().weight.shape[0]
-    subset = frequent_vocab(rows, vocab, vocab_size)
-    remap = torch.full((vocab_size,), -1, dtype=torch.long)
-    remap[subset] = torch.arange(len(subset))
-    head = target.get_output_embeddings().weight[subset].detach().contiguous()
-    params = [p for p in draft.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    steps_per_epoch = math.ceil(len(rows) / batch_size)
-    total_steps = max(1, int(epochs * steps_per_epoch))
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps))
-    )
-    log = open(log_path, "w")  # one log per training run (generation and labels are what resume)
-    start, step = time.time(), 0
-    first = evaluate(draft, val_rows, val_labels, head, remap, batch_size)
-    print(json.dumps({"step": 0, "val_agreement": round(first, 4)}), file=log, flush=True)
-    bar = tqdm(total=total_steps, desc="train", unit="step")
-    stopped = False
-    for epoch in range(math.ceil(epochs)):
-        epoch_losses = []
-        for chunk, ids, mask in batches(rows, batch_size, shuffle=True, seed=seed + epoch):
-            loss, agree, total = kl_loss(draft_logits(draft, ids, mask, head), rows, chunk, labels, remap)
-            epoch_losses.append(loss.item())
-            optimizer_step(loss, params, opt, sched)
-            step += 1
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.3f}", agree=f"{agree / max(total, 1):.3f}")
-            if step % 25 == 0 or step == total_steps:
-                print(
-                    json.dumps(
-                        {
-                            "step": step,
-                            "epoch": round(step / steps_per_epoch, 3),
-                            "loss": round(loss.item(), 4),
-                            "train_agreement": round(agree / max(total, 1), 4),
-                            "lr": sched.get_last_lr()[0],
-                            "minutes": round((time.time() - start) / 60, 2),
-                        }
-                    ),
-                    file=log,
-                    flush=True,
-                )
-            if step >= total_steps or (max_minutes and time.time() - start > 60 * max_minutes):
-                stopped = True
-                break
-        val = evaluate(draft, val_rows, val_labels, head, remap, batch_size)
-        print(
-            json.dumps(
-                {
-                    "step": step,
-                    "epoch": round(step / steps_per_epoch, 3),
-                    "val_agreement": round(val, 4),
-                    "epoch_loss": round(sum(epoch_losses) / len(epoch_losses), 4),
-                }
-            ),
-            file=log,
-            flush=True,
+@dataclass(frozen=True)
+class DraftSettings:
+    """How a standalone draft is trained (distill's flags)."""
+
+    layers: int = 4
+    vocab: int = 8192
+    epochs: float = 3
+    lr: float = 5e-4
+    batch_size: int = 16
+    seed: int = 0
+    max_minutes: float | None = None  # stop after this long (wall clock, this run)
+    init: Path | None = None
+    grow: int = 0
+    eval_every: int = 0  # steps between held-out evaluations besides each epoch's end (0: at epoch ends only)
+    checkpoint_every: int = 100  # steps between checkpoints a rerun resumes from (0: none)
+    stop_at: int = 0  # stop (checkpointed) at this step, for a rerun to go on from (0: run to the end)
+
+    def out_of_time(self, start: float, step: int) -> bool:
+        return bool(
+            (self.stop_at and step >= self.stop_at)
+            or (self.max_minutes and time.time() - start > 60 * self.max_minutes)
         )
-        tqdm.write(f"epoch {epoch + 1}: held-out greedy agreement {val:.4f}")
-        if stopped:
-            break
+
+
+class DraftRun:
+    """A standalone draft's training state: the draft, its reduced head, optimiser, schedule and the step reached,
+    checkpointed (common.Checkpoint) so that a rerun of the same command resumes where it stopped."""
+
+    def __init__(self, target, rows: list[dict], s: DraftSettings, work: Path):
+        torch.manual_seed(s.seed)
+        self.settings = s
+        self.draft = initial_draft(target, s.layers, s.init, s.grow).train()
+        for module in (self.draft.model.embed_tokens, self.draft.lm_head):  # shared with the target: frozen
+            module.requires_grad_(False)
+        vocab_size = target.get_output_embeddings().weight.shape[0]
+        self.subset = frequent_vocab(rows, s.vocab, vocab_size)
+        self.remap = torch.full((vocab_size,), -1, dtype=torch.long)
+        self.remap[self.subset] = torch.arange(len(self.subset))
+        self.head = target.get_output_embeddings().weight[self.subset].detach().contiguous()
+        self.params = [p for p in self.draft.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=s.lr, weight_decay=0.0)
+        self.per_epoch = math.ceil(len(rows) / s.batch_size)
+        self.total = total = max(1, int(s.epochs * self.per_epoch))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, lambda k: min(1.0, (k + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(k, total) / total))
+        )
+        self.ckpt = Checkpoint(work, "draft", s, rows, s.checkpoint_every)
+        parts = {"draft": self.draft, "opt": self.opt, "sched": self.sched}
+        self.step, cpu_s = self.ckpt.restore(parts)
+        self.cpu0 = time.process_time() - cpu_s
+
+    def save(self) -> None:
+        parts = {"draft": self.draft, "opt": self.opt, "sched": self.sched}
+        self.ckpt.save(parts, self.step, time.process_time() - self.cpu0)
+
+    def train_step(self, rows, labels, chunk, ids, mask) -> tuple[float, float]:
+        loss, agree, total = kl_loss(draft_logits(self.draft, ids, mask, self.head), rows, chunk, labels, self.remap)
+        optimizer_step(loss, self.params, self.opt, self.sched)
+        self.step += 1
+        if self.ckpt.due(self.step):
+            self.save()
+        return loss.item(), agree / max(total, 1)
+
+    def log(self, log, **fields) -> None:
+        line = {"step": self.step, "epoch": round(self.step / self.per_epoch, 3), **fields}
+        print(
+            json.dumps({**line, "cpu_minutes": round((time.process_time() - self.cpu0) / 60, 2)}), file=log, flush=True
+        )
+
+
+def train_draft(target, rows, labels, val_rows, val_labels, settings: DraftSettings, work: Path):
+    """Train (or resume) a standalone draft; returns (draft, vocabulary subset, summary). Logs to
+    work/train_log.jsonl (appended to on a resume)."""
+    s = settings
+    run = DraftRun(target, rows, s, work)
+    log = open(work / "train_log.jsonl", "a" if run.step else "w")
+    held_out = lambda: round(evaluate(run.draft, val_rows, val_labels, run.head, run.remap, s.batch_size), 4)  # noqa: E731
+    if not run.step:
+        run.log(log, val_agreement=held_out())
+    start, val = time.time(), None
+    bar = tqdm(total=run.total, initial=run.step, desc="train", unit="step")
+    while run.step < run.total and not s.out_of_time(start, run.step):
+        epoch, skip = divmod(run.step, run.per_epoch)
+        epoch_losses = []  # this run's part of the epoch
+        for k, (chunk, ids, mask) in enumerate(batches(rows, s.batch_size, shuffle=True, seed=s.seed + epoch)):
+            if k < skip:
+                continue  # taken before a resume
+            loss, agree = run.train_step(rows, labels, chunk, ids, mask)
+            epoch_losses.append(loss)
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.3f}", agree=f"{agree:.3f}")
+            if run.step % 25 == 0 or run.step == run.total:
+                run.log(log, loss=round(loss, 4), train_agreement=round(agree, 4), lr=run.sched.get_last_lr()[0])
+            end = run.step >= run.total or s.out_of_time(start, run.step) or run.step % run.per_epoch == 0
+            if end or (s.eval_every and run.step % s.eval_every == 0):
+                val = held_out()
+                mean = round(sum(epoch_losses) / len(epoch_losses), 4)
+                run.log(log, val_agreement=val, **({"epoch_loss": mean} if run.step % run.per_epoch == 0 else {}))
+                tqdm.write(f"step {run.step}: held-out greedy agreement {val:.4f}")
+            if end:
+                break
     bar.close()
-    draft.eval()
-    return (
-        draft,
-        subset,
-        {"val_agreement": round(val, 4), "steps": step, "minutes": round((time.time() - start) / 60, 2)},
-    )
+    run.save()
+    val = val if val is not None else held_out()
+    summary = {"val_agreement": val, "steps": run.step, "cpu_minutes": round((time.process_time() - run.cpu0) / 60, 2)}
+    return run.draft.eval(), run.subset, summary
 
 
 def initial_draft(target, layers: int, init: Path | None, grow: int = 0):
@@ -432,23 +450,19 @@ def run_standalone_distill(args, target, rows: list[dict], work: Path) -> dict:
         train_rows, train_labels = [train_rows[i] for i in kept], [train_labels[i] for i in kept]
     n_tokens = sum(len(r["response_ids"]) for r in train_rows)
     print(f"distill: {len(train_rows)} training rows ({n_tokens} response tokens), {len(val_rows)} held-out rows")
-    draft, subset, summary = train_draft(
-        target,
-        train_rows,
-        train_labels,
-        val_rows,
-        val_labels,
+    settings = DraftSettings(
         layers=args.layers,
         vocab=args.vocab,
         epochs=args.epochs,
         lr=args.lr,
         batch_size=args.batch_size,
         seed=args.seed,
-        log_path=work / "train_log.jsonl",
         max_minutes=args.max_minutes,
         init=Path(args.init) if args.init else None,
         grow=args.grow,
+        eval_every=args.eval_every,
     )
+    draft, subset, summary = train_draft(target, train_rows, train_labels, val_rows, val_labels, settings, work)
     meta = {
         "target": args.target,
         "layers": draft.config.num_hidden_layers,

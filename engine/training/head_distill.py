@@ -27,6 +27,7 @@ from tqdm import tqdm
 from engine.drafts.head import FeatureHead, save_head
 from engine.kernels.lm_head import bf16_supported
 from engine.training.common import (
+    Checkpoint,
     batches,
     capped_rows,
     frequent_vocab,
@@ -250,7 +251,7 @@ class Trainer:
     """One head's training state: the head, its optimiser and schedule, the step reached; checkpointed to `ckpt`
     every `checkpoint_every` steps so a rerun of the same command resumes where it stopped."""
 
-    def __init__(self, target, rows, settings: HeadSettings, ckpt: Path):
+    def __init__(self, target, rows, settings: HeadSettings, work: Path):
         s = self.settings = settings
         torch.manual_seed(s.seed)
         device = next(target.parameters()).device
@@ -267,24 +268,15 @@ class Trainer:
             self.opt,
             lambda k: min(1.0, (k + 1) / s.warmup) * 0.5 * (1 + math.cos(math.pi * min(k, total) / total)),
         )
-        self.step, self.ckpt, self.cpu0 = 0, ckpt, time.process_time()
-        if ckpt.exists():
-            state = torch.load(ckpt)
-            self.head.load_state_dict(state["head"])
-            self.opt.load_state_dict(state["opt"])
-            self.sched.load_state_dict(state["sched"])
-            self.step, self.cpu0 = state["step"], self.cpu0 - state["cpu_s"]
+        self.ckpt = Checkpoint(work, "head", s, rows, s.checkpoint_every)
+        self.step, cpu_s = self.ckpt.restore(self.parts())
+        self.cpu0 = time.process_time() - cpu_s
+
+    def parts(self) -> dict:
+        return {"head": self.head, "opt": self.opt, "sched": self.sched}
 
     def save(self) -> None:
-        state = dict(
-            head=self.head.state_dict(),
-            opt=self.opt.state_dict(),
-            sched=self.sched.state_dict(),
-            step=self.step,
-            cpu_s=time.process_time() - self.cpu0,
-        )
-        torch.save(state, self.ckpt.with_suffix(".tmp"))
-        self.ckpt.with_suffix(".tmp").rename(self.ckpt)
+        self.ckpt.save(self.parts(), self.step, time.process_time() - self.cpu0)
 
     def cpu_minutes(self) -> float:
         return (time.process_time() - self.cpu0) / 60
@@ -296,7 +288,7 @@ class Trainer:
             loss, agree = losses(outs, f, m, self.sub_head, self.settings.reg_weight)
         optimizer_step(loss, self.params, self.opt, self.sched)
         self.step += 1
-        if self.settings.checkpoint_every and self.step % self.settings.checkpoint_every == 0:
+        if self.ckpt.due(self.step):
             self.save()
         return loss.item(), agree
 
@@ -308,7 +300,7 @@ def log_line(log, **fields) -> None:
 def train_head(target, rows, feats, val_rows, val_feats, settings: HeadSettings, work: Path):
     """Train (or resume) a head; returns (head, vocabulary subset, summary). Logs to work/train_head_log.jsonl."""
     s = settings
-    t = Trainer(target, rows, s, work / "head_checkpoint.pt")
+    t = Trainer(target, rows, s, work)
     log = open(work / "train_head_log.jsonl", "a" if t.step else "w")
     held_out = lambda: evaluate(t.head, val_rows, val_feats, t.embed, t.sub_head, s.unroll, s.batch_size)  # noqa: E731
     tokens_per_step = sum(len(r["response_ids"]) for r in rows) / t.per_epoch

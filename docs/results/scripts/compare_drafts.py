@@ -180,7 +180,7 @@ def cmd_train(args) -> None:
         warmup=20,
     )
     if args.candidate.startswith("head"):
-        t = Trainer(target, train, s, Path(args.work) / f"{args.candidate}.ckpt")
+        t = Trainer(target, train, s, Path(args.work))
         embed = t.embed
 
         def held_out():
