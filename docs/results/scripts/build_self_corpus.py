@@ -37,8 +37,8 @@ def excluded_shingles() -> set:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("work_dirs", nargs="+", help="distill --generate-only work dirs, in order")
-    p.add_argument("--out", required=True, help="the corpus, .jsonl.gz")
+    p.add_argument("work_dirs", nargs="*", help="distill --generate-only work dirs, in order")
+    p.add_argument("--out", help="the corpus, .jsonl.gz (none: only --held-out)")
     p.add_argument("--held-out", help="also write the shipped corpora's held-out rows here")
     args = p.parse_args()
     shipped = [r for path in SHIPPED for r in read_jsonl(Path(path))]
@@ -61,9 +61,10 @@ def main() -> None:
                 kept.append(row | {"prompt_ids": a["prompt_ids"], "response_ids": a["response_ids"]})
             seen_text.add(q["prompt"])
             seen_ids.add(tuple(a["prompt_ids"]))
-    with gzip.open(args.out, "wt") as f:
-        for row in kept:
-            f.write(json.dumps(row) + "\n")
+    if args.out:
+        with gzip.open(args.out, "wt") as f:
+            for row in kept:
+                f.write(json.dumps(row) + "\n")
     tokens = sum(len(r["response_ids"]) for r in kept)
     print(json.dumps({"rows": len(kept), "response_tokens": tokens, "dropped": dropped}))
     if args.held_out:
