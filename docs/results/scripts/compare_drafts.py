@@ -198,7 +198,7 @@ def cmd_train(args) -> None:
 
 def run(args, t, train, feats, held_out, s: HeadSettings, hidden: int) -> None:
     """Train until the CPU budget or the epochs run out, scoring the held-out rows every --eval-minutes of CPU."""
-    log = open(Path(args.work) / f"{args.candidate}.jsonl", "w")
+    log = open(Path(args.work) / f"{args.name or args.candidate}.jsonl", "w")
     tokens_per_step = sum(len(r["response_ids"]) for r in train) / t.per_epoch
     eval_cpu = 0.0  # CPU time spent scoring, not counted against the budget
 
@@ -245,11 +245,15 @@ def main() -> None:
         q.add_argument("--train-rows", type=int, default=0, help="only the first N of those rows (0: all)")
         q.add_argument("--val-rows", type=int, default=0, help="only the first N held-out rows (0: all 258)")
         if name == "train":
-            q.add_argument("candidate", choices=("head-fused", "head-last", "standalone6", "standalone6-shipped"))
+            q.add_argument(
+                "candidate",
+                choices=("head-fused", "head-last", "standalone6", "standalone6-shipped", "standalone8-grown"),
+            )
             q.add_argument("--cpu-minutes", type=float, default=20)
             q.add_argument("--eval-minutes", type=float, default=5)
             q.add_argument("--epochs", type=float, default=1)
             q.add_argument("--lr", type=float, default=1e-3)
+            q.add_argument("--name", help="the log's name (default: the candidate's)")
     args = p.parse_args()
     (cmd_features if args.cmd == "features" else cmd_train)(args)
 
