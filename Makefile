@@ -5,7 +5,7 @@ PIP := $(PY) -m pip
 HOST ?= 127.0.0.1
 PORT ?= 7860
 
-.PHONY: run test lint install browser bench lock
+.PHONY: run test test-fast lint install browser bench lock
 
 # requirements*.txt say what is needed (ranges); requirements.lock pins the one tested set that gets installed
 $(VENV)/.installed: requirements.txt requirements-dev.txt requirements.lock
@@ -39,6 +39,10 @@ lint: install
 
 test: lint browser
 	$(PY) -m pytest -q
+
+# the suite without the tests marked slow (pytest.ini), for development; `make test` (and the CI) runs every test
+test-fast: lint
+	$(PY) -m pytest -q -m "not slow"
 
 # the README's headline: every method with the default draft and its preset, on the benchmark split, at T=0 and T=1
 bench: install

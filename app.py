@@ -10,11 +10,11 @@ import subprocess
 import sys
 import threading
 
-from app.engines import DEFAULT_MAX_DRAFTS, MAX_DRAFTS_ENV, EngineCache
+from app.engines import DEFAULT_MAX_DRAFTS, MAX_DRAFTS_ENV, EngineCache, gpu_fronts
 from app.main import DEFAULT_MAX_QUEUE, MAX_QUEUE_ENV, SHOW_ERROR, bounded_queue, build_app, css_paths
 from app.settings import defaults_for
-from engine.config import DRAFT_FORWARDS, DRAFT_MATMULS, DRAFT_WORKERS, TARGET_FORWARDS
-from engine.presets import draft_forward
+from engine.args import add_model_arguments, fill_model_defaults, model_settings
+from engine.config import ModelSettings
 
 # the drafts a visitor may pick on the embedded target (the app's own comes first), as the menu names them: the fast
 # one, the one whose forks rescue, and those wrong often enough to show rejections (docs/models.md)
@@ -45,86 +45,50 @@ def positive(text) -> int:
     return value
 
 
-def load_engine(args, draft: str, target=None):
-    """An Engine for a draft spec: on `target` (an LM already loaded) where given, else loading args.target too."""
-    from engine.engine import Engine
-    from engine.models.loading import load_pair, with_draft
+def load_engine(models: ModelSettings, draft: str, target=None):
+    """An Engine for a draft spec: on `target` (an LM already loaded) where given, else loading models.target too."""
+    from engine.load import engine_for, pair_for
 
-    if target is not None:
-        pair = with_draft(
-            target,
-            draft,
-            draft_matmul=args.draft_matmul,
-            draft_forward=args.draft_forward,
-            draft_worker=args.draft_worker,
-            compile_later=True,
-        )
-    else:
-        pair = load_pair(
-            args.target,
-            draft,
-            device=args.device,
-            draft_matmul=args.draft_matmul,
-            draft_forward=args.draft_forward,
-            target_forward=args.target_forward,
-            draft_worker=args.draft_worker,
-            compile_later=True,
-        )
+    pair = pair_for(models, draft, target, compile_later=True)
     if pair.draft_worker_why:
         print(f"the draft {draft!r} runs in this process: {pair.draft_worker_why}")
     if hasattr(pair.draft, "start_compile"):  # lean-compiled: by a second draft process, or here
         pair.draft.start_compile(print)
-    return Engine(pair, measure_target_step=True)  # the glance line's first-chat figure reads it
+    return engine_for(models, pair, measure_target_step=True)  # the glance line's first-chat figure reads it
 
 
-def main() -> None:
+def engine_getter(models: ModelSettings, max_drafts: int, specs: list[str]):
+    """get(draft spec or None) -> what the tabs run a draft on. Here: its Engine, loaded on its first pick (at most
+    max_drafts at once). On ZeroGPU: its GpuFront (the tokenizer, read now, on the main thread), while the Engines
+    load in the GPU worker, on the GPU it was given, when a request first asks for them (app/stream.py)."""
+    from app.stream import serve_on_gpu, spaces_module, zerogpu
+
+    def make() -> EngineCache:
+        return EngineCache(lambda draft, target: load_engine(models, draft, target), models.draft, max_drafts)
+
+    if not zerogpu(spaces_module()):
+        return make().get
+    serve_on_gpu(make)
+    fronts = gpu_fronts(models.target, specs)
+    return lambda draft=None: fronts[draft or models.draft]
+
+
+# the model flags' defaults that the environment may set (docs/app.md)
+MODEL_ENV = {
+    "target": ("SPECBRANCH_TARGET", "embedded"),
+    "draft": ("SPECBRANCH_DRAFT", None),
+    "device": ("SPECBRANCH_DEVICE", None),
+    "draft_matmul": ("SPECBRANCH_DRAFT_MATMUL", "auto"),
+    "draft_worker": ("SPECBRANCH_DRAFT_WORKER", "process"),
+    "target_forward": ("SPECBRANCH_TARGET_FORWARD", "static"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="SpecBranch Studio")
     parser.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"))
     parser.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", "7860")))
-    parser.add_argument("--target", default=os.environ.get("SPECBRANCH_TARGET", "embedded"))
-    parser.add_argument(
-        "--draft",
-        default=os.environ.get("SPECBRANCH_DRAFT"),
-        help="a draft spec (python -m engine --help); default: self, the target read in 4 bits, on "
-        "a CPU (engine/presets.py default_draft), else embedded. For more rejections and branches "
-        "to watch: embedded or embedded-weak; for forks that rescue: self-skip:3,4,5,25",
-    )
-    parser.add_argument("--device", default=os.environ.get("SPECBRANCH_DEVICE"))
-    parser.add_argument(
-        "--draft-matmul",
-        default=os.environ.get("SPECBRANCH_DRAFT_MATMUL", "auto"),
-        choices=DRAFT_MATMULS,
-        help="how the draft's matmuls read its weights: bfloat16, int4 or float32 (auto: int4 for "
-        "--draft self or self-skip:... on a CPU, bfloat16 for other drafts where the CPU runs it "
-        "natively); output stays exact",
-    )
-    parser.add_argument(
-        "--draft-forward",
-        default=draft_forward(),
-        choices=DRAFT_FORWARDS,
-        help="lean: a Llama draft on the CPU runs engine/lean.py (fused matmuls, a KV cache that "
-        "rolls back by a pointer); lean-compiled (the default): that, with its one-token steps "
-        "through torch.compile, compiled by a second process of the draft's once it has loaded "
-        "(about a minute the first time; runs meanwhile draft with the eager step and say so; a "
-        "draft on a thread of this process compiles when it loads); transformers: the model's "
-        "own forward",
-    )
-    parser.add_argument(
-        "--draft-worker",
-        default=os.environ.get("SPECBRANCH_DRAFT_WORKER", "process"),
-        choices=DRAFT_WORKERS,
-        help="process: a draft on the CPU runs its forwards in a child process of its own, so the two "
-        "models do not take turns at one Python interpreter (its logits are checked bit for bit "
-        "at start); thread: on a thread of this process",
-    )
-    parser.add_argument(
-        "--target-forward",
-        default=os.environ.get("SPECBRANCH_TARGET_FORWARD", "static"),
-        choices=TARGET_FORWARDS,
-        help="static: a Llama target on the CPU runs engine/static_forward.py (transformers' ops, "
-        "with q/k/v and gate/up each one stacked matmul, over a KV cache written in place: the "
-        "same bits, checked at load, and a faster step); transformers: the model's own forward",
-    )
+    add_model_arguments(parser, {name: os.environ.get(env) or default for name, (env, default) in MODEL_ENV.items()})
     parser.add_argument("--db", default=None, help="session store (default: $SPECBRANCH_DB or the data dir)")
     parser.add_argument("--no-record", action="store_true", help="do not record sessions")
     parser.add_argument(
@@ -142,56 +106,64 @@ def main() -> None:
         "picking one more closes the least recently used idle one (default: "
         f"${MAX_DRAFTS_ENV} or {DEFAULT_MAX_DRAFTS})",
     )
-    args = parser.parse_args()
-    ensure_embedded_package()
-    if not args.draft:
-        from engine.presets import default_draft
+    return parser
 
-        args.draft = default_draft(args.device)
 
+def open_store(db: str | None):
+    """(Store, "") for the app's recording and replay, or (None, why not): a broken store never stops the app from
+    generating. Starts the copies to a bucket where the environment names one (sessions/snapshot.py)."""
+    from sessions import SessionStoreError, Store, default_db_path
+    from sessions.snapshot import from_environment
+
+    try:
+        path = db or default_db_path()
+        snapshots = from_environment(path)  # first: an empty local store starts from the bucket's
+        store = Store(path)
+    except SessionStoreError as exc:
+        print(f"not recording: {exc}")
+        return None, str(exc)
+    print(f"recording sessions to {store.path}")
+    if snapshots is not None:
+        atexit.register(snapshots.stop)
+        print(
+            f"copying them to {snapshots.folder} every {snapshots.every_s:.0f} s"
+            + (f" ({snapshots.last_error})" if snapshots.last_error else "")
+        )
+    return store, ""
+
+
+def store_getter(args):
+    """get_store for the app: the store opened once, on the first call."""
     lock, loaded = threading.Lock(), {}
-    specs = (
-        [args.draft, *(d for d in EMBEDDED_CHOICES if d != args.draft)] if args.target == "embedded" else [args.draft]
-    )
-    drafts = [(EMBEDDED_CHOICES.get(spec, spec), spec) for spec in specs]
-    engines = EngineCache(lambda draft, target: load_engine(args, draft, target), args.draft, args.max_drafts)
 
     def get_store():
-        """(Store, "") or (None, why not): a broken store never stops the app from generating."""
         with lock:
             if "store" not in loaded:
-                from sessions import SessionStoreError, Store, default_db_path
-
-                if args.no_record:
-                    loaded["store"] = (None, "recording is off (--no-record)")
-                else:
-                    from sessions.snapshot import from_environment
-
-                    try:
-                        path = args.db or default_db_path()
-                        snapshots = from_environment(path)  # first: an empty local store starts from the bucket's
-                        loaded["store"] = (Store(path), "")
-                        print(f"recording sessions to {loaded['store'][0].path}")
-                        if snapshots is not None:
-                            atexit.register(snapshots.stop)
-                            print(
-                                f"copying them to {snapshots.folder} every {snapshots.every_s:.0f} s"
-                                + (f" ({snapshots.last_error})" if snapshots.last_error else "")
-                            )
-                    except SessionStoreError as exc:
-                        loaded["store"] = (None, str(exc))
-                        print(f"not recording: {exc}")
+                loaded["store"] = (None, "recording is off (--no-record)") if args.no_record else open_store(args.db)
             return loaded["store"]
 
+    return get_store
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    ensure_embedded_package()
+    models = model_settings(fill_model_defaults(args))
+    specs = [models.draft]
+    if models.target == "embedded":
+        specs += [d for d in EMBEDDED_CHOICES if d != models.draft]
+    drafts = [(EMBEDDED_CHOICES.get(spec, spec), spec) for spec in specs]
+    get_engine = engine_getter(models, args.max_drafts, specs)
+    get_store = store_getter(args)
     get_store()
     demo = build_app(
-        engines.get,
+        get_engine,
         get_store,
-        defaults_for(args.draft),
-        about=f"target {args.target} · draft matmul {args.draft_matmul} · "
-        f"draft forward {args.draft_forward} where it fits · "
-        f"draft worker {args.draft_worker} where it fits · "
-        f"target forward {args.target_forward} where it fits",
+        defaults_for(models.draft),
+        about=f"target {models.target} · draft matmul {models.draft_matmul} · "
+        f"draft forward {models.draft_forward} where it fits · "
+        f"draft worker {models.draft_worker} where it fits · "
+        f"target forward {models.target_forward} where it fits",
         drafts=drafts,
     )
     bounded_queue(demo, args.max_queue).launch(

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import gradio as gr
 
-from engine.config import SpecBranchError
-from sessions import Recorder, SessionStoreError
+from engine.config import BASELINE, SpecBranchError
+from sessions import SessionStoreError, start_recording
 
 
 def no_store(reason: str):
@@ -24,13 +24,15 @@ def stored_ar_speed(
     if store is None or not prompt:
         return None
     try:
-        rows = store.list_sessions(owner=owner, search=prompt, method="ar", pair=pair, include_shared=False, limit=20)
+        rows = store.list_sessions(
+            owner=owner, search=prompt, method=BASELINE, pair=pair, include_shared=False, limit=20
+        )
         ids = [r["id"] for r in rows if r["prompt"] == prompt]
         for sid in ([session_id] if session_id else []) + [i for i in ids if i != session_id]:
             for run in store.get_session(sid, owner)["runs"]:
                 speed = (run["metrics"] or {}).get("tokens_per_s")
                 if (
-                    run["method"] == "ar"
+                    run["method"] == BASELINE
                     and run["status"] == "complete"
                     and isinstance(speed, (int, float))
                     and not isinstance(speed, bool)
@@ -80,16 +82,9 @@ class AppContext:
         return store
 
     def start_recording(self, owner, prompt, engine, cfg):
-        """(recorder, session id or None). Never raises: a broken store only means 'not recording'."""
+        """(recorder, session id or None) for a run on `engine` (sessions.start_recording: never raises)."""
         store, reason = self.get_store()
-        if store is None:
-            return Recorder.disabled(reason), None
-        target, draft = pair_names(engine)
-        try:
-            sid = store.start_session(owner, prompt, target, draft, cfg)
-        except SessionStoreError as exc:
-            return Recorder.disabled(str(exc)), None
-        return store.recorder(sid, owns_session=True), sid  # a run that records nothing leaves no session
+        return start_recording(store, owner, prompt, pair_names(engine), cfg, why_not=reason)
 
     def ar_speed_of(self, owner, prompt, engine):
         """tokens/s of this browser's latest stored AR run of the same prompt on the same pair, if any."""

@@ -13,6 +13,9 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.engine import check_prompt_length, encode_prompt
 
 from .settings import count_setting
 
@@ -81,3 +84,55 @@ class EngineCache:
 
 def cap_from_env() -> int:
     return max_drafts_from(os.environ.get(MAX_DRAFTS_ENV))
+
+
+@dataclass(frozen=True)
+class Named:
+    """A model as the app's process on ZeroGPU knows it: by its spec (an Engine's LM is named by its spec too)."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class FrontPair:
+    """What the app reads of an Engine's pair (ModelPair): the models' names and the target's tokenizer."""
+
+    target: Named
+    draft: Named | None
+    tokenizer: object
+
+
+class GpuFront:
+    """On ZeroGPU, the app's process stands for a draft's Engine with this: the target's tokenizer and context length,
+    and the pair's names, with no model and no CUDA. The tabs encode and check a prompt and record the run as they do
+    with an Engine; its runs go to the GPU function by the draft's spec (app/stream.py), which builds the Engine in
+    the GPU worker."""
+
+    busy = False  # nothing runs in this process
+
+    def __init__(self, target: str, draft: str, tokenizer, context_length: int):
+        self.draft, self.tokenizer, self.context_length = draft, tokenizer, context_length
+        self.pair = FrontPair(Named(target), Named(draft), tokenizer)
+
+    def encode(self, prompt: str, chat: bool, history: list[dict] | None = None) -> list[int]:
+        return encode_prompt(self.tokenizer, prompt, chat, history)
+
+    def check_prompt(self, prompt_ids: list[int]) -> None:
+        check_prompt_length(prompt_ids, self.context_length)
+
+    def close(self) -> None:
+        """Nothing to close: the engines live in the GPU worker."""
+
+
+def gpu_fronts(target: str, drafts: list[str]) -> dict[str, GpuFront]:
+    """A GpuFront for each draft spec on `target`: its tokenizer and context length read from its files once, here
+    (the embedded GGUF is dequantized once on its first load, so the GPU worker then loads it from that cache). Call
+    it at start, on the main thread, never on a request's thread: no weights load here."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from engine.models.loading import resolve_source
+
+    source = resolve_source(target)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    context = int(getattr(AutoConfig.from_pretrained(source), "max_position_embeddings", 2048))
+    return {draft: GpuFront(target, draft, tokenizer, context) for draft in drafts}

@@ -40,47 +40,11 @@ def timeline_figure(runs: list[list[Event]], highlight: tuple[int, float, float]
         spans = [e for e in events if isinstance(e, TimingSpan)]
         if not spans:
             continue
-        end = max(s.end for s in spans)
-        start = min(s.start for s in spans)
+        window = (min(s.start for s in spans), max(s.end for s in spans))
         for worker in ("draft", "target"):
-            mine = [s for s in spans if s.worker == worker]
-            if not mine:
-                continue
-            lane = f"{name} · {worker}"
-            lanes.append(lane)
-            for kind in sorted({s.kind for s in mine}):
-                bars, label = [s for s in mine if s.kind == kind], plot_text(kind)
-                fig.add_trace(
-                    go.Bar(
-                        y=[lane] * len(bars),
-                        x=[1000 * (s.end - s.start) for s in bars],
-                        base=[1000 * s.start for s in bars],
-                        orientation="h",
-                        name=label,
-                        legendgroup=label,
-                        showlegend=label not in {t.name for t in fig.data},
-                        marker_color=KIND_COLOURS.get(kind, "#333"),
-                        customdata=[[s.step, s.tokens] for s in bars],
-                        hovertemplate=f"{label}<br>step %{{customdata[0]}}, %{{customdata[1]}} tokens<br>"
-                        "%{base:.1f}–%{x:.1f} ms long<extra>" + lane + "</extra>",
-                    )
-                )
-            busy = busy_intervals(spans, worker, start, end)
-            gaps = [(a_end, b_start) for (_, a_end), (b_start, _) in zip(busy, busy[1:]) if b_start - a_end > 1e-4]
-            if gaps:
-                fig.add_trace(
-                    go.Bar(
-                        y=[lane] * len(gaps),
-                        x=[1000 * (b - a) for a, b in gaps],
-                        base=[1000 * a for a, _ in gaps],
-                        orientation="h",
-                        name="idle (bubble)",
-                        legendgroup="idle",
-                        showlegend="idle (bubble)" not in {t.name for t in fig.data},
-                        marker_color=BUBBLE,
-                        hovertemplate="idle %{x:.1f} ms<extra>" + lane + "</extra>",
-                    )
-                )
+            if any(s.worker == worker for s in spans):
+                lanes.append(f"{name} · {worker}")
+                add_lane(fig, lanes[-1], spans, worker, window)
     if highlight is not None:
         step, start, end = highlight
         fig.add_vrect(
@@ -100,6 +64,45 @@ def timeline_figure(runs: list[list[Event]], highlight: tuple[int, float, float]
         yaxis=dict(autorange="reversed"),
     )
     return fig
+
+
+def add_lane(fig: go.Figure, lane: str, spans: list[TimingSpan], worker: str, window: tuple[float, float]) -> None:
+    """One model's lane of a run: a bar per forward (a trace per kind of forward), then its idle gaps within
+    `window` (s), each trace in the legend once."""
+    mine = [s for s in spans if s.worker == worker]
+    for kind in sorted({s.kind for s in mine}):
+        bars, label = [s for s in mine if s.kind == kind], plot_text(kind)
+        fig.add_trace(
+            go.Bar(
+                y=[lane] * len(bars),
+                x=[1000 * (s.end - s.start) for s in bars],
+                base=[1000 * s.start for s in bars],
+                orientation="h",
+                name=label,
+                legendgroup=label,
+                showlegend=label not in {t.name for t in fig.data},
+                marker_color=KIND_COLOURS.get(kind, "#333"),
+                customdata=[[s.step, s.tokens] for s in bars],
+                hovertemplate=f"{label}<br>step %{{customdata[0]}}, %{{customdata[1]}} tokens<br>"
+                "%{base:.1f}–%{x:.1f} ms long<extra>" + lane + "</extra>",
+            )
+        )
+    busy = busy_intervals(spans, worker, *window)
+    gaps = [(a_end, b_start) for (_, a_end), (b_start, _) in zip(busy, busy[1:]) if b_start - a_end > 1e-4]
+    if gaps:
+        fig.add_trace(
+            go.Bar(
+                y=[lane] * len(gaps),
+                x=[1000 * (b - a) for a, b in gaps],
+                base=[1000 * a for a, _ in gaps],
+                orientation="h",
+                name="idle (bubble)",
+                legendgroup="idle",
+                showlegend="idle (bubble)" not in {t.name for t in fig.data},
+                marker_color=BUBBLE,
+                hovertemplate="idle %{x:.1f} ms<extra>" + lane + "</extra>",
+            )
+        )
 
 
 def acceptance_figure(metrics: dict) -> go.Figure:

@@ -71,3 +71,8 @@ def skips(n: int) -> tuple:
 
 def error_html(message: str) -> str:
     return f'<div class="notice notice-error">{html.escape(message)}</div>'
+
+
+def failure_message(exc: Exception) -> str:
+    """What to say where a run broke off: the advice for running out of memory, else the error itself."""
+    return "out of memory: try fewer tokens or a smaller pair" if "out of memory" in str(exc) else str(exc)

@@ -187,7 +187,8 @@ class StepFacts:
     emitted_pieces: list[str]
     emitted_kinds: list[str]
     dropped: int  # draft tokens rolled back in this step
-    branch_verdict: Verified | None = None  # the target's verdict on the first branch, when it was fed through
+    branch_verdict: Verified | None = None  # the target's verdict on the surviving branch, where the pass that
+    # resolved the fork was fed it (the path and the branches verified as one token tree)
 
     @classmethod
     def of(cls, step_events: list[Event]) -> StepFacts:
@@ -201,7 +202,7 @@ class StepFacts:
             [p for e in emitted for p in e.pieces],
             [k for e in emitted for k in e.kinds],
             sum(len(e.tokens) for e in step_events if isinstance(e, Rollback) and e.model == "draft"),
-            next((e for e in step_events if isinstance(e, Verified) and e.branch == 1), None),
+            next((e for e in step_events if isinstance(e, Verified) and e.branch >= 1), None),
         )
 
     def index(self, parent_position: int) -> int | None:
@@ -294,7 +295,7 @@ def branch_q(facts: StepFacts, branch: int, fork_at: int | None) -> dict[int, fl
 
 
 def add_branch_target_token(parent: Node, facts: StepFacts, v: Verified) -> None:
-    """The target's own token after the accepted part of the first branch (the step's last committed token)."""
+    """The target's own token after the accepted part of the surviving branch (the step's last committed token)."""
     if v.next_token >= 0 and facts.emitted_pieces:
         add_target_node(parent, facts.emitted_pieces[-1], v)
 
@@ -320,7 +321,8 @@ def add_resolved_fork(parent: Node, facts: StepFacts) -> None:
             verdict, what = "unverified", f"{name}: not tried, an earlier candidate survived"
         node = parent.add(Node(piece, verdict, hover(piece, what, pqu(p, q, u)), survivor=b == f.survivor))
         qs = branch_q(facts, b + 1, at)
-        judged = facts.branch_verdict if b == f.survivor == 0 else None  # the first branch, fed to the target
+        v = facts.branch_verdict
+        judged = v if b == f.survivor and v is not None and v.branch == b + 1 else None  # fed, and judged by its rows
         candidate = node
         for j, token_piece in enumerate(f.branch_pieces[b] if b < len(f.branch_pieces) else []):
             verdict, what, numbers = (
@@ -573,7 +575,7 @@ def fork_reason(facts: StepFacts) -> str:
 def followed(step_events_: list[Event], previous: list[Event]) -> bool:
     """SpecBranch's draft held back in the previous step, and in this one the target's pass did not wait on a draft
     step: the draft's first step here ended after the pass began (a head start ends before it). This is how the
-    draft follows the target where it has more often held again than not after a hold (parallel.DraftState.follows).
+    draft follows the target where it has more often held again than not after a hold (drafting.DraftState.follows).
     It reads the measured spans only, so a replay shows what the live run did."""
     if not any(isinstance(e, DraftProposed) and e.kind == "held" and e.branch == 0 for e in previous):
         return False

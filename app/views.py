@@ -6,6 +6,7 @@ from __future__ import annotations
 import html
 import math
 
+from engine.config import BASELINE
 from engine.events import DECODE, VERIFY, Event, Rollback, RunStarted, TimingSpan, TokensEmitted, Verified
 from engine.measure.metrics import FORMULAS, metrics_of
 from sessions.replay import run_label
@@ -104,7 +105,7 @@ def glance_html(events: list[Event], ar_tokens_per_s: float | None = None) -> st
     speed = m.get("tokens_per_s")
     speed = float(speed) if isinstance(speed, (int, float)) and not isinstance(speed, bool) and speed > 0 else None
     items = []
-    if ar_tokens_per_s and speed and run_label(events) != "ar":
+    if ar_tokens_per_s and speed and run_label(events) != BASELINE:
         items.append(
             (
                 "vs AR on this prompt",

@@ -8,8 +8,10 @@ Packages, by job (imports run downwards only):
   kernels/    the CPU matmuls a step reads its weights through (int4, bfloat16, oneDNN-packed)
   training/   the tools that make drafts and the H-RAD classifier (distill, distill --kind head, train-hrad)
   measure/    the benchmark prompts, the bench, forward costs and the metrics computed from events
-At the top: config (settings and errors), presets (per-draft defaults), events (the typed stream every decoder
-emits), runtime (one worker per model, timed), engine (a loaded pair and `generate`) and cli (`python -m engine`).
+At the top: config (the typed settings, the method registry and errors), presets (per-draft defaults), events (the
+typed stream every decoder emits), runtime (one worker per model, timed), engine (a loaded pair and `generate`), load
+(an Engine from ModelSettings), args (the model flags the app shares) and cli (`python -m engine`, which parses and
+hands the rest typed settings).
 
 One arrow runs back up between packages, never between modules: models/loading.py composes the drafts
 (drafts.process.RemoteLM among them), and drafts/child.py, the entry of a draft's own process, loads through it.

@@ -1,108 +1,24 @@
-"""The command line, `python -m engine generate | bench | summarize | costs | distill | train-hrad`: every
-argument is defined here, once (docs/cli.md)."""
+"""The command line, `python -m engine generate | bench | summarize | costs | distill | train-hrad | gpu-check`. It
+parses; engine/presets.py gives each draft's settings where no flag does; each command hands typed settings to the
+library (GenerationConfig, ModelSettings, BenchSpec, CostsSpec, DistillSpec, HradSpec). Every argument is defined
+once, here or (the model flags, which the app shares) in engine/args.py (docs/cli.md)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
-from engine.config import (
-    DRAFT_FORWARDS,
-    DRAFT_MATMULS,
-    DRAFT_WORKERS,
-    METHODS,
-    TARGET_FORWARDS,
-    GenerationConfig,
-    SpecBranchError,
-    config_from,
-    writable_file,
+from engine.args import (
+    add_model_arguments,
+    fill_model_defaults,
+    layer_list,
+    model_settings,
+    settings_from,
+    thread_count,
 )
-
-MAX_THREADS = 1024
-
-
-def thread_count(text: str) -> int:
-    """A torch thread count for argparse: an integer from 0 to MAX_THREADS (torch.set_num_threads overflowed past
-    2**31 with a traceback)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-    if not 0 <= value <= MAX_THREADS:
-        raise argparse.ArgumentTypeError(f"must be from 0 to {MAX_THREADS}, got {value}")
-    return value
-
-
-def layer_list(text: str) -> tuple[int, ...]:
-    """Hidden-state indices for argparse: "2,15,27" -> (2, 15, 27), each >= 0, no repeats (the target's depth is
-    checked once it is loaded)."""
-    try:
-        layers = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a comma-separated list of layer indices: {text!r}") from None
-    if any(i < 0 for i in layers) or len(set(layers)) != len(layers):
-        raise argparse.ArgumentTypeError(f"layer indices must be >= 0 and distinct, got {text!r}")
-    return layers
-
-
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default="embedded", help="embedded | PATH.gguf | DIR | hub id")
-    p.add_argument(
-        "--draft",
-        default=None,
-        help="embedded | embedded-weak | self | self-skip:I,J,... | truncated:N | PATH.gguf | DIR | hub id "
-        "(default: the fastest this machine supports, engine/presets.py default_draft: self on a CPU "
-        "with the int4 kernel, else embedded). The draft's preset sets every generation setting not "
-        "given as a flag",
-    )
-    p.add_argument("--device", default=None, help="cuda, cuda:0, cpu (default: cuda when present)")
-    p.add_argument("--draft-device", default=None)
-    p.add_argument("--dtype", default=None, help="float32 (CPU default) | bfloat16 (CUDA default) | float16")
-    p.add_argument(
-        "--draft-matmul",
-        default="auto",
-        choices=DRAFT_MATMULS,
-        help="how the draft's matmuls read its weights: bfloat16 (half float32's memory traffic), int4 "
-        "(an eighth; with --draft self, the target's own weights as a cheap draft) or float32; "
-        "auto: int4 for --draft self on a CPU, else bfloat16 where the CPU runs it natively. Output "
-        "stays exact: only the target decides it",
-    )
-    p.add_argument(
-        "--draft-forward",
-        default=None,
-        choices=DRAFT_FORWARDS,
-        help="lean: a Llama draft on the CPU runs engine/lean.py (fused matmuls, a KV cache that rolls "
-        "back by a pointer); lean-compiled: that, with its one-token steps through torch.compile "
-        "(compiled at load: ~40 s the first time, a C++ compiler needed, else eager with a note); "
-        "transformers: the model's own forward (default: lean-compiled, or $SPECBRANCH_DRAFT_FORWARD)",
-    )
-    p.add_argument(
-        "--target-forward",
-        default="static",
-        choices=TARGET_FORWARDS,
-        help="static: a Llama target on the CPU runs engine/static_forward.py (transformers' ops, with "
-        "q/k/v and gate/up each one stacked matmul, over a KV cache written in place: the same bits, "
-        "checked at load, and a faster step); transformers: the model's own forward",
-    )
-    p.add_argument(
-        "--draft-worker",
-        default="process",
-        choices=DRAFT_WORKERS,
-        help="process: a draft on the CPU runs its forwards in a child process of its own (the models no "
-        "longer take turns at one Python interpreter; the child loads the same draft and its logits "
-        "are checked bit for bit at start); thread: on a thread of this process",
-    )
-    p.add_argument("--threads", type=thread_count, default=1, help="torch threads per model worker")
-    p.add_argument(
-        "--solo-threads",
-        type=thread_count,
-        default=None,
-        help="torch threads for a draft step the target waits on (SD's draft block, a parallel method's "
-        "head start), when the draft has the cores to itself (default: the cores available, at most 2; "
-        "1 turns it off)",
-    )
-    p.add_argument("--trust-remote-code", action="store_true")
+from engine.config import BASELINE, METHODS, REGISTRY, GenerationConfig, SpecBranchError, writable_file
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
@@ -138,6 +54,11 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
         help="pearl, specbranch: before a target pass on a block shorter than γ (after a rejection), let "
         "the draft step first while its odds that the whole block is accepted stay >= this (0 = off)",
     )
+    add_specbranch_arguments(p)
+
+
+def add_specbranch_arguments(p: argparse.ArgumentParser) -> None:
+    """SpecBranch's own settings (its ablations read them too)."""
     p.add_argument("--branches", type=int, default=3, help="specbranch: most candidates at a branch point")
     p.add_argument("--epsilon", type=float, default=None, help="specbranch: confidence threshold for branching, [0, 1]")
     p.add_argument(
@@ -162,7 +83,7 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         default=True,
         help="specbranch: compare with ε, and size k by, the acceptance the engine measured at the draft's "
-        "confidence (engine/calibration.py; the default)",
+        "confidence (engine/methods/calibration.py; the default)",
     )
     p.add_argument(
         "--no-calibrate",
@@ -188,36 +109,25 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-# the settings a draft's preset gives where no flag does (engine/presets.py Preset's fields)
-PRESET_FIELDS = ("gamma", "epsilon", "draft_stop", "feed_stop", "head_start", "hold", "hold_branches", "hrad")
-
-
-def apply_defaults(args: argparse.Namespace) -> argparse.Namespace:
-    """Fill what no flag gave, in place: the draft (the fastest this machine supports), the draft's forward, and the
-    generation settings from the draft's preset. `args.flags` keeps the settings given as flags, so that another
-    draft's preset can fill the rest (with_preset)."""
-    from engine.presets import default_draft, draft_forward
-
-    if getattr(args, "draft", "none") is None:
-        args.draft = default_draft(args.device)
-    if getattr(args, "draft_forward", "set") is None:
-        args.draft_forward = draft_forward()
-    if hasattr(args, "gamma"):
-        args.flags = {k: getattr(args, k) for k in PRESET_FIELDS if getattr(args, k) is not None}
-        vars(args).update(with_preset(args, args.draft).__dict__)
-    return args
-
-
-def with_preset(args: argparse.Namespace, draft: str | None) -> argparse.Namespace:
-    """A copy of the arguments whose generation settings are `draft`'s preset, where no flag gave them."""
-    from engine.presets import preset_for
-
-    return argparse.Namespace(**{**vars(args), **preset_for(draft).settings(), **args.flags})
-
-
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    """The parsed command line, with every default filled (apply_defaults)."""
-    return apply_defaults(build_parser().parse_args(argv))
+    """The parsed command line, with the draft and its forward filled where no flag gave them
+    (args.fill_model_defaults)."""
+    return fill_model_defaults(build_parser().parse_args(argv))
+
+
+def given_settings(args: argparse.Namespace) -> dict:
+    """The GenerationConfig fields the command line gave: a flag left at None was not given (a draft's preset fills
+    it: presets.config_for); the others have their defaults."""
+    names = (f.name for f in dataclasses.fields(GenerationConfig) if f.name != "method")
+    return {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
+
+
+def generation_config(args: argparse.Namespace, method: str, draft: str | None = None) -> GenerationConfig:
+    """The settings `method` runs with on `draft` (default: --draft): the flags over that draft's preset,
+    validated."""
+    from engine.presets import config_for
+
+    return config_for(method, args.draft if draft is None else draft, given_settings(args)).validate()
 
 
 def add_record_arguments(p: argparse.ArgumentParser) -> None:
@@ -327,100 +237,35 @@ def add_hrad_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="path of the .safetensors to write (a .json goes beside it)")
 
 
-class SessionLog:
-    """Records CLI runs: one session per prompt, one run per method. Never stops a generation:
-    if the store cannot be used, it says so once and the runs go on unrecorded."""
+def session_log(args: argparse.Namespace, engine):
+    """The runs' log: recording to the store (--record, --db, --share), or not recording."""
+    from sessions import SessionLog
 
-    def __init__(self, args, engine):
-        self.enabled, self.args, self.engine, self.store = bool(args.record), args, engine, None
-        if self.enabled:
-            from sessions import SessionStoreError, Store
-
-            try:
-                self.store = Store(args.db)
-            except SessionStoreError as exc:
-                print(f"warning: not recording: {exc}", file=sys.stderr)
-
-    def start(self, prompt: str, cfg: GenerationConfig):
-        if self.store is None:
-            return None
-        from sessions import SessionStoreError
-
-        pair = self.engine.pair
-        try:
-            sid = self.store.start_session(
-                "cli", prompt, pair.target.name, pair.draft.name if pair.draft else None, cfg, shared=self.args.share
-            )
-        except SessionStoreError as exc:
-            print(f"warning: not recording: {exc}", file=sys.stderr)
-            return None
-        return sid
-
-    def recorder(self, sid):
-        return None if sid is None else self.store.recorder(sid)
-
-    @staticmethod
-    def finish(recorder) -> None:
-        if recorder is not None and recorder.close():
-            print(f"warning: not recording: {recorder.error}", file=sys.stderr)
+    if not args.record:
+        return SessionLog()
+    pair = engine.pair
+    return SessionLog.open(args.db, (pair.target.name, pair.draft.name if pair.draft else None), args.share)
 
 
-def build_engine(args, need_draft: bool):
-    import torch
-
-    from engine.engine import Engine
-    from engine.models.loading import draft_matmul_kind, is_self_draft, load_pair, pick_device, pick_dtype
-
-    if args.solo_threads is not None and args.solo_threads < 1:
-        raise SpecBranchError(f"--solo-threads must be at least 1, got {args.solo_threads}")
-    for device in (args.device, args.draft_device):  # refuse an unusable device before loading anything
-        pick_device(device)
-    if need_draft:  # and a draft matmul this machine cannot run
-        ddev = pick_device(args.draft_device or args.device)
-        draft_matmul_kind(args.draft_matmul, ddev, pick_dtype(args.dtype, ddev), is_self_draft(args.draft))
-    torch.set_num_threads(max(1, args.threads))
-    pair = load_pair(
-        args.target,
-        args.draft if need_draft else None,
-        device=args.device,
-        draft_device=args.draft_device,
-        dtype=args.dtype,
-        trust_remote_code=args.trust_remote_code,
-        draft_matmul=args.draft_matmul,
-        draft_forward=args.draft_forward,
-        target_forward=args.target_forward,
-        draft_worker=args.draft_worker,
-    )
-    if pair.draft_worker_why:
-        print(f"note: the draft runs in this process: {pair.draft_worker_why}", file=sys.stderr)
-    if pair.draft is not None and pair.draft.compile_why:
-        print(f"note: the draft's steps run eager, not compiled: {pair.draft.compile_why}", file=sys.stderr)
-    return Engine(pair, threads=max(1, args.threads), solo_threads=args.solo_threads)
-
-
-def cmd_generate(args) -> None:
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    """`generate`'s prompts: --prompt, or the 'prompt' field of each row of --prompt-file."""
     from pathlib import Path
 
     from engine.training.common import read_jsonl
 
-    cfg = config_from(args, args.method)
     if args.prompt is None and args.prompt_file is None:
         raise SpecBranchError("give --prompt TEXT or --prompt-file F.jsonl")
-    prompts = (
-        [args.prompt] if args.prompt is not None else [r.get("prompt", "") for r in read_jsonl(Path(args.prompt_file))]
-    )
-    engine = build_engine(args, need_draft=args.method != "ar")
-    log = SessionLog(args, engine)
-    for prompt in prompts:
-        ids = engine.encode(prompt, args.chat)
-        recorder = log.recorder(log.start(prompt, cfg))
-        try:
-            result = engine.run(ids, cfg, prompt, on_event=recorder.add if recorder else None)
-        finally:
-            log.finish(recorder)
-        for e in result.events:
-            if e.type == "notice":
-                print(f"{e.level}: {e.message}", file=sys.stderr)
+    if args.prompt is not None:
+        return [args.prompt]
+    return [r.get("prompt", "") for r in read_jsonl(Path(args.prompt_file))]
+
+
+def print_result(result, as_json: bool) -> None:
+    """A run's notices on stderr; its text (and a line of figures on stderr), or one JSON object."""
+    for e in result.events:
+        if e.type == "notice":
+            print(f"{e.level}: {e.message}", file=sys.stderr)
+    if as_json:
         record = {
             "method": result.method,
             "token_ids": result.token_ids,
@@ -428,17 +273,33 @@ def cmd_generate(args) -> None:
             "finish_reason": result.finish_reason,
             "metrics": result.metrics,
         }
-        if args.json:
-            print(json.dumps(record), flush=True)
-        else:
-            print(result.text)
-            m = result.metrics
-            print(
-                f"[{result.method}] {m['new_tokens']} tokens, {m['tokens_per_s']} tok/s, "
-                f"acceptance {m['acceptance_rate']}, tokens/target forward {m['mean_accepted_length']}, "
-                f"path rollback {m['path_rollback_rate']}, wasted draft {m['wasted_draft_rate']}",
-                file=sys.stderr,
-            )
+        print(json.dumps(record), flush=True)
+        return
+    print(result.text)
+    m = result.metrics
+    print(
+        f"[{result.method}] {m['new_tokens']} tokens, {m['tokens_per_s']} tok/s, "
+        f"acceptance {m['acceptance_rate']}, tokens/target forward {m['mean_accepted_length']}, "
+        f"path rollback {m['path_rollback_rate']}, wasted draft {m['wasted_draft_rate']}",
+        file=sys.stderr,
+    )
+
+
+def cmd_generate(args) -> None:
+    from engine.load import load_engine
+
+    cfg = generation_config(args, args.method)
+    prompts = read_prompts(args)
+    engine = load_engine(model_settings(args), need_draft=REGISTRY[args.method].needs_draft)
+    log = session_log(args, engine)
+    for prompt in prompts:
+        ids = engine.encode(prompt, args.chat)
+        recorder = log.start(prompt, cfg)
+        try:
+            result = engine.run(ids, cfg, prompt, on_event=recorder.add)
+        finally:
+            log.finish(recorder)
+        print_result(result, args.json)
 
 
 def parse_bench_methods(spec: str) -> list[tuple[str, str, str | None]]:
@@ -464,63 +325,60 @@ def parse_bench_methods(spec: str) -> list[tuple[str, str, str | None]]:
 
 
 def cmd_bench(args) -> None:
-    from engine.engine import Engine
-    from engine.measure.bench import run_bench
-    from engine.models.loading import with_draft
+    from engine.load import engine_for, load_engine, pair_for
+    from engine.measure.bench import BenchSpec, run_bench
+    from engine.presets import config_for
 
     entries = parse_bench_methods(args.methods)
     # each entry's settings: its draft's preset where no flag gave them; validated before any model loads
-    configs = {label: config_from(with_preset(args, draft or args.draft), method) for label, method, draft in entries}
+    configs = {label: generation_config(args, method, draft) for label, method, draft in entries}
     writable_file(args.json_out, "bench results")
-    engine = build_engine(args, need_draft=any(m != "ar" and d is None for _, m, d in entries))
+    models = model_settings(args)
+    engine = load_engine(models, need_draft=any(REGISTRY[m].needs_draft and d is None for _, m, d in entries))
     engines = {None: engine}
-    t = engine.pair.target
     for draft in sorted({d for _, _, d in entries if d is not None}):  # other drafts share the loaded target
-        engines[draft] = Engine(
-            with_draft(
-                t,
-                draft,
-                trust_remote_code=args.trust_remote_code,
-                draft_matmul=args.draft_matmul,
-                draft_forward=args.draft_forward,
-                draft_worker=args.draft_worker,
-            ),
-            threads=max(1, args.threads),
-            solo_threads=args.solo_threads,
-        )
-    run_bench([(label, engines[d], configs[label]) for label, _, d in entries], args, SessionLog(args, engine))
+        engines[draft] = engine_for(models, pair_for(models, draft, target=engine.pair.target))
+    spec = BenchSpec(
+        settings=config_for(BASELINE, args.draft, given_settings(args)),  # the report's "settings"
+        dataset=args.dataset,
+        limit=args.limit,
+        warmup=args.warmup,
+        json_out=args.json_out,
+    )
+    run_bench([(label, engines[d], configs[label]) for label, _, d in entries], spec, session_log(args, engine))
 
 
 def cmd_summarize(args) -> None:
     from engine.measure.bench import run_summary
 
-    run_summary(args)
+    run_summary(args.reports, args.dataset, args.json_out)
 
 
 def cmd_train_hrad(args) -> None:
-    from engine.training.hrad import run_train_hrad
+    from engine.training.hrad import HradSpec, run_train_hrad
 
-    config_from(args, "specbranch")
-    args.build_engine = lambda a: build_engine(a, need_draft=True)
-    run_train_hrad(args)
+    generation_config(args, "specbranch")  # refuses bad sampling flags before anything loads
+    run_train_hrad(settings_from(HradSpec, args), model_settings(args))
 
 
 def cmd_costs(args) -> None:
+    from engine.load import load_engine
     from engine.measure.bench import read_report
-    from engine.measure.costs import run_costs
+    from engine.measure.costs import CostsSpec, run_costs
 
     writable_file(args.json_out, "costs")
     if args.model_only and not args.bench:
         raise SpecBranchError("--model-only models a bench JSON: name one with --bench")
     report = read_report(args.bench) if args.bench else None  # refused before any model loads
-    engine = None if args.model_only else build_engine(args, need_draft=args.draft != "none")
-    run_costs(engine, args, report)
+    engine = None if args.model_only else load_engine(model_settings(args), need_draft=args.draft != "none")
+    run_costs(engine, settings_from(CostsSpec, args), report)
 
 
 def cmd_distill(args) -> None:
+    from engine.training.common import DistillSpec
     from engine.training.distill import run_distill
 
-    run_distill(args)
+    run_distill(settings_from(DistillSpec, args))
 
 
 def cmd_gpu_check(args) -> None:
@@ -546,6 +404,42 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text with one method")
+    add_generate_arguments(g)
+    g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="compare methods on a dataset")
+    add_bench_arguments(b)
+    b.set_defaults(func=cmd_bench)
+
+    s = sub.add_parser("summarize", help="mean ± sd of several bench reports (one per seed) per method")
+    s.add_argument("reports", nargs="+", help="bench JSON files (python -m engine bench --json)")
+    s.add_argument("--dataset", default="all", help="which dataset's figures (default: all pooled)")
+    s.add_argument("--json", dest="json_out", help="write the summary to this JSON file")
+    s.set_defaults(func=cmd_summarize)
+
+    d = sub.add_parser("distill", help="train a draft for a target by self-distillation")
+    add_distill_arguments(d)
+    d.set_defaults(func=cmd_distill)
+
+    c = sub.add_parser("costs", help="measure forward costs; model each benchmarked method's limit")
+    add_costs_arguments(c)
+    c.set_defaults(func=cmd_costs)
+
+    h = sub.add_parser("train-hrad", help="collect H-RAD data on training prompts and train the classifier")
+    add_model_arguments(h)
+    add_sampling_arguments(h)
+    add_hrad_arguments(h)
+    h.set_defaults(func=cmd_train_hrad)
+
+    gc = sub.add_parser("gpu-check", help="the whole device check in one call, each section under its own cap")
+    gc.add_argument("--out", required=True, help="folder for results.json, each section's JSON and the trace")
+    gc.add_argument("--dry-run", action="store_true", help="every section on the CPU with tiny shapes (CI runs it)")
+    gc.add_argument("--sections", default="env,greedy,overlap,sanitizer,bench,krow", help="comma-separated subset")
+    gc.set_defaults(func=cmd_gpu_check)
+    return parser
+
+
+def add_generate_arguments(g: argparse.ArgumentParser) -> None:
     add_model_arguments(g)
     add_sampling_arguments(g)
     g.add_argument("--method", default="specbranch", choices=METHODS, help="default: specbranch, as in the app")
@@ -554,9 +448,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt with the tokenizer's chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     add_record_arguments(g)
-    g.set_defaults(func=cmd_generate)
 
-    b = sub.add_parser("bench", help="compare methods on a dataset")
+
+def add_bench_arguments(b: argparse.ArgumentParser) -> None:
     add_model_arguments(b)
     add_sampling_arguments(b)
     b.add_argument(
@@ -574,19 +468,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", dest="json_out", help="write the results to this JSON file")
     b.add_argument("--warmup", type=int, default=1, help="untimed warm-up generations per method")
     add_record_arguments(b)
-    b.set_defaults(func=cmd_bench)
 
-    s = sub.add_parser("summarize", help="mean ± sd of several bench reports (one per seed) per method")
-    s.add_argument("reports", nargs="+", help="bench JSON files (python -m engine bench --json)")
-    s.add_argument("--dataset", default="all", help="which dataset's figures (default: all pooled)")
-    s.add_argument("--json", dest="json_out", help="write the summary to this JSON file")
-    s.set_defaults(func=cmd_summarize)
 
-    d = sub.add_parser("distill", help="train a draft for a target by self-distillation")
-    add_distill_arguments(d)
-    d.set_defaults(func=cmd_distill)
-
-    c = sub.add_parser("costs", help="measure forward costs; model each benchmarked method's limit")
+def add_costs_arguments(c: argparse.ArgumentParser) -> None:
     add_model_arguments(c)
     c.add_argument("--bench", help="a bench JSON: add measured vs modelled speedup per method")
     c.add_argument(
@@ -599,26 +483,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-rows", type=int, default=4, help="draft steps on 1..N rows")
     c.add_argument("--reps", type=int, default=15)
     c.add_argument("--json", dest="json_out")
-    c.set_defaults(func=cmd_costs)
-
-    h = sub.add_parser("train-hrad", help="collect H-RAD data on training prompts and train the classifier")
-    add_model_arguments(h)
-    add_sampling_arguments(h)
-    add_hrad_arguments(h)
-    h.set_defaults(func=cmd_train_hrad)
-
-    gc = sub.add_parser("gpu-check", help="the whole device check in one call, each section under its own cap")
-    gc.add_argument("--out", required=True, help="folder for results.json, each section's JSON and the trace")
-    gc.add_argument("--dry-run", action="store_true", help="every section on the CPU with tiny shapes (CI runs it)")
-    gc.add_argument("--sections", default="env,greedy,overlap,sanitizer,bench,krow", help="comma-separated subset")
-    gc.set_defaults(func=cmd_gpu_check)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        apply_defaults(args)
+        fill_model_defaults(args)
         args.func(args)
     except SpecBranchError as exc:
         print(f"error: {exc}", file=sys.stderr)

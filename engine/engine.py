@@ -14,7 +14,17 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import GenerationConfig, SpecBranchError
+from engine.config import (
+    AR,
+    ASSISTED,
+    FIXED,
+    NO_BRANCH,
+    PARALLEL,
+    PEARL_POLICY,
+    SD,
+    GenerationConfig,
+    SpecBranchError,
+)
 from engine.events import DECODE, DRAFT, VERIFY, Event, Finished, Notice, RunStarted, TimingSpan, TokensEmitted
 from engine.measure.costs import draft_features, forward_costs, target_beside_draft
 from engine.measure.metrics import compute_metrics
@@ -23,20 +33,14 @@ from engine.methods.assisted import assisted_decode
 from engine.methods.calibration import PRIOR_WEIGHT, RESCUE_BINS, RESCUE_PRIOR_WEIGHT, AcceptanceCalibration
 from engine.methods.decoding import RunState
 from engine.methods.hrad import find_hrad
-from engine.methods.parallel import BranchCosts, Policy, parallel_decode
+from engine.methods.parallel import parallel_decode
+from engine.methods.policy import BranchCosts, Policy
 from engine.methods.sd import speculative_decode
 from engine.models.loading import ModelPair
-from engine.runtime import PerProcess, Worker, default_solo_threads, new_event_loop, run_apart
+from engine.runtime import PerProcess, default_solo_threads, model_worker, new_event_loop, run_apart
 
-NEEDS_DRAFT = {
-    "sd",
-    "pearl",
-    "specbranch",
-    "specbranch-no-branch",
-    "specbranch-no-hrad",
-    "specbranch-fixed",
-    "hf-assisted",
-}
+# the decoders of the methods that are not parallel (a parallel one's also takes its policy: Engine.decoder)
+DECODERS = {AR: autoregressive_decode, SD: speculative_decode, ASSISTED: assisted_decode}
 
 
 @dataclass
@@ -51,7 +55,12 @@ class Result:
 
 class Engine:
     def __init__(
-        self, pair: ModelPair, threads: int = 1, solo_threads: int | None = None, measure_target_step: bool = False
+        self,
+        pair: ModelPair,
+        threads: int = 1,
+        solo_threads: int | None = None,
+        measure_target_step: bool = False,
+        compile: bool = True,
     ):
         """threads: torch threads per worker. solo_threads: the draft's, for a step the target waits on (SD's block,
         a parallel method's head start), when it has the cores to itself (None: runtime.default_solo_threads()).
@@ -59,16 +68,20 @@ class Engine:
         output must not depend on how many threads ran it. The draft's numbers may: q is what its pass computed.
         measure_target_step: before its first speculative run, measure the target's one-token step
         (target_step_ms), which each speculative run's RunStarted then carries (the app's glance line reads it);
-        off, RunStarted says -1 and no forward runs besides the run's own."""
+        off, RunStarted says -1 and no forward runs besides the run's own.
+        Each model runs on its worker (runtime.model_worker: one per model, shared with other engines on it), and
+        the steps that compile on the thread that calls them (LM.compile_here: the generic kernels', CUDA graphs on a
+        GPU) compile here, on that worker's thread; compile=False leaves them eager (gpu-check after a compile that
+        failed)."""
         self.pair = pair
         self.measure_target_step = measure_target_step
-        self.target_worker = Worker("target", threads, pair.target.device)
-        self.draft_worker = Worker(
-            "draft",
-            threads,
-            pair.draft.device if pair.draft is not None else None,
-            solo_threads or max(threads, default_solo_threads()),
+        self.target_worker = model_worker("target", pair.target, threads)
+        self.draft_worker = model_worker(
+            "draft", pair.draft, threads, solo_threads or max(threads, default_solo_threads())
         )
+        self._said: set[str] = set()  # the compile failures a run's notice has told of
+        if compile:
+            self._compile_on_workers()
         # one generation at a time per engine; others queue (any event loop). Waits for the lock happen on their own
         # thread, one at a time (so in order), never on a loop's own executor: see _take_busy. Both are this
         # process's (PerProcess): a forked child, as on ZeroGPU, has neither the parent's threads nor its runs
@@ -79,6 +92,12 @@ class Engine:
         self._target_step_ms: float | None = None
         self._calibration: dict[tuple, AcceptanceCalibration] = {}
 
+    def _compile_on_workers(self) -> None:
+        """Each model's thread-bound steps compiled (and warmed up) on the thread of the worker that will call them."""
+        for worker, lm in ((self.target_worker, self.pair.target), (self.draft_worker, self.pair.draft)):
+            if getattr(lm, "compiles_here", False):
+                worker.executor.submit(lm.compile_here).result()
+
     @property
     def busy(self) -> bool:
         """Whether a generation holds this engine now (the app's engine cache never closes such an engine)."""
@@ -86,39 +105,19 @@ class Engine:
 
     def encode(self, prompt: str, chat: bool, history: list[dict] | None = None) -> list[int]:
         """Token ids of a prompt: raw text, or one user turn (after `history`) in the chat template."""
-        if not prompt or not prompt.strip():
-            raise SpecBranchError("the prompt is empty")
-        tok = self.pair.tokenizer
-        if chat:
-            if not getattr(tok, "chat_template", None):
-                raise SpecBranchError(
-                    "chat mode needs a tokenizer with a chat template, and this one has none: use raw text"
-                )
-            messages = list(history or []) + [{"role": "user", "content": prompt}]
-            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-            ids = ids["input_ids"] if isinstance(ids, dict) else ids
-        else:
-            ids = tok.encode(prompt)
-        return [int(i) for i in ids]
+        return encode_prompt(self.pair.tokenizer, prompt, chat, history)
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
-        if not prompt_ids:
-            raise SpecBranchError("the prompt is empty")
-        limit = self.pair.target.context_length
-        if len(prompt_ids) >= limit:
-            raise SpecBranchError(
-                f"the prompt is {len(prompt_ids)} tokens; the model's context holds {limit}, "
-                f"with room for at least one new token"
-            )
+        check_prompt_length(prompt_ids, self.pair.target.context_length)
 
     async def generate(
         self, prompt_ids: list[int], cfg: GenerationConfig, prompt_text: str = "", collect_hrad: list | None = None
     ) -> AsyncIterator[Event]:
         cfg.validate()
         self.check_prompt(prompt_ids)
-        if cfg.method in NEEDS_DRAFT and self.pair.draft is None:
+        if cfg.kind.needs_draft and self.pair.draft is None:
             raise SpecBranchError(f"method {cfg.method!r} needs a draft model")
-        if cfg.method == "hf-assisted" and getattr(self.pair.draft, "reads_target_features", False):
+        if cfg.kind.decoder == ASSISTED and getattr(self.pair.draft, "reads_target_features", False):
             raise SpecBranchError(
                 "hf-assisted cannot take a feature-conditioned draft head: transformers' assisted "
                 "generation needs a standalone causal LM as its assistant (use --draft embedded)"
@@ -165,7 +164,7 @@ class Engine:
         if take is not None:
             self.pair.draft = take()
         # measured before the run's clock starts; the run's RunStarted carries it (AR's own steps are one-token)
-        step_ms = self.target_step_ms() if self.measure_target_step and cfg.method != "ar" else -1.0
+        step_ms = self.target_step_ms() if self.measure_target_step and cfg.kind.needs_draft else -1.0
         state = RunState(
             self.pair, cfg, self.target_worker, self.draft_worker, list(prompt_ids), len(prompt_ids), self.pair.eos_ids
         )
@@ -184,12 +183,12 @@ class Engine:
         ]
         yield events[0]
         state.hrad_samples = collect_hrad
-        if cfg.method == "specbranch" and cfg.hrad and self.hrad is None:
+        if cfg.kind.hrad and cfg.hrad and self.hrad is None:
             notice = Notice("warning", f"H-RAD off ({self.hrad_notice}): branching by draft confidence only")
             events.append(notice)
             yield notice
-        notice = compile_notice(self.pair.draft) if cfg.method not in ("ar", "hf-assisted") else None
-        if notice:
+        compiling = compile_notice(self.pair.draft) if cfg.kind.drafts_here else None
+        for notice in ([compiling] if compiling else []) + self._eager_notices():
             events.append(notice)
             yield notice
         if state.budget < cfg.max_new_tokens:
@@ -201,7 +200,7 @@ class Engine:
             async for event in stream:
                 events.append(event)
                 yield event
-                if checks < 40 and isinstance(event, TimingSpan) and cfg.method != "ar":
+                if checks < 40 and isinstance(event, TimingSpan) and cfg.kind.needs_draft:
                     checks += 1
                     notice = slow_draft_notice(events)
                     if notice:
@@ -216,17 +215,31 @@ class Engine:
         metrics = compute_metrics(events)
         yield Finished(done.reason, done.prefill_s, done.decode_s, done.new_tokens, metrics)
 
+    def _eager_notices(self) -> list[Notice]:
+        """Once per engine, for each model whose steps were to run compiled and run eager (a compile, or a compiled
+        step, that failed: the same output, slower): why."""
+        out = []
+        for role, lm in (("target", self.pair.target), ("draft", self.pair.draft)):
+            why = getattr(lm, "compile_why", "") if lm is not None else ""
+            if why and f"{role}: {why}" not in self._said:
+                self._said.add(f"{role}: {why}")
+                out.append(
+                    Notice("warning", f"the {role}'s steps run eager, not compiled (the same output, slower): {why}")
+                )
+        return out
+
     def policy(self, cfg: GenerationConfig) -> Policy:
         """Branching policy for the parallel methods: pearl never branches (nor holds back); the ablations of
         SpecBranch drop one part each and keep its rollback-aware hold (cfg.hold)."""
-        if cfg.method == "pearl":
+        policy = cfg.kind.policy
+        if policy == PEARL_POLICY:
             return Policy(max_branches=1)
         measured = (
             dict(calibration=self.calibration(cfg), rescues=self.calibration(cfg, "rescue")) if cfg.calibrate else {}
         )
-        if cfg.method == "specbranch-no-branch":
+        if policy == NO_BRANCH:
             return Policy(max_branches=1, hold=cfg.hold, **measured)
-        if cfg.method == "specbranch-fixed":
+        if policy == FIXED:
             return Policy(
                 max_branches=cfg.branches,
                 fixed_at=max(0, cfg.gamma // 2 - 1),
@@ -234,7 +247,7 @@ class Engine:
                 hold_branches=cfg.hold_branches,
                 **measured,
             )
-        use_hrad = cfg.hrad and cfg.method == "specbranch"
+        use_hrad = cfg.hrad and cfg.kind.hrad
         return Policy(
             max_branches=cfg.branches,
             epsilon=cfg.epsilon,
@@ -246,11 +259,11 @@ class Engine:
         )
 
     def calibration(self, cfg: GenerationConfig, table: str = "acceptance") -> AcceptanceCalibration:
-        """What this engine's SpecBranch runs measured (engine/calibration.py), kept across runs, one table per
+        """What this engine's SpecBranch runs measured (engine/methods/calibration.py), kept across runs, one table per
         method (each variant learns from its own runs only, so a bench's rows do not read each other's verdicts) and
         way of sampling (acceptance at T=0 is not acceptance at T=1): "acceptance", of the draft's own token by its
         confidence; "rescue", of a fork's other candidates, where its own was rejected, by the share of the rest
-        of the draft's mass they cover (also where the draft made no fork: parallel.missed_rescue)."""
+        of the draft's mass they cover (also where the draft made no fork: verdict.missed_rescue)."""
         key = (table, cfg.method, cfg.temperature, cfg.top_k, cfg.top_p)
         if key not in self._calibration:  # the draft's mass on its alternatives is a weaker guess than its confidence
             # (a far-off draft spreads it where the target never goes): let a few rescues, in any bin, outweigh it
@@ -315,14 +328,10 @@ class Engine:
         return self._branch_costs
 
     def decoder(self, state: RunState):
-        method = state.cfg.method
-        if method == "ar":
-            return autoregressive_decode(state)
-        if method == "sd":
-            return speculative_decode(state)
-        if method == "hf-assisted":
-            return assisted_decode(state)
-        return parallel_decode(state, self.policy(state.cfg))
+        decoder = state.cfg.kind.decoder
+        if decoder == PARALLEL:
+            return parallel_decode(state, self.policy(state.cfg))
+        return DECODERS[decoder](state)
 
     def run(
         self,
@@ -353,10 +362,39 @@ class Engine:
     def close(self) -> None:
         if self._waiter.made_here():
             self._busy_waiter.shutdown(wait=False, cancel_futures=True)
-        self.target_worker.shutdown()
-        self.draft_worker.shutdown()
-        if hasattr(self.pair.draft, "close"):  # a draft in its own process (engine/draft_process.py)
+        self.target_worker.release()
+        self.draft_worker.release()
+        if hasattr(self.pair.draft, "close"):  # a draft in its own process (engine/drafts/process.py)
             self.pair.draft.close()
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool, history: list[dict] | None = None) -> list[int]:
+    """Token ids of a prompt: raw text, or one user turn (after `history`) in the tokenizer's chat template (what
+    Engine.encode does, and the app's process on ZeroGPU, which holds the tokenizer but no model)."""
+    if not prompt or not prompt.strip():
+        raise SpecBranchError("the prompt is empty")
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise SpecBranchError(
+                "chat mode needs a tokenizer with a chat template, and this one has none: use raw text"
+            )
+        messages = list(history or []) + [{"role": "user", "content": prompt}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        ids = ids["input_ids"] if isinstance(ids, dict) else ids
+    else:
+        ids = tokenizer.encode(prompt)
+    return [int(i) for i in ids]
+
+
+def check_prompt_length(prompt_ids: list[int], context_length: int) -> None:
+    """Refuse an empty prompt, or one that leaves no room in the target's context for a new token."""
+    if not prompt_ids:
+        raise SpecBranchError("the prompt is empty")
+    if len(prompt_ids) >= context_length:
+        raise SpecBranchError(
+            f"the prompt is {len(prompt_ids)} tokens; the model's context holds {context_length}, "
+            f"with room for at least one new token"
+        )
 
 
 def compile_notice(draft) -> Notice | None:

@@ -62,12 +62,12 @@ class DraftProposed(Event):
     branch: int = 0  # 0 for the linear path; i >= 1 for the i-th branch of a fork
     parent_position: int = 0  # number of tokens (committed + drafted) the block hangs from
     kind: str = "path"  # "path" (linear tokens), "candidates" (a fork's k candidates), "branch" (one branch step),
-    # "held" (no token: SpecBranch's hold left this position to the target, parallel.Policy.held_back; on branch 1,
+    # "held" (no token: SpecBranch's hold left this position to the target, policy.Policy.held_back; on branch 1,
     # it kept no token of a branch step, and the fork's branches wait for the target's verdict)
     top: list[list[list[float]]] = field(default_factory=list)  # per token: [[id, q], ...] top alternatives
     # a fork's candidates, or a hold (else -1): the draft's largest untempered probability there, and the odds the
-    # policy read it as (engine/calibration.py): that its own token is accepted (a fork), or that what it would have
-    # proposed holds up, the pending path included (a hold)
+    # policy read it as (engine/methods/calibration.py): that its own token is accepted (a fork), or that what it
+    # would have proposed holds up, the pending path included (a hold)
     confidence: float = -1.0
     odds: float = -1.0
 

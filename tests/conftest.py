@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,17 @@ def schedule_draft(monkeypatch, looks) -> None:
         await real(state, spec, ds, policy, VerdictAt(looks(state)), events)
 
     monkeypatch.setattr(parallel, "draft_until_verdict", draft_until_verdict)
+
+
+def seeded_schedule(monkeypatch) -> None:
+    """schedule_draft with each round's draft steps beside the target's pass, 1 to 2γ (as a machine's timing could
+    make them), drawn from a generator seeded by the run's seed: every run is reproducible, and every depth is
+    exercised."""
+
+    def looks(state) -> int:
+        return state.__dict__.setdefault("schedule", random.Random(state.cfg.seed)).randrange(2 * state.cfg.gamma)
+
+    schedule_draft(monkeypatch, looks)
 
 
 def free_port() -> int:
@@ -180,16 +192,57 @@ GREEDY_NEW = 128
 
 
 @pytest.fixture(scope="session")
-def greedy_references(embedded_target):
-    """[(prompt ids, the embedded target's own greedy generate() of GREEDY_NEW tokens)] for GREEDY_PROMPTS."""
-    engine = engine_with_draft(embedded_target, "self")
-    refs = []
-    for text, chat in GREEDY_PROMPTS:
-        ids = engine.encode(text, chat)
-        with torch.inference_mode():
-            out = embedded_target.target.model.generate(torch.tensor([ids]), max_new_tokens=GREEDY_NEW, do_sample=False)
-        refs.append((ids, out[0, len(ids) :].tolist()))
-    return refs
+def embedded_reference_model():
+    """The embedded target as transformers' own model, loaded apart from the engine's (reference.transformers_model:
+    none of the engine's kernels run in it), from the directory the engine loads it from."""
+    from engine.models.loading import resolve_source
+
+    from .reference import transformers_model
+
+    return transformers_model(resolve_source("embedded"))
+
+
+@pytest.fixture(scope="session")
+def greedy_references(embedded_target, embedded_reference_model):
+    """[(prompt ids, the embedded target's own greedy generate() of GREEDY_NEW tokens)] for GREEDY_PROMPTS, from
+    transformers' model loaded apart from the engine's (embedded_reference_model)."""
+    from engine.engine import Engine
+
+    from .reference import greedy_generate
+
+    model = embedded_reference_model
+    assert model is not embedded_target.target.model
+    engine = Engine(embedded_target)  # its tokenizer and chat template only
+    try:
+        prompts = [engine.encode(text, chat) for text, chat in GREEDY_PROMPTS]
+    finally:
+        engine.close()
+    return [(ids, greedy_generate(model, ids, GREEDY_NEW)) for ids in prompts]
+
+
+@pytest.fixture(scope="session")
+def tiny_reference_model(tiny_dirs):
+    """The tiny target as transformers' own model, loaded apart from the engine's (reference.transformers_model)."""
+    from .reference import transformers_model
+
+    return transformers_model(tiny_dirs["target"])
+
+
+@pytest.fixture(scope="session")
+def tiny_reference(tiny_reference_model):
+    """greedy(prompt, new): the tiny target's greedy continuation (up to its context's end, where the engine stops
+    too) from transformers' model loaded apart from the engine's (reference.transformers_model), memoised."""
+    from .reference import greedy_generate
+
+    model, memo = tiny_reference_model, {}
+
+    def greedy(prompt: list[int], new: int) -> list[int]:
+        new = min(new, model.config.max_position_embeddings - len(prompt))
+        if (tuple(prompt), new) not in memo:
+            memo[tuple(prompt), new] = greedy_generate(model, prompt, new)
+        return memo[tuple(prompt), new]
+
+    return greedy
 
 
 def engine_with_draft(target_pair, draft_spec: str, matmul: str = "float32"):

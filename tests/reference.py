@@ -1,6 +1,9 @@
-"""An independent reference for the sampled tests: the target's exact distribution computed from transformers' own
-forward of the model and a float64 softmax with temperature, top-k and top-p written here, never the engine's
-sampling.logits_to_probs (a bug there would otherwise hide in both)."""
+"""References independent of the engine. Greedy: transformers' own generate() on a model loaded apart
+(transformers_model), which no engine LM ever wrapped, so none of the engine's kernels run in it
+(engine.models.loading.LM routes the Linear layers of the model it wraps through engine/kernels/lm_head.py;
+`untouched` asserts that none was). Sampled: the target's exact distribution computed from such a model's forward and
+a float64 softmax with temperature, top-k and top-p written here, never the engine's sampling.logits_to_probs (a bug
+there would otherwise hide in both)."""
 
 from __future__ import annotations
 
@@ -11,6 +14,30 @@ import torch
 from scipy.stats import chisquare
 
 PROMPT = [2, 3, 4]  # a prompt for conftest's tiny models
+
+
+def untouched(model: torch.nn.Module) -> torch.nn.Module:
+    """`model`, asserted to run transformers' own code in every Linear layer: each one's forward is
+    torch.nn.Linear.forward, not an instance attribute the engine routed through its kernels (lm_head.fast_linears)."""
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    routed = [name for name, m in linears if "forward" in vars(m) or type(m).forward is not torch.nn.Linear.forward]
+    assert linears and not routed, f"the reference runs the engine's kernels in {routed[:3]}"
+    return model
+
+
+def transformers_model(source) -> torch.nn.Module:
+    """transformers' own float32 model from the directory `source`, loaded here, apart from any the engine loaded:
+    no engine LM ever wraps it (asserted again at each use, `greedy_generate`)."""
+    from transformers import AutoModelForCausalLM
+
+    return untouched(AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32).eval())
+
+
+def greedy_generate(model: torch.nn.Module, prompt: list[int], new: int) -> list[int]:
+    """The `new` tokens transformers' greedy generate() gives after `prompt` on a model that runs its own code."""
+    with torch.inference_mode():
+        out = untouched(model).generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False)
+    return out[0, len(prompt) :].tolist()
 
 
 def processed(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:

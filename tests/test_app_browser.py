@@ -20,6 +20,7 @@ from engine.events import BranchResolved, StepStarted
 
 from .conftest import serve_app
 
+pytestmark = pytest.mark.slow  # a browser: `make test` runs it, `make test-fast` leaves it out
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 PROMPT = "a b c d"

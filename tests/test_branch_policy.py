@@ -1,7 +1,7 @@
-"""SpecBranch's verdict through a branch point (the target verifies along the first branch, and a rescue
-still comes from the same row), the policy that forks only where the measured costs say it pays, and the
-acceptance it reads the draft's confidence as (engine/calibration.py), and the hold that drafts nothing where that
-acceptance is too low to pay."""
+"""SpecBranch's verdict through a branch point (the target verifies the path and the branches as one token tree,
+so a rescue's branch is judged in the same pass), the policy that forks only where the measured costs say it pays,
+the acceptance it reads the draft's confidence as (engine/methods/calibration.py), and the hold that drafts nothing
+where that acceptance is too low to pay."""
 
 from __future__ import annotations
 
@@ -22,19 +22,10 @@ from engine.events import (
 )
 from engine.methods.calibration import PRIOR_WEIGHT, RESCUE_BINS, RESCUE_PRIOR_WEIGHT, AcceptanceCalibration
 from engine.methods.decoding import RunState
-from engine.methods.parallel import (
-    BranchCosts,
-    Fork,
-    Policy,
-    Speculation,
-    alternatives_share,
-    feed_limit,
-    judged_path,
-    line_of,
-    missed_rescue,
-    resolve,
-)
+from engine.methods.policy import BranchCosts, Policy, alternatives_share
 from engine.methods.sampling import TOPK
+from engine.methods.speculation import Branch, Drafted, Feed, Fork, Speculation, feed_limit, plan_branches
+from engine.methods.verdict import judged_path, missed_rescue, resolve
 
 from .conftest import schedule_draft
 
@@ -42,7 +33,7 @@ V = 10
 
 
 def one_hot_rows(tokens: list[int]) -> torch.Tensor:
-    """Greedy target rows: row i puts all its mass on tokens[i]."""
+    """Greedy target rows: row i puts all its mass on tokens[i] (as logits, their argmax)."""
     rows = torch.zeros(len(tokens), V, dtype=torch.float64)
     rows[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
     return rows
@@ -60,16 +51,50 @@ def greedy_state(tiny_engine) -> RunState:
     )
 
 
-def forked(path: list[int], candidates: list[int], branches: list[list[int]]) -> Speculation:
+def drafted(tokens: list[int], conf: list[float] | None = None, top: list | None = None, alts=None) -> list[Drafted]:
+    """Greedy drafted tokens (q: a point mass, None)."""
+    conf = conf or [1.0] * len(tokens)
+    top = top or [None] * len(tokens)
+    alts = alts or [None] * len(tokens)
+    return [Drafted(t, None, c, p, a) for t, c, p, a in zip(tokens, conf, top, alts)]
+
+
+def forked(path: list[int], candidates: list[int], branches: list[list[int]], **fork) -> Speculation:
     q = torch.full((V,), 1.0 / V, dtype=torch.float64)
-    fork = Fork(q, candidates, TOPK, len(path), [list(b) for b in branches], [[q] * len(b) for b in branches])
-    return Speculation(list(path), [q] * len(path), fork)
+    lines = [Branch(Drafted(c, q, 1.0 / V), drafted(b)) for c, b in zip(candidates, branches)]
+    return Speculation(drafted(path), Fork(q, TOPK, lines, len(path), **fork))
+
+
+def resolve_greedy(state, spec: Speculation, feed: Feed, best: list[int], events=None):
+    """The verdict of a pass whose rows' argmaxes are `best` (feed.size of them)."""
+    assert len(best) == feed.size
+    return resolve(state, spec, feed, one_hot_rows(best), [] if events is None else events)
+
+
+def line_feed(path: int) -> Feed:
+    """One committed token the target has not seen, and `path` path tokens."""
+    return Feed((3,), path)
 
 
 def test_line_reads_the_first_branch():
     spec = forked([4], [5, 6], [[7, 8], [9]])
-    assert line_of(spec) == [4, 5, 7, 8]
-    assert line_of(Speculation([4, 5])) == [4, 5]
+    assert [d.token for d in spec.line()] == [4, 5, 7, 8]
+    assert [d.token for d in Speculation(drafted([4, 5])).line()] == [4, 5]
+    assert spec.tokens() == [4, 5, 7, 8, 6, 9] and spec.depth() == 4
+
+
+def test_a_feed_is_a_token_tree_and_says_which_row_judges_what():
+    """Fed: one committed token, the path [4], then branch 0's line [5, 7] and branch 1's [6]: rows 0 and 1 judge
+    the path token and the branch point; branch 0's rows (2, 3) judge 7 and then 8 (drafted beyond the feed);
+    branch 1's row (4) judges 9."""
+    spec = forked([4], [5, 6], [[7, 8], [9]])
+    feed = Feed((3,), 1, (2, 1))
+    assert feed.ids(spec) == [3, 4, 5, 7, 6] and feed.size == 5
+    assert feed.tree().parents == (-1, 0, 1, 2, 1)
+    assert list(feed.path_rows()) == [0, 1] and feed.fork_row() == 1
+    assert list(feed.branch_rows(0)) == [2, 3] and list(feed.branch_rows(1)) == [4]
+    assert feed.kept(1, 1, 0) == [0, 1, 4] and feed.kept(1, 0, 5) == [0, 1, 2, 3] and feed.kept(0) == [0]
+    assert Feed((3,), 2).tree() is None and Feed((3,), 1, (0, 0)).tree() is None
 
 
 def test_feed_limit_follows_the_odds_along_the_first_branch():
@@ -77,16 +102,37 @@ def test_feed_limit_follows_the_odds_along_the_first_branch():
     first candidate's counts, and so do its branch's tokens. With no calibration a token reads as the draft's
     probability of it."""
     q = torch.full((V,), 1.0 / V, dtype=torch.float64)
-    fork = Fork(q, [5, 6], TOPK, 1, [[7, 8], [9]], [[q, q], [q]], conf=[0.4, 0.3], branch_conf=[[0.9, 0.5], [0.8]])
-    spec = Speculation([4], [q], fork, path_conf=[0.9])
-    assert line_of(spec) == [4, 5, 7, 8]
+    branches = [
+        Branch(Drafted(5, q, 0.4), drafted([7, 8], [0.9, 0.5])),
+        Branch(Drafted(6, q, 0.3), drafted([9], [0.8])),
+    ]
+    spec = Speculation(drafted([4], [0.9]), Fork(q, TOPK, branches, 1))
+    assert [d.token for d in spec.line()] == [4, 5, 7, 8]
     acceptance = Policy().line_acceptance(spec)
     assert acceptance == [0.9, 0.4, 0.9, 0.5]
     # odds along the line: 0.9, 0.36, 0.324, 0.162
     assert [feed_limit(acceptance, stop) for stop in (0.0, 0.2, 0.33, 0.5, 0.95)] == [4, 3, 2, 1, 0]
-    # a token with no recorded confidence is fed as before; a partly verified path keeps its own odds
-    assert Policy().line_acceptance(Speculation([4, 5], [q, q])) == [1.0, 1.0]
+    assert Policy().line_acceptance(Speculation(drafted([4, 5]))) == [1.0, 1.0]
     assert feed_limit([0.5, 0.5], 0.3) == 1 and feed_limit([], 0.3) == 0
+
+
+def test_the_tree_feeds_the_likeliest_tokens_of_the_branches_first():
+    """plan_branches: with the room left after the path, the branch tokens whose odds (of being reached and accepted)
+    are highest, a tree: a token never before its parent; none below the stop."""
+    # branch 0: 0.6, then 0.9 and 0.9 after it; branch 1: 0.3, then 0.9; branch 2: 0.1
+    odds = [[0.6, 0.9, 0.9], [0.3, 0.9], [0.1]]
+    assert plan_branches(1.0, odds, 3, 0.0) == (3, 0, 0)  # 0.6, 0.54, 0.486 before 0.3
+    assert plan_branches(1.0, odds, 5, 0.0) == (3, 2, 0)  # then 0.3, 0.27 before 0.1
+    assert plan_branches(1.0, odds, 9, 0.0) == (3, 2, 1)
+    assert plan_branches(1.0, odds, 9, 0.29) == (3, 1, 0)  # 0.27 and 0.1 below the stop
+    assert plan_branches(0.5, odds, 9, 0.29) == (1, 0, 0)  # the path's odds scale them all: 0.3, then 0.27
+    assert plan_branches(1.0, odds, 0, 0.0) == (0, 0, 0)
+    # the policy's odds of a branch: the first candidate as the draft's own token, the others by their share of the
+    # rest of the draft's mass, times the odds that the first is rejected
+    q = torch.full((V,), 1.0 / V, dtype=torch.float64)
+    fork = Fork(q, TOPK, [Branch(Drafted(5, q, 0.5), drafted([7], [0.8])), Branch(Drafted(6, q, 0.3))], 0)
+    got = Policy().branch_odds(Speculation([], fork))
+    assert got[0] == [0.5, 0.8] and abs(got[1][0] - 0.5 * 0.3 / 0.5) < 1e-12 and len(got[1]) == 1
 
 
 def test_line_acceptance_reads_the_measured_acceptance_where_a_token_was_drafted():
@@ -96,7 +142,7 @@ def test_line_acceptance_reads_the_measured_acceptance_where_a_token_was_drafted
     it was 0.8 sure, at a confidence where every token was accepted, reads near 1. A branch token, whose position's
     largest probability is not kept, reads at its own."""
     q = torch.full((V,), 1.0 / V, dtype=torch.float64)
-    spec = Speculation([4, 5], [q, q], path_conf=[0.1, 0.6], path_top=[0.8, None])
+    spec = Speculation(drafted([4, 5], [0.1, 0.6], [0.8, None]))
     assert Policy().line_acceptance(spec) == [0.1, 0.6]
     measured = AcceptanceCalibration()
     for _ in range(200):
@@ -104,8 +150,8 @@ def test_line_acceptance_reads_the_measured_acceptance_where_a_token_was_drafted
     policy = Policy(calibration=measured)
     first, second = policy.line_acceptance(spec)
     assert first > 0.96 and second == measured.acceptance(0.6) == 0.6
-    fork = Fork(q, [6, 7], TOPK, 2, [[8], [9]], [[q], [q]], conf=[0.2, 0.1], branch_conf=[[0.3], [0.5]], top=0.8)
-    forked_spec = Speculation([4, 5], [q, q], fork, [0.1, 0.6], [0.8, None])
+    branches = [Branch(Drafted(6, q, 0.2, 0.8), drafted([8], [0.3])), Branch(Drafted(7, q, 0.1), drafted([9], [0.5]))]
+    forked_spec = Speculation(drafted([4, 5], [0.1, 0.6], [0.8, None]), Fork(q, TOPK, branches, 2, top=0.8))
     assert policy.line_acceptance(forked_spec) == [first, 0.6, first, 0.3]
     assert Policy().line_acceptance(forked_spec) == [0.1, 0.6, 0.2, 0.3]
 
@@ -136,10 +182,11 @@ def test_first_candidate_right_goes_on_along_its_branch(tiny_engine):
     state, events = greedy_state(tiny_engine), []
     spec = forked([4], [5, 6], [[7, 8], [9]])
     # rows judge 4, the branch point, 7, 8; the target wants 4, 5, 7 and then 3 instead of 8
-    out = resolve(state, spec, one_hot_rows([4, 5, 7, 3]), events)
+    out = resolve_greedy(state, spec, Feed((3,), 1, (2, 0)), [4, 5, 7, 3], events)
     assert out.tokens == [4, 5, 7, 3]
     assert out.kinds == [ACCEPTED, ACCEPTED, ACCEPTED, CORRECTION]
     assert sorted(out.dropped) == [6, 8, 9] and out.pending.path == [] and out.pending.fork is None
+    assert out.kept == [0, 1, 2, 3] and out.branch == 0
     verdicts = [e for e in events if isinstance(e, Verified)]
     assert [(v.branch, v.drafted, v.accepted) for v in verdicts] == [(0, 1, 1), (1, 2, 1)]
     fork = next(e for e in events if isinstance(e, BranchResolved))
@@ -147,54 +194,80 @@ def test_first_candidate_right_goes_on_along_its_branch(tiny_engine):
 
 
 def test_whole_first_branch_accepted_draws_a_bonus(tiny_engine):
-    state, events = greedy_state(tiny_engine), []
-    out = resolve(state, forked([], [5, 6], [[7], []]), one_hot_rows([5, 7, 1]), events)
+    state = greedy_state(tiny_engine)
+    out = resolve_greedy(state, forked([], [5, 6], [[7], []]), Feed((3,), 0, (2, 0)), [5, 7, 1])
     assert out.tokens == [5, 7, 1] and out.kinds == [ACCEPTED, ACCEPTED, BONUS]
     assert out.dropped == [6]
 
 
 def test_fed_part_of_the_branch_accepted_rest_stays_pending(tiny_engine):
-    state, events = greedy_state(tiny_engine), []
-    # fed: 5 (the branch point) and 7; the row after 7 judges 8; 9 was drafted beyond what was fed
-    out = resolve(state, forked([], [5, 6], [[7, 8, 9], [2]]), one_hot_rows([5, 7, 8]), events)
-    assert out.tokens == [5, 7, 8] and out.pending.path == [9] and out.row == 0
+    state = greedy_state(tiny_engine)
+    # fed: 5 (the branch point's candidate) and 7; the row after 7 judges 8; 9 was drafted beyond what was fed
+    out = resolve_greedy(state, forked([], [5, 6], [[7, 8, 9], [2]]), Feed((3,), 0, (2, 0)), [5, 7, 8])
+    assert out.tokens == [5, 7, 8] and [d.token for d in out.pending.path] == [9] and out.branch == 0
 
 
 def test_rescue_from_the_same_row(tiny_engine):
-    """Candidate 0 is wrong: the target's token is candidate 1, whose branch becomes the next path."""
+    """Candidate 0 is wrong: the target's token is candidate 1. Its branch was not fed: it becomes the next path."""
     state, events = greedy_state(tiny_engine), []
-    out = resolve(state, forked([4], [5, 6], [[7, 8], [9, 2]]), one_hot_rows([4, 6, 7, 8]), events)
+    out = resolve_greedy(state, forked([4], [5, 6], [[7, 8], [9, 2]]), Feed((3,), 1, (3, 0)), [4, 6, 7, 8, 0], events)
     assert out.tokens == [4, 6] and out.kinds == [ACCEPTED, RESCUED]
-    assert out.pending.path == [9, 2] and out.row == 1
+    assert [d.token for d in out.pending.path] == [9, 2] and out.branch == 1
     assert sorted(out.dropped) == [5, 7, 8]
     assert [e.branch for e in events if isinstance(e, Verified)] == [0]  # the fed first branch is moot
 
 
+def test_a_rescued_branch_is_judged_in_the_same_pass(tiny_engine):
+    """The tree: the path [4], then branch 0's line [5, 7] and branch 1's [6, 9], fed in one pass. The target wants 4,
+    then 6 (candidate 1: a rescue), then 9 (judged by 6's row), then 1 where the draft had 2 (judged by 9's row). The
+    pass commits four tokens where verifying the first branch only would commit two; the target's cache keeps the
+    path and branch 1's fed tokens (rows 0, 1, 4, 5)."""
+    state, events = greedy_state(tiny_engine), []
+    spec = forked([4], [5, 6], [[7, 8], [9, 2]])
+    feed = Feed((3,), 1, (2, 2))
+    assert feed.ids(spec) == [3, 4, 5, 7, 6, 9]
+    out = resolve_greedy(state, spec, feed, [4, 6, 0, 0, 9, 1], events)
+    assert out.tokens == [4, 6, 9, 1] and out.kinds == [ACCEPTED, RESCUED, ACCEPTED, CORRECTION]
+    assert out.kept == [0, 1, 4, 5] and out.branch == 1 and out.pending.path == []
+    assert sorted(out.dropped) == [2, 5, 7, 8]
+    verdicts = [(e.branch, e.drafted, e.accepted) for e in events if isinstance(e, Verified)]
+    assert verdicts == [(0, 1, 1), (2, 2, 1)]
+    fork = next(e for e in events if isinstance(e, BranchResolved))
+    assert fork.survivor == 1 and fork.rescued
+    # the rescued branch wholly accepted: its last fed row draws the bonus; drafted beyond: the rest is pending
+    out = resolve_greedy(state, forked([4], [5, 6], [[7, 8], [9]]), feed, [4, 6, 0, 0, 9, 2])
+    assert out.tokens == [4, 6, 9, 2] and out.kinds[-1] == BONUS
+    out = resolve_greedy(state, forked([4], [5, 6], [[7, 8], [9, 2, 3]]), feed, [4, 6, 0, 0, 9, 2])
+    assert out.tokens == [4, 6, 9, 2] and [d.token for d in out.pending.path] == [3]
+
+
 def test_costs_decide_whether_a_fork_pays():
-    """A rescue saves drafting the surviving branch (its tokens become the next block), not a target pass: the
-    target's correction is that token anyway. A fork pays where that saving, at the rescue odds, beats the extra
-    cost of its steps on k rows and what k rows do to the target step beside them."""
+    """A rescue is judged in the same target pass as the path (its candidate's row judges its branch's first token),
+    so it returns a token more than the pass would have, worth a target step, and its branch's tokens become the next
+    block, drafting saved. A fork pays where that saving, at the rescue odds, beats the extra cost of its steps on k
+    rows and what k rows do to the target step beside them."""
     cheap = BranchCosts({1: 10.0, 2: 11.0, 3: 12.0}, target_busy_ms={1: 60.0, 2: 60.0, 3: 60.0})
-    # 5 branch steps: a rescue at odds 0.3 saves 0.3 · 5 one-row steps (15 ms); 3 rows cost 5 · 2 ms more
-    assert abs(cheap.net_gain_ms(3, 0.3, steps=5) - (15.0 - 10.0)) < 1e-9
-    # the break-even odds are what k rows cost over one, in one-row steps: (12 - 10) / 10, whatever the steps
-    assert abs(cheap.net_gain_ms(3, 0.2, steps=4)) < 1e-9 and cheap.net_gain_ms(3, 0.19, steps=8) < 0
+    # 5 branch steps: a rescue at odds 0.3 saves 0.3 · (a 60 ms target step + 5 one-row steps); 3 rows cost 5 · 2 ms
+    assert abs(cheap.net_gain_ms(3, 0.3, steps=5) - (0.3 * (60.0 + 50.0) - 10.0)) < 1e-9
+    # the break-even odds: what k rows cost over one, against a target step and the steps saved
+    assert abs(cheap.net_gain_ms(3, 8 / 100, steps=4)) < 1e-9 and cheap.net_gain_ms(3, 0.07, steps=4) < 0
     policy = Policy(max_branches=3, epsilon=0.5, costs=cheap)
     top = [0.3, 0.25, 0.2]  # rescue odds (1 - 0.3) · share: 0.25 with 2 candidates, 0.45 with 3
-    assert policy.branch_width(top, fresh=False, hrad_class=None, steps_left=5) == 3  # gains 7.5 and 12.5 ms
+    assert policy.branch_width(top, fresh=False, hrad_class=None, steps_left=5) == 3
     dear = BranchCosts({1: 10.0, 2: 40.0, 3: 70.0}, target_busy_ms={1: 60.0, 2: 60.0, 3: 60.0})
     assert Policy(max_branches=3, epsilon=0.5, costs=dear).branch_width(top, False, None, steps_left=5) == 1
-    # cheap draft steps, but k rows slow the target step beside them (shared cores): 2 rows cost 4 ms of
-    # target time, 3 rows 30 ms; gains 12.5 - 5 - 4 = 3.5 and 22.5 - 10 - 30 = -17.5: fork 2 wide
+    # cheap draft steps, but k rows slow the target step beside them (shared cores): 2 rows cost 4 ms of target
+    # time, 3 rows 30 ms; gains 0.25 · 112 - 5 - 4 = 19 and 0.45 · 112 - 10 - 30 = 10.4: fork 2 wide
     crowded = BranchCosts({1: 10.0, 2: 11.0, 3: 12.0}, {1: 62.0, 2: 66.0, 3: 92.0})
     assert Policy(max_branches=3, epsilon=0.5, costs=crowded).branch_width(top, False, None, steps_left=5) == 2
     # k rows beside the target never speed it up: a target step measured faster beside more rows counts as no change
     noisy = BranchCosts({1: 10.0, 2: 11.0, 3: 12.0}, {1: 60.0, 2: 50.0, 3: 60.0})
     assert noisy.net_gain_ms(2, 0.3, steps=5) == cheap.net_gain_ms(2, 0.3, steps=5)
-    # this CPU's figures for the layer-skipping self-draft (docs/results/README.md): 3 rows cost 1.5 one-row steps,
-    # so at the odds above not even 2 rows pay
+    # a draft whose k-row step costs 1.5 one-row steps (the layer-skipping self-draft on this CPU): at odds 0.45 the
+    # saved target step pays for 3 rows; at a rescue's odds of 0.05 nothing pays
     cpu = BranchCosts({1: 14.1, 2: 17.4, 3: 21.3}, {1: 52.1, 2: 55.3, 3: 51.7})
-    assert Policy(max_branches=3, epsilon=0.5, costs=cpu).branch_width(top, False, None, steps_left=5) == 1
+    assert Policy(max_branches=3, epsilon=0.5, costs=cpu).branch_width(top, False, None, steps_left=5) == 3
+    assert Policy(max_branches=3, epsilon=0.5, costs=cpu).branch_width([0.3, 0.02, 0.01], False, None, 0, 5) == 1
     assert Policy(max_branches=3, epsilon=0.5).branch_width(top, False, None, steps_left=5) == 3  # paper's rule
     assert policy.branch_width([0.9, 0.05, 0.01], False, None, steps_left=5) == 1  # confident: no fork
 
@@ -214,7 +287,7 @@ def test_a_fork_keeps_drafting_its_branches(tiny_engine):
     the last token of the previous round: an unsure token is what a fork hedges, so its branches get drafted."""
     import asyncio
 
-    from engine.methods.parallel import DraftState, draft_until_verdict
+    from engine.methods.drafting import DraftState, draft_until_verdict
 
     async def fork_and_draft():
         cfg = GenerationConfig(method="specbranch", gamma=3, draft_stop=0.3, epsilon=1.0)
@@ -237,7 +310,7 @@ def test_a_fork_keeps_drafting_its_branches(tiny_engine):
     assert fork is not None and fork.depth == 0
     covered = float(fork.q[fork.candidates].sum())
     assert covered >= 0.3  # the tiny draft is peaky enough: the candidates cover more than the stop threshold
-    assert all(len(b) >= 1 for b in fork.branches)
+    assert all(len(b.tokens) >= 1 for b in fork.branches)
 
 
 def test_drafting_stops_at_the_token_budget(tiny_engine):
@@ -245,7 +318,7 @@ def test_drafting_stops_at_the_token_budget(tiny_engine):
     past the context: a head's cache has exactly that many rows)."""
     import asyncio
 
-    from engine.methods.parallel import DraftState, depth, draft_until_verdict
+    from engine.methods.drafting import DraftState, draft_until_verdict
 
     async def draft_long():
         cfg = GenerationConfig(method="specbranch", gamma=4, max_new_tokens=3, epsilon=1.0)
@@ -269,7 +342,7 @@ def test_drafting_stops_at_the_token_budget(tiny_engine):
         )
         return spec
 
-    assert depth(asyncio.run(draft_long())) == 3  # the budget, not 2γ = 8
+    assert asyncio.run(draft_long()).depth() == 3  # the budget, not 2γ = 8
 
 
 def test_calibration_starts_at_the_confidence_and_moves_to_the_measured_rate():
@@ -342,17 +415,16 @@ def test_resolve_reports_what_the_target_judged(tiny_engine):
     """(draft's top probability, accepted) per judged path token: up to and including the first rejection, none
     after it, none without a recorded probability; at a branch point, the first candidate, the draft's own token."""
     state = greedy_state(tiny_engine)
-    q = torch.full((V,), 1.0 / V, dtype=torch.float64)
-    spec = Speculation([4, 5, 6], [q] * 3, path_top=[0.9, 0.4, 0.2])
-    out = resolve(state, spec, one_hot_rows([4, 7, 6, 1]), [])  # 5 is rejected; 6 is never judged
+    spec = Speculation(drafted([4, 5, 6], top=[0.9, 0.4, 0.2]))
+    out = resolve_greedy(state, spec, line_feed(3), [4, 7, 6, 1])  # 5 is rejected; 6 is never judged
     assert out.tokens == [4, 7] and out.judged == [(0.9, True), (0.4, False)]
-    out = resolve(state, spec, one_hot_rows([4, 5]), [])  # two rows reach only 4 and 5: both accepted, 6 pending
-    assert out.judged == [(0.9, True), (0.4, True)] and out.pending.path_top == [0.2]
-    spec = forked([4], [5, 6], [[7, 8], [9, 2]])
-    spec.path_top, spec.fork.top = [0.8], 0.35
-    out = resolve(state, spec, one_hot_rows([4, 6, 7, 8]), [])  # a rescue: candidate 1 (the draft's own) rejected
-    assert out.judged == [(0.8, True), (0.35, False)] and out.pending.path_top == [None, None]
-    assert judged_path(out.pending, 2, False) == []  # the rescued branch's tokens have no recorded probability
+    out = resolve_greedy(state, spec, line_feed(1), [4, 5])  # two rows reach only 4 and 5: both accepted, 6 pending
+    assert out.judged == [(0.9, True), (0.4, True)] and [d.top for d in out.pending.path] == [0.2]
+    spec = forked([4], [5, 6], [[7, 8], [9, 2]], top=0.35)
+    spec.path[0].top = 0.8
+    out = resolve_greedy(state, spec, Feed((3,), 1, (3, 0)), [4, 6, 7, 8, 0])  # a rescue: the draft's own rejected
+    assert out.judged == [(0.8, True), (0.35, False)] and [d.top for d in out.pending.path] == [None, None]
+    assert judged_path(out.pending.path, 2, False) == []  # the rescued branch's tokens have no recorded probability
 
 
 def test_engine_learns_where_its_draft_is_right(tiny_dirs, monkeypatch):
@@ -408,22 +480,22 @@ def test_resolve_reports_whether_a_fork_rescued(tiny_engine):
     target's token (what the rescue table learns); nothing where the first candidate was right. Greedy, the same
     where a path token is rejected, for the fork the draft could have made there (missed_rescue)."""
     state = greedy_state(tiny_engine)
-    spec = forked([4], [5, 6], [[7, 8], [9, 2]])
-    spec.fork.share = 0.6
-    assert resolve(state, spec, one_hot_rows([4, 6, 7, 8]), []).rescue == (0.6, True)
-    assert resolve(state, spec, one_hot_rows([4, 3, 7, 8]), []).rescue == (0.6, False)  # every candidate lost
-    assert resolve(state, spec, one_hot_rows([4, 5, 7, 8]), []).rescue is None
+    spec = forked([4], [5, 6], [[7, 8], [9, 2]], share=0.6)
+    feed = Feed((3,), 1, (3, 0))
+    assert resolve_greedy(state, spec, feed, [4, 6, 7, 8, 0]).rescue == (0.6, True)
+    assert resolve_greedy(state, spec, feed, [4, 3, 7, 8, 0]).rescue == (0.6, False)  # every candidate lost
+    assert resolve_greedy(state, spec, feed, [4, 5, 7, 8, 0]).rescue is None
     assert alternatives_share([0.6, 0.2, 0.1], 3) == (0.2 + 0.1) / 0.4 and alternatives_share([0.6, 0.2], 1) == 0
     # greedy, a rejected path token tells whether the fork the draft could have made there (its share, its top 3)
     # would have rescued it: the target's token among the draft's 2nd and 3rd
-    q = torch.full((V,), 1.0 / V, dtype=torch.float64)
-    spec = Speculation([4, 5, 6], [q] * 3, path_alts=[None, (0.5, [5, 7, 8]), (0.3, [6, 1, 2])])
-    assert resolve(state, spec, one_hot_rows([4, 7, 6, 1]), []).rescue == (0.5, True)
-    assert resolve(state, spec, one_hot_rows([4, 3, 6, 1]), []).rescue == (0.5, False)
-    assert resolve(state, spec, one_hot_rows([9, 5, 6, 1]), []).rescue is None  # no fork known at the first token
-    assert resolve(state, spec, one_hot_rows([4, 5, 6, 1]), []).rescue is None  # a bonus: nothing was rejected
-    assert resolve(state, spec, one_hot_rows([4, 5]), []).pending.path_alts == [(0.3, [6, 1, 2])]
+    spec = Speculation(drafted([4, 5, 6], alts=[None, (0.5, [5, 7, 8]), (0.3, [6, 1, 2])]))
+    assert resolve_greedy(state, spec, line_feed(3), [4, 7, 6, 1]).rescue == (0.5, True)
+    assert resolve_greedy(state, spec, line_feed(3), [4, 3, 6, 1]).rescue == (0.5, False)
+    assert resolve_greedy(state, spec, line_feed(3), [9, 5, 6, 1]).rescue is None  # no fork known at the first token
+    assert resolve_greedy(state, spec, line_feed(3), [4, 5, 6, 1]).rescue is None  # a bonus: nothing was rejected
+    assert [d.alts for d in resolve_greedy(state, spec, line_feed(1), [4, 5]).pending.path] == [(0.3, [6, 1, 2])]
     probe = torch.Generator().manual_seed(0)
+    q = torch.full((V,), 1.0 / V, dtype=torch.float64)
     p7 = one_hot_rows([7])[0]
     assert missed_rescue(p7, q, (0.5, [7, 5, 8]), None, True, probe) is None  # held: its own token was the target's
     assert missed_rescue(p7, q, (0.5, [5, 8, 7]), None, True, probe) == (0.5, True)
@@ -488,11 +560,12 @@ def test_hold_weighs_the_whole_path_and_the_forks_rescues():
         rescues.record(share, False)  # its alternatives never held the target's token
     assert policy.held_back(policy.holds_up(top, 3))
     q = torch.full((V,), 1.0 / V, dtype=torch.float64)
-    spec = Speculation([4, 5, 6], [q] * 3, path_conf=[0.9, 0.9, 0.3], path_top=[0.9, None, 0.3])
+    spec = Speculation(drafted([4, 5, 6], [0.9, 0.9, 0.3], [0.9, None, 0.3]))
     assert abs(policy.path_odds(spec) - policy.acceptance(0.9) ** 2 * own) < 1e-12  # a rescued token: its conf
     assert policy.path_odds(Speculation()) == 1.0
     # through a fork: the path's odds, the fork's (one candidate survives), and its first branch's tokens'
-    spec.fork = Fork(q, [7, 8], TOPK, 3, [[9], [2]], [[q], [q]], conf=[0.3, 0.2], branch_conf=[[0.9], [0.4]], odds=0.6)
+    lines = [Branch(Drafted(7, q, 0.3), drafted([9], [0.9])), Branch(Drafted(8, q, 0.2), drafted([2], [0.4]))]
+    spec.fork = Fork(q, TOPK, lines, 3, odds=0.6)
     assert abs(policy.line_odds(spec) - policy.path_odds(spec) * 0.6 * policy.acceptance(0.9)) < 1e-12
     assert not Policy(max_branches=3).held_back(0.0)  # hold 0: never
     # the forks it did not make are played for the rescue table only where a decision reads it
@@ -548,7 +621,9 @@ def test_a_draft_that_holds_again_after_a_hold_follows_the_target(tiny_engine):
     before. A rejection before the held position makes the hold moot and counts nothing."""
     import asyncio
 
-    from engine.methods.parallel import DraftState, Outcome, draft_step, head_start, release_hold
+    from engine.methods.drafting import DraftState, draft_step, head_start
+    from engine.methods.parallel import release_hold
+    from engine.methods.verdict import Outcome
 
     cfg = GenerationConfig(method="specbranch", gamma=3, epsilon=0.5, head_start=0.3, hold=0.5)
     state = RunState(
@@ -561,15 +636,16 @@ def test_a_draft_that_holds_again_after_a_hold_follows_the_target(tiny_engine):
         eos_ids=set(),
     )
     q = torch.full((V,), 1.0 / V, dtype=torch.float64)
+    feed = Feed((4,), 0)  # the row of the committed token 4 judges position 3
     for outcome, released in (
-        (Outcome([6], [CORRECTION], Speculation()), True),  # the target produced position 3
-        (Outcome([], [], Speculation()), False),
+        (Outcome([6], [CORRECTION], Speculation(), [0]), True),  # the target produced position 3
+        (Outcome([], [], Speculation(), [0]), False),
     ):  # nothing committed yet: the hold stays
-        ds = DraftState(rows=[[2, 3, 4]], held=q, held_top=0.1)
-        release_hold(state, one_hot_rows([6]), outcome, ds, Policy(max_branches=3, hold=0.5))
+        ds = DraftState(rows=[[2, 3, 4]], held=Drafted(7, q, 0.1, 0.1))
+        release_hold(state, one_hot_rows([6]), feed, outcome, ds, Policy(max_branches=3, hold=0.5))
         assert ds.after_hold is released and (ds.held is None) is released
-    ds = DraftState(rows=[[2, 3, 4, 9]], held=q)  # held at position 4, but the target rejected the token at 3
-    release_hold(state, one_hot_rows([6]), Outcome([6], [CORRECTION], Speculation()), ds, Policy(hold=0.5))
+    ds = DraftState(rows=[[2, 3, 4, 9]], held=Drafted(7, q, 0.1, 0.1))  # held at 4, but the target rejected 3's token
+    release_hold(state, one_hot_rows([6]), feed, Outcome([6], [CORRECTION], Speculation(), [0]), ds, Policy(hold=0.5))
     assert ds.held is None and not ds.after_hold
 
     def step(ds: DraftState, policy: Policy, lead: bool) -> list:
@@ -617,7 +693,7 @@ def test_a_branch_step_below_the_hold_keeps_nothing(tiny_engine):
     (the default) only the odds before a step are read. Greedy output stays AR's either way."""
     import asyncio
 
-    from engine.methods.parallel import DraftState, draft_step, draft_until_verdict
+    from engine.methods.drafting import DraftState, draft_step, draft_until_verdict
     from engine.models import cache as kv
 
     cfg = GenerationConfig(method="specbranch", gamma=3, epsilon=1.0, hold=0.5)
@@ -646,15 +722,18 @@ def test_a_branch_step_below_the_hold_keeps_nothing(tiny_engine):
     draft(until_verdict=False)  # ε 1: the draft forks at its first step
     draft(until_verdict=False)  # ... and steps its branches
     fork = spec.fork
-    assert fork is not None and len(fork.candidates) >= 2 and all(len(b) == 1 for b in fork.branches)
+    assert fork is not None and len(fork.candidates) >= 2 and all(len(b.tokens) == 1 for b in fork.branches)
+
+    def lines() -> list[list[int]]:
+        return [[d.token for d in b.tokens] for b in fork.branches]
 
     def grew(before: list[list[int]]) -> bool:
-        return [len(b) for b in fork.branches] == [len(b) + 1 for b in before]
+        return [len(b) for b in lines()] == [len(b) + 1 for b in before]
 
-    line, before = Policy(max_branches=3).line_odds(spec), [list(b) for b in fork.branches]
+    line, before = Policy(max_branches=3).line_odds(spec), lines()
     draft(hold=line)  # the default reads the line before a step: it takes one, then stops below the hold
     assert grew(before) and not fork.held and not any(e.kind == "held" for e in events if isinstance(e, DraftProposed))
-    line, before = Policy(max_branches=3).line_odds(spec), [list(b) for b in fork.branches]
+    line, before = Policy(max_branches=3).line_odds(spec), lines()
     length, rows = kv.cache_length(state.draft_cache), [list(r) for r in ds.rows]
     events.clear()
     draft(hold=line, strict=True)  # the line alone holds up at the hold; with the next token it does not
@@ -662,7 +741,7 @@ def test_a_branch_step_below_the_hold_keeps_nothing(tiny_engine):
     assert len(held) == 1 and held[0].branch == 1 and held[0].tokens == [] and held[0].odds < line
     assert abs(held[0].odds - line * held[0].confidence) < 1e-9  # no calibration: acceptance is the confidence
     assert sum(isinstance(e, TimingSpan) for e in events) == 1  # one step taken, then no more this round
-    assert fork.held and fork.branches == before and ds.rows == rows
+    assert fork.held and lines() == before and ds.rows == rows
     assert kv.cache_length(state.draft_cache) == length == len(ds.rows[0])
     fork.held = False  # as after a verdict that leaves the fork pending (verify_round)
     events.clear()

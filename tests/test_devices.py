@@ -1,12 +1,13 @@
 """Issue 11, what can be checked without a GPU: the span arithmetic of the CUDA timing path, the CUDA worker's
-order of stream operations (against fake streams and events, not a GPU), the CPU worker unchanged and free of
-device-wide syncs, unusable devices refused before any model loads, an out-of-memory forward ending only its
-own run, and the distill paths taking their device. Nothing here runs CUDA kernels."""
+order of stream operations and what waits on what (against fake streams and events, not a GPU), the CPU worker
+unchanged and free of device-wide syncs, unusable devices refused before any model loads, an out-of-memory forward
+ending only its own run, and the distill paths taking their device. Nothing here runs CUDA kernels."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from contextlib import nullcontext
 
 import pytest
@@ -122,12 +123,141 @@ def test_cuda_worker_times_on_its_stream_and_orders_by_events(monkeypatch):
         ("wait", "worker", False),  # the worker's stream waits on the caller's event
         ("record", "worker", True),
         ("record", "worker", True),  # start, end around fn
-        ("wait", "default", True),
-    ]  # the caller's stream waits on the end event; the host does not
+        ("event_sync",),  # the worker's thread waits for its forward's end, and only then
+        ("wait", "default", True),  # does the caller's stream wait on it; the event loop never waits
+    ]
     assert fake.log[: len(first_forward)] == first_forward
     assert fake.log.count(("stream_sync", "worker")) == 2  # one reference per run, not per forward
-    assert fake.log[:queued].count(("event_sync",)) == 2  # while queuing: the two references' only
+    assert fake.log[:queued].count(("event_sync",)) == 2 + 4  # the two references, and each forward's end
     assert fake.log[queued:] == [("event_sync",)] * 4  # each span waits for its end event when it is read
+
+
+class WaitGraph:
+    """Fake CUDA streams and events that keep what waits on what: a stream, every event it has waited on (and what
+    those had waited on when recorded); an event, what its stream had waited on when it was recorded. An event
+    recorded on a thread that called hold() (a forward still running on the device) stays pending until release(),
+    and its synchronize() blocks the calling thread until then."""
+
+    def __init__(self):
+        self.released, self._holding = threading.Event(), set()
+        self.blocked: dict[str, set] = {}  # a stream's name -> the pending events its recorded events waited on
+        self.pending_seen = 0  # how many events were still pending when something waited on them
+        graph, names = self, iter(range(1, 100))
+
+        class Event:
+            def __init__(self, enable_timing=False, blocking=False):
+                self.after, self.pending, self.timing = frozenset(), False, enable_timing
+
+            def record(self, stream):
+                self.after = frozenset(stream.waited)
+                graph.blocked.setdefault(stream.name, set()).update(e for e in self.after if e.pending)
+                self.pending = threading.get_ident() in graph._holding
+                graph._holding.discard(threading.get_ident())
+
+            def synchronize(self):
+                if self.pending:
+                    graph.pending_seen += 1
+                    assert graph.released.wait(10), "an event that never ran"
+
+            def query(self):
+                return not self.pending
+
+            def elapsed_time(self, other):
+                return 1.0
+
+        class Stream:
+            def __init__(self, device=None, name=None):
+                self.device, self.name, self.waited = device, name or f"stream{next(names)}", set()
+
+            def wait_event(self, event):
+                self.waited |= {event} | event.after
+
+            def synchronize(self):
+                pass
+
+        self.Event, self.Stream = Event, Stream
+        self.default = Stream(torch.device("cuda", 0), "default")
+
+    def hold(self) -> None:
+        """The next event recorded on this thread is the end of a forward that keeps running until release()."""
+        self._holding.add(threading.get_ident())
+
+    def release(self) -> None:
+        self.released.set()
+        for events in self.blocked.values():
+            for event in events:
+                event.pending = False
+
+    install = FakeCuda.install
+
+
+def pinned_copies(monkeypatch) -> None:
+    """Tensor.pin_memory as a CUDA build's (a CPU-only one has no page-locked memory): a copy, marked."""
+
+    def pin_memory(self):
+        copy = self.clone()
+        copy.page_locked = True
+        return copy
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+
+
+def test_a_draft_step_does_not_wait_on_the_verify_pass_beside_it(monkeypatch):
+    """PEARL's and SpecBranch's overlap: while the target's verify pass runs on the device, the draft steps beside it.
+    Its steps must not wait on that pass: the loop's stream may wait on the pass's end only once the pass has run,
+    since each draft step's `ready` event is recorded on that stream (before, it waited as soon as the pass was
+    queued, and every later draft step waited on the verify). The ids each forward gets from the host are in
+    page-locked memory, so that their copy to the device blocks no thread."""
+    graph = WaitGraph()
+    graph.install(monkeypatch)
+    pinned_copies(monkeypatch)
+    target, draft, seen = Worker("target", 1, "cuda"), Worker("draft", 1, "cuda"), []
+
+    def verify(ids):
+        seen.append(getattr(ids, "page_locked", False))
+        graph.hold()  # the pass keeps running on the device until release()
+        return ids + 1
+
+    def step(ids):
+        seen.append(getattr(ids, "page_locked", False))
+        return ids * 2
+
+    async def a_round():
+        job = asyncio.ensure_future(target.run(verify, torch.ones(1, 4), kind="verify", step=1, t0=0.0, tokens=4))
+        for _ in range(3):
+            await asyncio.sleep(0.05)  # the loop's own work between draft steps (sampling): the pass was queued
+            await draft.run(step, torch.ones(1, 1), kind="draft", step=1, t0=0.0)
+        ran_beside = target._last_end.pending  # the verify had not run to its end while the draft stepped
+        graph.release()
+        out, _ = await job
+        return ran_beside, out
+
+    try:
+        ran_beside, out = asyncio.run(a_round())
+    finally:
+        target.shutdown()
+        draft.shutdown()
+    assert ran_beside and torch.equal(out, torch.full((1, 4), 2.0))
+    assert graph.blocked[draft.stream.name] == set()  # no draft event waited on the running verify
+    assert graph.pending_seen == 1  # the target's thread waited for its pass, not the loop's
+    assert seen == [True] * 4
+
+
+def test_a_forward_copies_its_ids_to_the_device_without_blocking(tiny_dirs, monkeypatch):
+    """LM.forward moves its ids with non_blocking=True: from the page-locked copy Worker.run made, the copy is
+    queued on the worker's stream and the thread goes on (on the CPU a no-op either way)."""
+    pair = load_pair(str(tiny_dirs["target"]), None, device="cpu")
+    real, asked = torch.Tensor.to, []
+
+    def to(self, *args, **kwargs):
+        asked.append(kwargs.get("non_blocking", False))
+        return real(self, *args, **kwargs)
+
+    ids = torch.tensor([[2, 3, 4]])
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    pair.target.forward(ids, pair.target.new_cache())
+    monkeypatch.undo()
+    assert asked[0] is True
 
 
 def test_a_cuda_worker_makes_its_stream_at_its_first_forward(monkeypatch):
@@ -365,3 +495,27 @@ def test_distill_head_with_device_cpu(tmp_path):
     assert code == 0
     card = json.loads((tmp_path / "head" / "config.json").read_text())["specbranch_head"]
     assert card["unroll"] == 2 and len(card["val_agreement_by_depth"]) == 2
+
+
+def test_the_cuda_sanitizer_checks_the_workers_threads_too(monkeypatch):
+    """TORCH_CUDA_SANITIZER's dispatch mode is per thread, entered at import on the main thread only, while the
+    forwards run on the workers' threads: a worker thread enters it too when it is on, and says so (gpu-check's
+    sanitizer section lists the threads it checked instead of a bare "races: 0")."""
+    import types
+
+    import torch.cuda._sanitizer as sanitizer
+
+    entered = []
+
+    class Mode:
+        def __enter__(self):
+            entered.append(threading.current_thread().name)
+            return self
+
+    monkeypatch.setattr(sanitizer, "cuda_sanitizer", types.SimpleNamespace(enabled=True, dispatch=Mode()))
+    worker = Worker("sanitized")
+    try:
+        asyncio.run(worker.run(lambda: torch.ones(1), kind="decode", step=0, t0=0.0))
+    finally:
+        worker.shutdown()
+    assert entered == ["specbranch-sanitized_0"] and "specbranch-sanitized_0" in runtime.sanitized_threads()

@@ -1,4 +1,4 @@
-"""The draft in a process of its own (engine/draft_process.py): the child loads the same draft and computes its bits,
+"""The draft in a process of its own (engine/drafts/process.py): the child loads the same draft and computes its bits,
 through a fork, a collapse, rollbacks and steps taken ahead; output through it stays exact (greedy equals the target's
 generate(), sampled follows the target's distribution); a draft that cannot go there stays here with the reason; a
 child that dies ends the run with a message; closing the engine ends the child."""
@@ -147,10 +147,8 @@ def test_a_step_taken_ahead_is_timed_when_the_child_computed_it(process_engine):
 
 
 @pytest.mark.parametrize("method, extra", [("sd", {}), ("pearl", {}), ("specbranch", dict(epsilon=1.0))])
-def test_greedy_output_through_the_child_is_the_targets(process_engine, method, extra):
-    target = process_engine.pair.target.model
-    with torch.inference_mode():
-        want = target.generate(torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False)[0, len(PROMPT) :].tolist()
+def test_greedy_output_through_the_child_is_the_targets(process_engine, tiny_reference, method, extra):
+    want = tiny_reference(PROMPT, 12)  # transformers' own generate(), on a model loaded apart from the engine's
     taken = process_engine.pair.draft.steps_taken_ahead
     r = process_engine.run(PROMPT, GenerationConfig(method=method, max_new_tokens=12, gamma=3, **extra))
     assert r.token_ids == want
@@ -163,9 +161,12 @@ def test_greedy_output_through_the_child_is_the_targets(process_engine, method, 
     "method, extra",
     [("specbranch", dict(gamma=3, branches=3, epsilon=1.0, head_start=0.2)), ("pearl", dict(gamma=3, head_start=0.01))],
 )
-def test_sampled_output_through_the_child_follows_the_target(process_engine, method, extra):
+@pytest.mark.slow
+def test_sampled_output_through_the_child_follows_the_target(
+    process_engine, tiny_reference_model, method, extra, monkeypatch
+):
     taken = process_engine.pair.draft.steps_taken_ahead
-    check_sampled(process_engine, method, extra)
+    check_sampled(process_engine, tiny_reference_model, method, extra, monkeypatch)
     if method == "pearl":  # its head start's second step was served by the sampled step taken ahead (SpecBranch here
         # forks at every step, and a fork undoes the step taken ahead), and its output still follows the target
         assert process_engine.pair.draft.steps_taken_ahead > taken

@@ -59,8 +59,9 @@ def child_of(engine):
 
 
 def closed(engine) -> bool:
-    """An engine whose draft runs on a thread: closed when its workers' threads are shut down."""
-    return engine.draft_worker.closed and engine.target_worker.closed
+    """An engine whose draft runs on a thread: closed when its draft's worker thread is shut down (the target's worker
+    is every engine's on that target, runtime.model_worker: it runs on while another uses it)."""
+    return engine.draft_worker.closed and not engine.target_worker.closed
 
 
 def ended(process) -> bool:

@@ -5,11 +5,14 @@ have static shapes and no host sync (what torch.compile(mode="reduce-overhead") 
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from engine.config import GenerationConfig
 from engine.drafts.distilled import draft_from_target, load_draft_dir, place, save_draft
 from engine.drafts.head import FeatureHead, load_head_dir, save_head
 from engine.models.lean import LeanLlama
@@ -290,9 +293,9 @@ def test_the_cpu_keeps_its_kernels_and_another_device_takes_the_generic_ones():
     target = LM("t", tiny_llama(seed=6), None, 101, static=True)
     draft = LM("d", tiny_llama(seed=7), None, 101, lean=True)
     assert target._static.kernels == "cpu" and target._static.generic is None
-    assert all(isinstance(f, HeadMatmul) for f in target._static.qkv + target._static.gate_up)
+    assert all(isinstance(w.qkv, HeadMatmul) and isinstance(w.gate_up, HeadMatmul) for w in target._static.weights)
     assert draft._lean.kernels == "cpu" and draft._lean._generic is None
-    assert isinstance(draft._lean.layers[0]["qkv"], HeadMatmul) and draft._lean.new_cache().capacity == 256
+    assert isinstance(draft._lean.layers[0].qkv, HeadMatmul) and draft._lean.new_cache().capacity == 256
     with pytest.raises(ValueError, match="read the weights as loaded, not through int4"):
         LeanLlama(tiny_llama(), "int4", kernels="generic")
 
@@ -302,7 +305,8 @@ def test_the_cpu_keeps_its_kernels_and_another_device_takes_the_generic_ones():
     assert lean_draft(meta, tiny_llama(), "lean")  # no longer on the CPU only
     assert fits(meta, "cpu") == "not on the CPU"
     assert LeanLlama(meta).kernels == "generic" and StaticLlama(meta, compiled=False).kernels == "generic"
-    assert StaticLlama(meta, compiled=True).generic._graph is not None  # compiled lazily, at a step's first use
+    static = StaticLlama(meta, compiled=True)  # compiled on the thread that will call it (compile_here), not at load
+    assert static.compiles_here and static.generic._graph is None and not StaticLlama(meta).compiles_here
 
 
 def graph_counter(graphs: list):
@@ -436,3 +440,124 @@ def test_a_new_static_cache_takes_the_buffers_of_one_that_is_gone():
     c.batch_repeat_interleave(2)  # a KVBuffer's fork: new rows, zeros past what is held, marked
     assert c.keys[0].shape[0] == 2 and not c.keys[0][:, :, 3:].any()
     assert getattr(c.keys[0], "_dynamo_static_input_type", None)
+
+
+def thread_bound(compile_, runs: list):
+    """torch.compile whose compiled steps keep per-thread state as CUDA graph trees do: one runs only on the thread
+    that compiled it, and raises on another. Each graph's run is kept as the name of the thread it ran on."""
+
+    def backend(gm, example_inputs):
+        def run(*args):
+            runs.append(threading.current_thread().name)
+            return gm.forward(*args)
+
+        return run
+
+    def compile_here(fn, **kwargs):
+        kwargs.pop("mode", None)  # CUDA graphs' mode: the thread check below stands in for them
+        compiled, owner = compile_(fn, **{**kwargs, "backend": backend}), threading.get_ident()
+
+        def step(*args, **kw):
+            if threading.get_ident() != owner:
+                raise RuntimeError("a step compiled on another thread")
+            return compiled(*args, **kw)
+
+        return step
+
+    return compile_here
+
+
+def test_compiled_steps_compile_and_run_on_their_models_worker_thread(tmp_path, monkeypatch):
+    """Issue 49: compiled on the loading thread (the target's shapes by its probe at load, the draft's warm-up) and
+    called from the workers' threads, a step whose graphs keep per-thread state (CUDA graph trees) failed there and
+    stayed eager for good, without a word. The steps compile on the thread of the worker that calls them, and a
+    second engine on the same target runs its steps on that same thread; a step that fails says so in a notice."""
+    from engine.engine import Engine
+    from engine.models import static_forward
+    from engine.models.loading import LM, ModelPair, load_model
+
+    from .conftest import make_tiny_model
+
+    runs = []
+    monkeypatch.setattr(torch, "compile", thread_bound(torch.compile, runs))
+    monkeypatch.setattr(static_forward, "compile_mode", lambda device: "reduce-overhead")  # the target, as on CUDA
+    cpu = torch.device("cpu")
+    models = {
+        n: load_model(str(make_tiny_model(tmp_path / str(n), seed=1, layers=n)), cpu, torch.float32) for n in (1, 2, 3)
+    }
+    (target, tok), vocab = models[2], models[2][0].config.vocab_size
+    lm = LM("t", target, tok, vocab, static=True, kernels="generic")
+    engines = [
+        Engine(ModelPair(lm, LM(f"d{n}", models[n][0], tok, vocab, lean=True, compiled=True, kernels="generic")))
+        for n in (1, 3)
+    ]
+    try:
+        prompt, outputs = [2, 3, 4, 5], []
+        for engine in engines:
+            want = engine.run(prompt, GenerationConfig(method="ar", max_new_tokens=20)).token_ids
+            runs.clear()
+            result = engine.run(prompt, GenerationConfig(method="specbranch", max_new_tokens=20, gamma=3))
+            outputs.append((result.token_ids == want, set(runs), [e for e in result.events if e.type == "notice"]))
+            assert engine.pair.target.compile_why == engine.pair.draft.compile_why == ""
+    finally:
+        for engine in engines:
+            engine.close()
+    assert [ok for ok, _, _ in outputs] == [True, True]
+    target_thread = {name for name in outputs[0][1] if name.startswith("specbranch-target")}
+    for _, threads, notices in outputs:  # compiled steps of both models ran, each on its own worker's one thread
+        assert {name.split("_")[0] for name in threads} == {"specbranch-target", "specbranch-draft"}, threads
+        assert {name for name in threads if name.startswith("specbranch-target")} == target_thread
+        assert not [n for n in notices if "eager" in n.message]
+
+
+def test_several_decoders_compile_each_within_dynamos_recompile_limit():
+    """Dynamo keeps its compiled graphs, and its limit of 8 recompiles, per code object. The generic step is one
+    method of the class: a target and its drafts (their layer counts differ, so do their guards), each compiling a few
+    shapes, used to share that limit, and past it a step failed for good (FailOnRecompileLimitHit: the fifth decoder
+    here). Each decoder compiles a code object of its own."""
+    from engine.models.lean import GenericDecoder
+
+    whys = []
+    for layers in range(1, 6):
+        generic = GenericDecoder(tiny_llama(seed=layers, num_hidden_layers=layers))
+        generic.compile(backend=graph_counter([]))
+        cache = generic.new_cache(64)
+        with torch.inference_mode():
+            for t in (1, 3, 1, 2):  # a step, a verify pass, a step, a shorter pass
+                generic(torch.randint(0, 101, (1, t), generator=torch.Generator().manual_seed(t)), cache)
+        whys.append(generic.compile_why)
+    assert whys == [""] * 5
+
+
+def test_a_compiled_step_that_fails_says_so_in_the_run(tmp_path, monkeypatch):
+    """A compiled step that fails leaves the model's steps eager (the same output, slower): the run says so in a
+    warning notice, once per engine, with the reason, where before the failure went unsaid."""
+    from engine.engine import Engine
+    from engine.models.loading import LM, ModelPair, load_model
+
+    from .conftest import make_tiny_model
+
+    def failing(fn, **kwargs):
+        def step(*args, **kw):
+            raise RuntimeError("no kernel for this shape")
+
+        return step
+
+    monkeypatch.setattr(torch, "compile", failing)
+    cpu = torch.device("cpu")
+    target, tok = load_model(str(make_tiny_model(tmp_path / "t", seed=1)), cpu, torch.float32)
+    draft, _ = load_model(str(make_tiny_model(tmp_path / "d", seed=1, layers=1)), cpu, torch.float32)
+    vocab = target.config.vocab_size
+    pair = ModelPair(
+        LM("t", target, tok, vocab, static=True, kernels="generic"),
+        LM("d", draft, tok, vocab, lean=True, compiled=True, kernels="generic"),
+    )
+    engine = Engine(pair)
+    try:
+        runs = [engine.run([2, 3, 4], GenerationConfig(method=m, max_new_tokens=12, gamma=3)) for m in ("sd", "ar")]
+    finally:
+        engine.close()
+    said = [[e.message for e in run.events if e.type == "notice" and "eager" in e.message] for run in runs]
+    assert said == [["the draft's steps run eager, not compiled (the same output, slower): RuntimeError: no kernel for "
+                     "this shape"], []]  # fmt: skip
+    assert runs[0].token_ids == runs[1].token_ids

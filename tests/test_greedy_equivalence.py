@@ -43,7 +43,7 @@ def test_int4_self_draft_agrees_and_matches(embedded_target, greedy_references):
         assert draft is not target and draft.model.layers[0].mlp.up_proj is not target.model.layers[0].mlp.up_proj
         assert type(vars(draft.model.layers[0].mlp.up_proj)["forward"]).__name__ == "Int4Matmul"
         assert type(vars(target.model.layers[0].mlp.up_proj)["forward"]).__name__ == "HeadMatmul"
-        assert engine.pair.draft.lean and not engine.pair.target.lean  # the draft steps through engine/lean.py
+        assert engine.pair.draft.lean and not engine.pair.target.lean  # the draft steps through engine/models/lean.py
         accepted = verified = 0
         for ids, want in greedy_references:
             r = engine.run(ids, GenerationConfig(method="sd", max_new_tokens=NEW, gamma=4))
@@ -59,7 +59,7 @@ def test_int4_self_draft_agrees_and_matches(embedded_target, greedy_references):
 
 @pytest.mark.skipif(not int4_supported(), reason="this torch has no CPU int4 kernel")
 def test_int4_self_draft_in_its_own_process_matches(embedded_target, greedy_references):
-    """The app's draft where the app runs it: in a child process (engine/draft_process.py) that loads it by the same
+    """The app's draft where the app runs it: in a child process (engine/drafts/process.py) that loads it by the same
     recipe, with greedy steps taken ahead there; the output is generate()'s."""
     from engine.engine import Engine
     from engine.models.loading import with_draft

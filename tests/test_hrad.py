@@ -17,6 +17,7 @@ from engine.engine import Engine
 from engine.events import Notice
 from engine.methods.hrad import HRAD, pair_signature, save_hrad
 from engine.models.loading import load_pair
+from engine.training.common import split_by_prompt
 from engine.training.hrad import (
     Sample,
     evaluate,
@@ -25,7 +26,6 @@ from engine.training.hrad import (
     macro_f1,
     samples_key,
     save_samples,
-    split_by_prompt,
     train_classifier,
 )
 
@@ -101,7 +101,7 @@ def test_macro_f1_and_split_by_prompt():
     # class 0: tp 1, |pred| 1, |gold| 2 -> 2/3; class 1: tp 1, 3 + 1 -> 1/2; class 2: 0
     assert macro_f1(pred, gold) == pytest.approx((2 / 3 + 1 / 2 + 0) / 3)
     samples = [Sample(p, torch.zeros(3), 0.5, p % 3) for p in range(10) for _ in range(4)]
-    train, val = split_by_prompt(samples, 0.2, seed=0)
+    train, val = split_by_prompt(samples, 0.2, seed=0, prompt_of=lambda s: s.prompt)
     assert len(val) == 8 and not {s.prompt for s in train} & {s.prompt for s in val}
 
 
@@ -112,7 +112,7 @@ def test_classifier_learns_a_separable_rule():
     for i in range(600):
         x = torch.randn(40, generator=g)
         samples.append(Sample(i // 10, x, 0.5, 0 if x[3] < -0.5 else (2 if x[3] > 0.5 else 1)))
-    train, val = split_by_prompt(samples, 0.2, seed=0)
+    train, val = split_by_prompt(samples, 0.2, seed=0, prompt_of=lambda s: s.prompt)
     model = train_classifier(train, epochs=40, proj_dim=40, hidden=32, dropout=0.0)
     report = evaluate(model, train, {"val": val})
     assert report["val"]["hrad"]["accuracy"] >= 0.8 > 0.5 > report["val"]["majority"]["accuracy"]

@@ -1,5 +1,5 @@
-"""The CPU's row-count matmul layouts (engine/lm_head.py): the same product as F.linear for every row count, with
-and without the one-row copy, the packed copy and the row cap; the packed path's rows do not depend on how many
+"""The CPU's row-count matmul layouts (engine/kernels/lm_head.py): the same product as F.linear for every row count,
+with and without the one-row copy, the packed copy and the row cap; the packed path's rows do not depend on how many
 rows are fed (so padding 2-3 rows to PACK_ROWS changes nothing); fast_linears routes a model's linear layers
 through them without changing what the model computes (beyond float rounding) and without touching its LM head;
 a draft's bfloat16 and 4-bit matmuls (Bf16Matmul, Int4Matmul, and the 4-bit head's float32 shortlist,
@@ -93,12 +93,30 @@ def test_fast_linears_routes_the_layers_not_the_head(tmp_path):
     torch.testing.assert_close(fast, plain, rtol=1e-4, atol=1e-4)
 
 
-def test_engine_greedy_equals_ar_with_routed_layers(tiny_engine):
+def test_the_references_run_transformers_own_layers(tiny_dirs, tiny_reference_model, tiny_engine):
+    """The greedy and sampled references (tests/reference.py) come from a model loaded apart, whose Linear layers run
+    torch.nn.Linear.forward; the engine's copy of the same weights runs its kernels, and `untouched` says so."""
+    from .reference import transformers_model, untouched
+
+    assert untouched(tiny_reference_model) is not tiny_engine.pair.target.model
+    with pytest.raises(AssertionError, match="the reference runs the engine's kernels"):
+        untouched(tiny_engine.pair.target.model)
+    model = transformers_model(tiny_dirs["target"])
+    load_pair(str(tiny_dirs["target"]), None, device="cpu")  # loads (and routes) a model of its own
+    untouched(model)
+    fast_linears(model)
+    with pytest.raises(AssertionError, match="q_proj"):
+        untouched(model)
+
+
+def test_engine_greedy_equals_ar_with_routed_layers(tiny_engine, tiny_reference):
     """Speculation verifies a few rows at a time (the multi-row layout) while AR decodes one (the one-row
-    layout): greedy output stays identical."""
+    layout): greedy output stays identical, and is transformers' own greedy generate() on a model without the routed
+    layers (conftest.tiny_reference)."""
     assert any(getattr(m, "_fast_layout", False) for m in tiny_engine.pair.target.model.modules())
     for prompt in ([2, 3, 4, 5], [8] * 6):
         want = tiny_engine.run(prompt, GenerationConfig(method="ar", max_new_tokens=40)).token_ids
+        assert want == tiny_reference(prompt, 40)
         for method in ("sd", "pearl", "specbranch"):
             r = tiny_engine.run(prompt, GenerationConfig(method=method, max_new_tokens=40, gamma=3, epsilon=0.7))
             assert r.token_ids == want, method
@@ -257,7 +275,7 @@ def assert_speculation_equals_ar(pair) -> None:
 def test_low_precision_draft_leaves_the_target_exact(tiny_dirs, matmul, layer, head, draft, forward):
     """A bfloat16 or 4-bit draft streams fewer bytes; the target keeps its float32 layouts, also when it is its own
     draft: the draft is then a twin, modules of its own over the target's weight tensors (no copy), and greedy output
-    stays the target's, through either forward of the draft (engine/lean.py or transformers')."""
+    stays the target's, through either forward of the draft (engine/models/lean.py or transformers')."""
     pair = load_pair(
         str(tiny_dirs["target"]),
         "self" if draft == "self" else str(tiny_dirs[draft]),

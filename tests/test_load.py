@@ -118,6 +118,7 @@ def settle(jobs) -> None:
     raise AssertionError(f"the jobs did not settle: {codes}")
 
 
+@pytest.mark.slow
 def test_the_command_runs_the_app_and_reports(tiny_dirs, tmp_path):
     """`python -m app.load_test` end to end: it starts app.py in a process of its own on the tiny models, warms it
     up, sends the burst, checks and writes its JSON; it exits 0 when every check passed."""

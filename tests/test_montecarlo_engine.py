@@ -8,9 +8,11 @@ verdicts accept chains of 2 and 3 drafted tokens (counted and asserted), outputs
 budget, and SpecBranch forks (with 2 and 3 candidates, and rescues) in most runs. Each test is N = 400 runs, seeds
 0..N-1, on a fresh Engine. How many steps the draft takes beside each target pass (PEARL, SpecBranch) is drawn from a
 generator seeded by the run's seed (seeded_schedule), not left to this machine's timing, so every figure below
-reproduces exactly; the real overlapped timing is exercised by tests/test_parallel_lossless.py.
+reproduces exactly; the real overlapped timing is exercised by the greedy tests of tests/test_parallel_lossless.py
+(test_long_runs_to_the_context_end_match_ar) and tests/test_greedy_equivalence.py.
 
-The reference is independent of the engine: the target's rows from transformers' own forward of the model over each
+The reference is independent of the engine: the target's rows from transformers' own forward of the model (loaded
+apart from the engine's, so none of the engine's kernels run in it: tests/reference.py `transformers_model`) over each
 output, turned into probabilities by a float64 softmax with the tests' own temperature / top-k / top-p
 (tests/reference.py `processed`), never engine.methods.sampling.logits_to_probs. Three statistics, Bonferroni-combined
 (the
@@ -55,7 +57,6 @@ passes silently.
 from __future__ import annotations
 
 import math
-import random
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -67,12 +68,15 @@ from scipy.stats import chi2
 from engine.config import GenerationConfig
 from engine.engine import Engine
 from engine.events import BranchResolved, TokensEmitted, Verified
-from engine.methods import decoding, parallel, sampling
+from engine.methods import decoding, drafting, parallel, sampling
+from engine.methods import verdict as verdicts
 from engine.models import cache
 from engine.models.loading import load_pair
 
-from .conftest import schedule_draft, tiny_tokenizer
-from .reference import processed
+from .conftest import seeded_schedule, tiny_tokenizer
+from .reference import processed, transformers_model
+
+pytestmark = pytest.mark.slow  # minutes of CPU: `make test` runs it, `make test-fast` leaves it out
 
 WORDS = ["<unk>", "<eos>", "a", "b", "c", "d"]  # V = 6
 EOS = 1
@@ -298,16 +302,6 @@ class Runs:
     bonus: int = 0  # bonus tokens
 
 
-def seeded_schedule(monkeypatch) -> None:
-    """Each round, the draft steps beside the target's pass 1 to 2γ times (as a machine's timing could make it),
-    drawn from a generator seeded by the run's seed: every run is reproducible, and every depth is exercised."""
-
-    def looks(state) -> int:
-        return state.__dict__.setdefault("schedule", random.Random(state.cfg.seed)).randrange(2 * state.cfg.gamma)
-
-    schedule_draft(monkeypatch, looks)
-
-
 def run_many(engine: Engine, cfg: GenerationConfig, n: int) -> Runs:
     runs = Runs()
     for seed in range(n):
@@ -339,26 +333,38 @@ def fault_q_temperature(monkeypatch, pair) -> None:
     def token(self, probs):
         return sampling.sample_at(sharp(probs), self.u)
 
-    real = sampling.draw_candidates
+    def pick(self, probs):
+        return sampling.inverse_cdf(sharp(probs), torch.tensor([self.u], dtype=torch.float64))
 
-    def draw_candidates(q, k, scheme, generator):
-        return real(sharp(q), k, scheme, generator)
+    real = sampling.without_replacement
+
+    def without_replacement(q, u):
+        return real(sharp(q), u)
 
     monkeypatch.setattr(sampling.NextDraw, "token", token)
-    monkeypatch.setattr(parallel, "draw_candidates", draw_candidates)
+    monkeypatch.setattr(sampling.NextDraw, "pick", pick)
+    monkeypatch.setattr(drafting, "without_replacement", without_replacement)  # a fork's candidates
 
 
 def fault_stale_kv(monkeypatch, pair) -> None:
     """(b) A rollback of the target's cache crops one position fewer than asked: one stale (rejected or unverified)
-    position stays in it, under the next token fed."""
-    real, target = cache.rollback, type(pair.target.new_cache())
+    position stays in it, under the next token fed (SD's rollback; the parallel loop's keep_rows, which keeps a
+    line of a pass's tokens)."""
+    real, real_keep, target = cache.rollback, cache.keep_rows, type(pair.target.new_cache())
 
     def rollback(kv, keep):
         if type(kv) is target:
             keep = min(keep + 1, cache.cache_length(kv))
         return real(kv, keep)
 
+    def keep_rows(kv, start, rows):
+        written = cache.cache_length(kv)
+        real_keep(kv, start, rows)
+        if type(kv) is target:
+            kv.length = min(kv.length + 1, written)
+
     monkeypatch.setattr(cache, "rollback", rollback)
+    monkeypatch.setattr(cache, "keep_rows", keep_rows)
 
 
 def fault_bonus_row(monkeypatch, pair) -> None:
@@ -375,36 +381,23 @@ def fault_bonus_row(monkeypatch, pair) -> None:
 
     # SD's verify_block, and the parallel loop's pending verdicts (resolve reads every one of a round at once)
     monkeypatch.setattr(decoding, "verify_block", wrong_bonus_row(sampling.verify_block))
-    monkeypatch.setattr(parallel, "check_block", wrong_bonus_row(sampling.check_block))
-
-
-class Shifted(list):
-    """A fork's branch_q read off by one: branch i's rows as [the candidates' row, its rows but the last]."""
-
-    def __init__(self, rows, first):
-        super().__init__(rows)
-        self.first = first
-
-    def __getitem__(self, i):
-        rows = list.__getitem__(self, i)
-        return ([self.first] + rows[:-1]) if rows else rows
+    monkeypatch.setattr(verdicts, "check_block", wrong_bonus_row(sampling.check_block))
 
 
 def fault_branch_q(monkeypatch, pair) -> None:
-    """(d) At a verdict on a fork, the surviving branch's q rows are read shifted by one position: each branch token
-    is judged against the row its predecessor was drawn from (the first against the candidates' row)."""
-    real = parallel.resolve
+    """(d) At a verdict on a fork, each branch token's q is replaced by the row its predecessor was drawn from (the
+    first's by the candidates' row), for good: judged in this pass or, on the surviving branch, as the next path."""
+    real, shifted = verdicts.resolve, []  # the tokens already shifted (kept alive, so their ids stay theirs)
 
-    def resolve(state, spec, rows, events):
-        fork = spec.fork
-        if fork is None:
-            return real(state, spec, rows, events)
-        kept = fork.branch_q
-        fork.branch_q = Shifted(kept, fork.q)
-        try:
-            return real(state, spec, rows, events)
-        finally:
-            fork.branch_q = kept
+    def resolve(state, spec, feed, logits, events):
+        if spec.fork is not None:
+            for b in spec.fork.branches:
+                rows = [spec.fork.q] + [d.q for d in b.tokens[:-1]]
+                for d, q in list(zip(b.tokens, rows))[::-1]:  # from the last: each reads its predecessor's own row
+                    if all(d is not t for t in shifted):
+                        d.q = q
+                        shifted.append(d)
+        return real(state, spec, feed, logits, events)
 
     monkeypatch.setattr(parallel, "resolve", resolve)
 
@@ -443,7 +436,14 @@ def pair(tmp_path_factory):
     )
 
 
-def monte_carlo(pair, cfg: GenerationConfig, monkeypatch) -> tuple[float, dict, Runs]:
+@pytest.fixture(scope="module")
+def reference(pair):
+    """The target as transformers' own model, loaded apart from the engine's (none of the engine's kernels run in
+    it): the verdict's rows come from it."""
+    return transformers_model(pair.target.name)
+
+
+def monte_carlo(pair, reference, cfg: GenerationConfig, monkeypatch) -> tuple[float, dict, Runs]:
     """N seeded runs of cfg through a fresh Engine (its calibration tables start empty, so the runs do not depend on
     the tests before), on the seeded schedule; the verdict against the target. One torch thread for the draft's solo
     steps too: switching a worker's thread count costs milliseconds a step here, and the bits are the same."""
@@ -453,15 +453,15 @@ def monte_carlo(pair, cfg: GenerationConfig, monkeypatch) -> tuple[float, dict, 
         runs = run_many(engine, cfg, N)
     finally:
         engine.close()
-    p, ps = verdict(pair.target.model, cfg, runs.counts, N)
+    p, ps = verdict(reference, cfg, runs.counts, N)
     return p, ps, runs
 
 
 @pytest.mark.parametrize("sampling", list(SAMPLING))
 @pytest.mark.parametrize("method", list(METHODS))
-def test_engine_output_follows_the_target(pair, method, sampling, monkeypatch):
+def test_engine_output_follows_the_target(pair, reference, method, sampling, monkeypatch):
     cfg = config(method, sampling)
-    p, ps, runs = monte_carlo(pair, cfg, monkeypatch)
+    p, ps, runs = monte_carlo(pair, reference, cfg, monkeypatch)
     print(
         f"{method} {sampling}: p = {p:.3g} {ps} chains {dict(sorted(runs.chains.items()))} eos {runs.eos} "
         f"forks {dict(runs.forks)} rescues {runs.rescues} bonus {runs.bonus}"
@@ -480,9 +480,9 @@ FAULT_CASES = [("q_temperature", "sd"), ("stale_kv", "pearl"), ("bonus_row", "sd
 
 
 @pytest.mark.parametrize("fault, method", FAULT_CASES)
-def test_the_same_test_catches_a_fault_in_the_plumbing(pair, fault, method, monkeypatch):
+def test_the_same_test_catches_a_fault_in_the_plumbing(pair, reference, fault, method, monkeypatch):
     """Negative controls: each fault patched into the engine, the same Monte Carlo test at the same N rejects."""
     FAULTS[fault](monkeypatch, pair)
-    p, ps, runs = monte_carlo(pair, config(method), monkeypatch)
+    p, ps, runs = monte_carlo(pair, reference, config(method), monkeypatch)
     print(f"{fault} on {method}: p = {p:.3g} {ps}")
     assert p < ALPHA, ps

@@ -8,8 +8,7 @@ import json
 import pytest
 
 from app.settings import defaults_for, make_config
-from engine.cli import main, parse, with_preset
-from engine.config import config_from
+from engine.cli import generation_config, main, parse
 from engine.kernels.lm_head import int4_supported
 from engine.presets import DISTILLED, OFTEN_WRONG, SCENARIOS, SELF, default_draft, draft_forward, preset_for
 
@@ -34,7 +33,7 @@ def test_the_cli_starts_from_the_drafts_preset(monkeypatch):
     monkeypatch.delenv("SPECBRANCH_DRAFT_FORWARD", raising=False)
     args = parse(["bench", "--methods", "ar,specbranch", "--device", "cpu"])
     assert args.draft == default_draft("cpu") and args.draft_forward == draft_forward() == "lean-compiled"
-    cfg = config_from(args, "specbranch")
+    cfg = generation_config(args, "specbranch")
     for key, value in preset_for(args.draft).settings().items():
         assert getattr(cfg, key) == value, key
     monkeypatch.setenv("SPECBRANCH_DRAFT_FORWARD", "transformers")
@@ -64,7 +63,7 @@ def test_every_flag_overrides_its_preset():
             "--hrad",
         ]
     )
-    cfg = config_from(args, "specbranch")
+    cfg = generation_config(args, "specbranch")
     assert (cfg.gamma, cfg.epsilon, cfg.draft_stop, cfg.feed_stop, cfg.head_start, cfg.hold) == (
         2,
         0.7,
@@ -75,17 +74,17 @@ def test_every_flag_overrides_its_preset():
     )
     assert cfg.hold_branches is True and cfg.hrad is True
     # a flag set to the value another preset has is kept when another draft's preset fills the rest
-    other = config_from(with_preset(args, "embedded"), "specbranch")
+    other = generation_config(args, "specbranch", "embedded")
     assert other == cfg
-    assert config_from(parse(["generate", "--draft", "self", "--no-hrad"]), "specbranch").hrad is False
+    assert generation_config(parse(["generate", "--draft", "self", "--no-hrad"]), "specbranch").hrad is False
 
 
 def test_a_bench_entry_with_another_draft_takes_that_drafts_preset():
     args = parse(["bench", "--draft", "self", "--gamma", "5"])
-    cfg = config_from(with_preset(args, "embedded"), "specbranch")
+    cfg = generation_config(args, "specbranch", "embedded")
     assert cfg.gamma == 5  # the flag
     assert (cfg.epsilon, cfg.draft_stop, cfg.hold) == (DISTILLED.epsilon, DISTILLED.draft_stop, DISTILLED.hold)
-    assert config_from(args, "specbranch").epsilon == SELF.epsilon
+    assert generation_config(args, "specbranch").epsilon == SELF.epsilon
 
 
 def test_bench_records_each_entrys_settings(capsys, tiny_dirs, tmp_path):

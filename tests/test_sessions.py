@@ -29,6 +29,8 @@ from sessions.export import chrome_trace, chrome_trace_runs, export_json, import
 from sessions.replay import compare_runs, events_up_to_step, replay_steps
 from sessions.store import SessionStoreError, Store, default_db_path
 
+from .conftest import schedule_draft
+
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = {
     # forks at every fresh draft step, and holds back where even a fork is unlikely to hold up (kind "held"); by
@@ -76,15 +78,20 @@ def event_rows(path, run_id=None):
 
 @pytest.fixture(scope="module")
 def recorded(tiny_engine, tmp_path_factory):
-    """One session with a live specbranch run and a live sd run, recorded while they streamed."""
+    """One session with a live specbranch run and a live sd run, recorded while they streamed. Beside each target
+    pass the draft drafts on to the depth cap (schedule_draft), as where the target's pass is the slower: how far it
+    gets is then a rule, not this machine's timing, and the specbranch run forks and holds on any machine (where the
+    verdict lands after one draft step, as on a quiet one, no line grows long enough to hold)."""
     path = tmp_path_factory.mktemp("sessions") / "sessions.db"
     store = Store(path)
     session_id = store.start_session("alice", "a b c", "tiny-target", "tiny-draft", CONFIGS["specbranch"])
     live = {}
-    for method, cfg in CONFIGS.items():
-        recorder = store.recorder(session_id)
-        live[method] = record_generation(tiny_engine, recorder, cfg)
-        assert recorder.error is None
+    with pytest.MonkeyPatch.context() as patch:
+        schedule_draft(patch, lambda state: 2 * state.cfg.gamma)
+        for method, cfg in CONFIGS.items():
+            recorder = store.recorder(session_id)
+            live[method] = record_generation(tiny_engine, recorder, cfg)
+            assert recorder.error is None
     yield {"store": store, "path": path, "session_id": session_id, "live": live}
     store.close()
 

@@ -1,9 +1,11 @@
-"""The target's static-cache forward (engine/static_forward.py) computes transformers' forward bit for bit: the same
-logits, features and per-layer hidden states (torch.equal, not a tolerance) through prefill, single steps, verify
+"""The target's static-cache forward (engine/models/static_forward.py) computes transformers' forward bit for bit: the
+same logits, features and per-layer hidden states (torch.equal, not a tolerance) through prefill, single steps, verify
 passes, rollbacks and a cache that outgrows its buffers, on a tiny random Llama and on the embedded target; and it
 is used only where it fits."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ import torch
 from engine.config import SpecBranchError
 from engine.kernels.lm_head import HeadMatmul, fast_linears
 from engine.models.lean import KVBuffer
+from engine.models.llama import TokenTree
 from engine.models.loading import LM, static_target
 from engine.models.static_forward import StaticLlama, fits
 
@@ -43,6 +46,11 @@ def assert_same_passes(static: LM, plain: LM, ids: torch.Tensor, cache_capacity:
     assert a.get_seq_length() == b.get_seq_length() == n
 
 
+def fused(static) -> list:
+    """The stacked q, k, v and gate, up products of every layer."""
+    return [w.qkv for w in static.weights] + [w.gate_up for w in static.weights]
+
+
 def test_static_forward_is_bit_identical_on_a_tiny_llama():
     """Grouped-query attention and scaled rotary embeddings; a buffer of 8 positions grows past its size twice. LM
     routes the linears as the engine routes a target's (fast_linears), so q, k, v and gate, up run as one stacked
@@ -51,7 +59,7 @@ def test_static_forward_is_bit_identical_on_a_tiny_llama():
     ids = torch.randint(0, 101, (1, 30), generator=torch.Generator().manual_seed(7))
     static, plain = LM("tiny", model, None, 101, static=True), LM("tiny", model, None, 101)
     assert static.static and static._static is not None and plain._static is None
-    assert all(isinstance(f, HeadMatmul) for f in static._static.qkv + static._static.gate_up)
+    assert all(isinstance(f, HeadMatmul) for f in fused(static._static))
     # built and checked once per model: another LM over it (models.pair_of's re-wrap) reuses it
     assert LM("tiny", model, None, 90, static=True)._static is static._static
     assert_same_passes(static, plain, ids, cache_capacity=8)
@@ -62,7 +70,7 @@ def test_linears_routed_otherwise_run_one_by_one():
     concatenates: transformers' bits again."""
     model = tiny_llama(seed=10)
     static = StaticLlama(model)
-    assert not any(isinstance(f, HeadMatmul) for f in static.qkv + static.gate_up)
+    assert not any(isinstance(f, HeadMatmul) for f in fused(static))
     assert static.agrees(model)
 
 
@@ -73,8 +81,8 @@ def test_the_probe_catches_a_path_that_differs():
     fast_linears(model, "float32")
     static = StaticLlama(model)
     assert static.agrees(model)
-    first = static.qkv[1]
-    static.qkv[1] = lambda x: first(x) * (1 + 1e-6)
+    first = static.weights[1].qkv
+    static.weights[1] = dataclasses.replace(static.weights[1], qkv=lambda x: first(x) * (1 + 1e-6))
     assert not static.agrees(model)
 
 
@@ -101,3 +109,39 @@ def test_static_forward_only_where_it_fits():
     assert not isinstance(LM("tiny", eager, None, 101, static=static_target(eager, "static")).new_cache(), KVBuffer)
     with pytest.raises(SpecBranchError, match="unknown target forward 'fast'; choose one of static, transformers"):
         static_target(tiny_llama(), "fast")
+
+
+@pytest.mark.parametrize("kernels", ["cpu", "generic"])
+def test_a_token_tree_pass_gives_each_line_its_own_rows_and_keeps_one_line(kernels):
+    """SpecBranch's target verifies a path and its fork's branches in one pass (llama.TokenTree). Each branch's rows
+    are those its line gets fed alone (up to rounding: the pass has other rows and a mask), and after the verdict the
+    cache keeps one line (KVBuffer.keep: the branch's K and V moved behind the path), so the next pass computes what it
+    would after that line alone. The reference is transformers' own forward over each line."""
+    model = tiny_llama(seed=11)
+    lm = LM("tiny", model, None, 101, static=kernels == "cpu", kernels=kernels)
+    lm._static = lm._static or StaticLlama(model, "generic", compiled=False)
+    g = torch.Generator().manual_seed(3)
+    prompt, path = torch.randint(0, 101, (1, 6), generator=g), [5, 9]
+    branches = [[17, 4], [23, 8, 40], [61]]
+    feed = path + [t for b in branches for t in b]
+    parents, at = [-1, 0], 2
+    for b in branches:  # each branch a line hanging off the path's last token
+        parents += [1] + list(range(at, at + len(b) - 1))
+        at += len(b)
+    tree = TokenTree(tuple(parents))
+    cache = lm.new_cache()
+    lm.forward(prompt, cache)
+    got = lm.forward(torch.tensor([feed]), cache, tree=tree)[0]  # [T, V]
+    at = 2
+    for b in branches:
+        line = torch.cat([prompt, torch.tensor([path + b])], 1)
+        want = model(line).logits[0, -len(path) - len(b) :]  # transformers' own rows of the path and this branch
+        rows = [0, 1] + list(range(at, at + len(b)))
+        assert torch.allclose(got[rows], want, atol=1e-4) and torch.equal(got[rows].argmax(-1), want.argmax(-1))
+        at += len(b)
+    kept = [0, 1, 4, 5, 6]  # the path, then the second branch
+    cache.keep(prompt.shape[1], kept)
+    assert cache.get_seq_length() == prompt.shape[1] + len(kept)
+    nxt = lm.forward(torch.tensor([[77]]), cache)[0, -1]
+    want = model(torch.cat([prompt, torch.tensor([path + branches[1] + [77]])], 1)).logits[0, -1]
+    assert torch.allclose(nxt, want, atol=1e-4)

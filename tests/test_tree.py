@@ -241,7 +241,7 @@ def test_token_text_is_escaped_and_whitespace_visible():
 
 def test_the_caption_says_when_the_pass_did_not_wait_on_the_draft_after_a_hold():
     """After a step where the draft held back, the caption says so when the target's pass started before the draft's
-    first step of the step ended (the draft followed it, engine.methods.parallel.DraftState.follows), and not when the
+    first step of the step ended (the draft followed it, engine.methods.drafting.DraftState.follows), and not when the
     draft
     led (its step ended before the pass began) or when nothing was held."""
     held = [

@@ -7,14 +7,14 @@ import html
 
 import gradio as gr
 
-from engine.config import SpecBranchError
+from engine.config import BASELINE, SpecBranchError
 from engine.events import Event, TokensEmitted
 from engine.measure.metrics import metrics_of
 
 from ..context import AppContext
 from ..identity import owner_of
 from ..race import NEEDS_TWO, is_greedy, race_updates
-from ..render import notice_html
+from ..render import failure_message, notice_html
 from ..settings import COMPARE_METHODS, make_config
 from ..stream import stream_events
 from ..views import fmt
@@ -43,7 +43,7 @@ def comparison_table(runs: list[list[Event]], greedy: bool) -> str:
         m = metrics_of(events)
         ids = [t for e in events if isinstance(e, TokensEmitted) for t in e.tokens]
         results.append((events[0].method, m, ids))
-    base = next((m["tokens_per_s"] for name, m, _ in results if name == "ar"), None)
+    base = next((m["tokens_per_s"] for name, m, _ in results if name == BASELINE), None)
     reference = results[0][2]
     rows = []
     for name, m, ids in results:
@@ -140,34 +140,26 @@ class CompareTab:
         request: gr.Request = None,
     ):
         """Run each chosen method once, one after another (clean timings); the race then replays them."""
+        if not methods or len(methods) < 2:
+            yield NEEDS_TWO, "", "", []
+            return
+        controls = (
+            max_new,
+            temperature,
+            top_p,
+            gamma,
+            branches,
+            epsilon,
+            draft_stop,
+            feed_stop,
+            head_start,
+            hold,
+            hold_branches,
+            hrad,
+            seed,
+        )
         try:
-            if not methods or len(methods) < 2:
-                yield NEEDS_TWO, "", "", []
-                return
-            if not prompt or not prompt.strip():
-                raise SpecBranchError("the prompt is empty")
-            cfgs = [
-                make_config(
-                    m,
-                    max_new,
-                    temperature,
-                    top_p,
-                    gamma,
-                    branches,
-                    epsilon,
-                    draft_stop,
-                    feed_stop,
-                    head_start,
-                    hold,
-                    hold_branches,
-                    hrad,
-                    seed,
-                )
-                for m in methods
-            ]
-            engine = self.ctx.engine_for(draft)
-            ids = engine.encode(prompt, bool(chat))
-            engine.check_prompt(ids)
+            cfgs, engine, ids = self.prepare(prompt, methods, controls, chat, draft)
         except SpecBranchError as exc:
             yield notice_html([], str(exc)), "", "", []
             return
@@ -177,7 +169,21 @@ class CompareTab:
         except Exception as exc:  # a model that fails to load: say so, keep serving
             yield notice_html([], f"could not load the models: {exc}"), "", "", []
             return
-        recorder, sid = self.ctx.start_recording(owner_of(browser_id, request), prompt, engine, cfgs[0])
+        yield from self.run_each(cfgs, engine, ids, prompt, owner_of(browser_id, request))
+
+    def prepare(self, prompt, methods, controls, chat, draft):
+        """(each method's config, the engine, the prompt's ids); raises SpecBranchError with what is wrong."""
+        if not prompt or not prompt.strip():
+            raise SpecBranchError("the prompt is empty")
+        cfgs = [make_config(m, *controls) for m in methods]
+        engine = self.ctx.engine_for(draft)
+        ids = engine.encode(prompt, bool(chat))
+        engine.check_prompt(ids)
+        return cfgs, engine, ids
+
+    def run_each(self, cfgs, engine, ids, prompt, owner):
+        """Each config's run in turn, recorded as one session; the runs' events at the end, for the race."""
+        recorder, sid = self.ctx.start_recording(owner, prompt, engine, cfgs[0])
         runs = []
         for i, cfg in enumerate(cfgs):  # one stored session, one run per method
             yield "", running_html(cfg.method, i, len(cfgs)), "", []
@@ -189,10 +195,7 @@ class CompareTab:
                     runs[-1].append(event)
                     recorder.add(event)
             except Exception as exc:  # out of memory, a draft's process gone: the runs so far stay, partial
-                message = (
-                    "out of memory: try fewer tokens or a smaller pair" if "out of memory" in str(exc) else str(exc)
-                )
-                yield notice_html([], f"{cfg.method}: {message}"), "", "", []
+                yield notice_html([], f"{cfg.method}: {failure_message(exc)}"), "", "", []
                 return
             finally:
                 recorder.close()

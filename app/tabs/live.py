@@ -17,7 +17,7 @@ from ..context import AppContext
 from ..figures import timeline_figure
 from ..identity import owner_of
 from ..navigator import build_navigator, clamp_step, notice_of, slider_update, step_strip, wire_navigator
-from ..render import VIEWS, highlight_of, notice_html, skips, views_at
+from ..render import VIEWS, failure_message, highlight_of, notice_html, skips, views_at
 from ..settings import LIVE_METHODS, SLIDER_KEYS, examples, make_config, slider_defaults
 from ..stream import stream_events
 from ..tree import tree_html
@@ -41,6 +41,56 @@ HRAD_INFO = (
     "a classifier places the branch points. Off by default: on held-out prompts it was no faster than the "
     "draft's confidence alone (docs/methods.md)"
 )
+# the Advanced sliders, in order: (setting, low, high, step, label, info)
+ADVANCED_SLIDERS = (
+    ("top_p", 0.01, 1, 0.01, "Top-p", "in (0, 1]: sample from the fewest tokens holding this much probability"),
+    (
+        "gamma",
+        1,
+        16,
+        1,
+        "γ (draft length)",
+        "SD: the block length; PEARL and SpecBranch: the most tokens verified per round (1–16)",
+    ),
+    ("branches", 1, 6, 1, "k (branches)", "SpecBranch: the most candidates at a branch point (1–6)"),
+    (
+        "epsilon",
+        0,
+        1,
+        0.05,
+        "ε (where to fork)",
+        "fork where the draft's token is accepted less often than this: its confidence, read as the acceptance "
+        "this engine measured at it [0, 1]",
+    ),
+    ("draft_stop", 0, 1, 0.05, "Draft stop", "end a round's drafting below this confidence (0 = off)"),
+    (
+        "feed_stop",
+        0,
+        1,
+        0.05,
+        "Feed stop",
+        "verify drafted tokens only while the draft's odds that all are accepted stay above this (0 = up to γ)",
+    ),
+    (
+        "head_start",
+        0,
+        1,
+        0.01,
+        "Head start",
+        "after a rejection, the draft leads the target's next pass while its odds that the block is accepted stay "
+        "above this (0 = off: the target starts at once, as in PEARL)",
+    ),
+    (
+        "hold",
+        0,
+        1,
+        0.05,
+        "Hold",
+        "SpecBranch: draft nothing where the odds that it is accepted, the pending tokens' included, fall below "
+        "this; the target takes that token itself (0 = off)",
+    ),
+)
+FIXED_STARTS = {"top_p": 1, "branches": 3}  # the sliders no draft's preset sets
 # A live view that does not slow what it shows: while a run streams, only the answer and the token view update, at
 # most TOKENS_EVERY_S apart; the figures, the tree, the metric panel and the glance line are drawn once at the end,
 # and every PLOT_EVERY_S during a long run (the browser redrawing three Plotly figures took cores the engine needs)
@@ -77,6 +127,61 @@ def pick_scenario(key: str):
 def leave_scenario(_draft):
     """A draft picked by hand: no scenario is picked any more."""
     return None, ""
+
+
+def notice_only(history, notice: str, events: list[Event]) -> tuple:
+    """The Live tab's outputs with only the chat, a notice and the events set."""
+    return (history, *skips(2), notice, *skips(VIEWS - 3 + 2), events)
+
+
+class ChatStream:
+    """What the Live tab shows of one answer as its events arrive: the answer text and its tokens a few times a
+    second, every view now and then in a long run (TOKENS_EVERY_S, PLOT_EVERY_S)."""
+
+    def __init__(self, history: list, show_rollbacks, ar_speed: float | None, clock):
+        self.history, self.show_rollbacks, self.ar_speed, self.clock = history, show_rollbacks, ar_speed, clock
+        self.events: list[Event] = []
+        self.text = ""
+        self.last_all, self.last_text = clock(), float("-inf")  # the first tokens show at once
+
+    def take(self, event: Event) -> tuple | None:
+        """The outputs to show after `event`, or None to show nothing new yet."""
+        self.events.append(event)
+        if isinstance(event, Notice):  # e.g. the draft's step still compiling: say so at once
+            return notice_only(self.history, notice_html(self.events), self.events)
+        if not isinstance(event, TokensEmitted):
+            return None
+        self.text += event.text
+        self.history[-1] = {"role": "assistant", "content": self.text}  # the chat holds the answer text only
+        now = self.clock()
+        if now - self.last_all >= PLOT_EVERY_S:  # a long run: every view, now and then
+            self.last_all = self.last_text = now
+            return self.everything()
+        if now - self.last_text >= TOKENS_EVERY_S:  # the answer and its tokens, a few times a second
+            self.last_text = now
+            return (self.history, token_view(self.events, self.show_rollbacks), *skips(VIEWS - 1 + 2), self.events)
+        return None
+
+    def everything(self, warning: str | None = None) -> tuple:
+        steps = replay_steps(self.events)
+        return (
+            self.history,
+            *views_at(self.events, None, warning, self.show_rollbacks, self.ar_speed),
+            slider_update(steps, steps[-1] if steps else None),
+            "",
+            self.events,
+        )
+
+    def failed(self, exc: Exception) -> tuple:
+        """The outputs where the run broke off (out of memory, a draft's process gone): what it made, and why."""
+        return (
+            self.history,
+            token_view(self.events, self.show_rollbacks),
+            metric_panel(self.events),
+            notice_html(self.events, failure_message(exc)),
+            *skips(VIEWS - 3 + 2),
+            self.events,
+        )
 
 
 class LiveTab:
@@ -126,7 +231,6 @@ class LiveTab:
     def create_controls(self) -> None:
         """Basic controls (method, max new tokens, temperature; the draft menu sits above the tabs) show at once;
         everything else waits in the Advanced accordion, each with a one-line label and its explanation as info."""
-        d = self.ctx.defaults
         self.create_scenarios()
         self.method = gr.Dropdown(
             LIVE_METHODS, value="specbranch", label="Method", info=METHOD_INFO, elem_id="live-method"
@@ -136,117 +240,34 @@ class LiveTab:
             0, 2, value=0, step=0.05, label="Temperature", info="0 = greedy (≥ 0)", elem_id="temperature"
         )
         with gr.Accordion("Advanced", open=False, elem_id="advanced"):
-            top_p = gr.Slider(
-                0.01,
-                1,
-                value=1,
-                step=0.01,
-                label="Top-p",
-                elem_id="top-p",
-                info="in (0, 1]: sample from the fewest tokens holding this much probability",
+            advanced = self.create_advanced(self.ctx.defaults)
+        self.settings = {key: advanced[key] for key in SLIDER_KEYS}
+        self.ctx.controls = [max_new, temperature, *advanced.values(), self.chat]
+
+    def create_advanced(self, d: dict) -> dict:
+        """The Advanced controls by name, in make_config's order from top-p to seed (then the chat switch): the
+        sliders start at the draft's preset (`d`) where it has a value, the rest at FIXED_STARTS."""
+        controls = {
+            name: gr.Slider(
+                low,
+                high,
+                value=FIXED_STARTS[name] if name in FIXED_STARTS else d[name],
+                step=step,
+                label=label,
+                elem_id=name.replace("_", "-"),
+                info=info,
             )
-            gamma = gr.Slider(
-                1,
-                16,
-                value=d["gamma"],
-                step=1,
-                label="γ (draft length)",
-                elem_id="gamma",
-                info="SD: the block length; PEARL and SpecBranch: the most tokens verified per round (1–16)",
-            )
-            branches = gr.Slider(
-                1,
-                6,
-                value=3,
-                step=1,
-                label="k (branches)",
-                elem_id="branches",
-                info="SpecBranch: the most candidates at a branch point (1–6)",
-            )
-            epsilon = gr.Slider(
-                0,
-                1,
-                value=d["epsilon"],
-                step=0.05,
-                label="ε (where to fork)",
-                elem_id="epsilon",
-                info="fork where the draft's token is accepted less often than this: its "
-                "confidence, read as the acceptance this engine measured at it [0, 1]",
-            )
-            draft_stop = gr.Slider(
-                0,
-                1,
-                value=d["draft_stop"],
-                step=0.05,
-                label="Draft stop",
-                elem_id="draft-stop",
-                info="end a round's drafting below this confidence (0 = off)",
-            )
-            feed_stop = gr.Slider(
-                0,
-                1,
-                value=d["feed_stop"],
-                step=0.05,
-                label="Feed stop",
-                elem_id="feed-stop",
-                info="verify drafted tokens only while the draft's odds that all are accepted "
-                "stay above this (0 = up to γ)",
-            )
-            head_start = gr.Slider(
-                0,
-                1,
-                value=d["head_start"],
-                step=0.01,
-                label="Head start",
-                elem_id="head-start",
-                info="after a rejection, the draft leads the target's next pass while its odds "
-                "that the block is accepted stay above this (0 = off: the target starts "
-                "at once, as in PEARL)",
-            )
-            hold = gr.Slider(
-                0,
-                1,
-                value=d["hold"],
-                step=0.05,
-                label="Hold",
-                elem_id="hold",
-                info="SpecBranch: draft nothing where the odds that it is accepted, the pending "
-                "tokens' included, fall below this; the target takes that token itself (0 = off)",
-            )
-            hold_branches = gr.Checkbox(
-                d["hold_branches"], label="Hold the branches too", info=HOLD_BRANCHES_INFO, elem_id="hold-branches"
-            )
-            hrad = gr.Checkbox(d["hrad"], label="H-RAD", info=HRAD_INFO, elem_id="hrad")
-            seed = gr.Number(0, precision=0, label="Seed", info="an integer", elem_id="seed")
-            self.chat = gr.Checkbox(
-                True, label="Chat template", info="off: raw text, e.g. code completion", elem_id="chat-template"
-            )
-        self.settings = {
-            "gamma": gamma,
-            "epsilon": epsilon,
-            "draft_stop": draft_stop,
-            "feed_stop": feed_stop,
-            "head_start": head_start,
-            "hold": hold,
-            "hold_branches": hold_branches,
-            "hrad": hrad,
+            for name, low, high, step, label, info in ADVANCED_SLIDERS
         }
-        self.ctx.controls = [
-            max_new,
-            temperature,
-            top_p,
-            gamma,
-            branches,
-            epsilon,
-            draft_stop,
-            feed_stop,
-            head_start,
-            hold,
-            hold_branches,
-            hrad,
-            seed,
-            self.chat,
-        ]
+        controls["hold_branches"] = gr.Checkbox(
+            d["hold_branches"], label="Hold the branches too", info=HOLD_BRANCHES_INFO, elem_id="hold-branches"
+        )
+        controls["hrad"] = gr.Checkbox(d["hrad"], label="H-RAD", info=HRAD_INFO, elem_id="hrad")
+        controls["seed"] = gr.Number(0, precision=0, label="Seed", info="an integer", elem_id="seed")
+        self.chat = gr.Checkbox(
+            True, label="Chat template", info="off: raw text, e.g. code completion", elem_id="chat-template"
+        )
+        return controls
 
     def create_scenarios(self) -> None:
         """The scenario picker: each sets the draft, the method and every setting together (engine/presets.py). Only
@@ -319,6 +340,12 @@ class LiveTab:
             **progress,
         )
         self.stop.click(None, cancels=[run, submit], api_name="stop", api_visibility="private")
+        self.create_view_handlers()
+        self.create_settings_handlers()
+
+    def create_view_handlers(self) -> None:
+        """The navigator moves the tree, the timeline's shading and the strip; the rollback switch redraws the
+        tokens."""
         wire_navigator(
             self.nav,
             self.show_step,
@@ -332,6 +359,11 @@ class LiveTab:
             api_name="live_tokens",
             api_visibility="private",
         )
+
+    def create_settings_handlers(self) -> None:
+        """A draft picked by hand sets the sliders to its preset; a scenario sets the draft, the method and the
+        sliders together, and a draft picked by hand leaves it."""
+        ctx = self.ctx
         sliders = [self.settings[key] for key in SLIDER_KEYS]
         if ctx.drafts:  # a draft picked by hand brings the settings chosen for its kind (a scenario brings its own)
             ctx.draft.input(slider_defaults, ctx.draft, sliders, api_name="slider_defaults", api_visibility="private")
@@ -386,8 +418,6 @@ class LiveTab:
         draft=None,
         request: gr.Request = None,
     ):
-        history = list(history or [])
-        events: list[Event] = []
         controls = (
             max_new,
             temperature,
@@ -403,67 +433,37 @@ class LiveTab:
             hrad,
             seed,
         )
+        yield from self.chat_turn(
+            prompt, list(history or []), method, controls, chat, browser_id, show_rollbacks, draft, request
+        )
+
+    def chat_turn(self, prompt, history, method, controls, chat, browser_id, show_rollbacks, draft, request):
+        """One answer: refused with the reason, or streamed (ChatStream) while it is recorded."""
         try:
             cfg, engine, ids = self.prepare(prompt, history, method, controls, chat, draft)
         except SpecBranchError as exc:
-            yield (history, *skips(2), notice_html([], str(exc)), *skips(VIEWS - 3 + 2), events)
+            yield notice_only(history, notice_html([], str(exc)), [])
             return
         except Exception as exc:  # a model that fails to load: say so, keep serving
-            yield (
-                history,
-                *skips(2),
-                notice_html([], f"could not load the models: {exc}"),
-                *skips(VIEWS - 3 + 2),
-                events,
-            )
+            yield notice_only(history, notice_html([], f"could not load the models: {exc}"), [])
             return
         history += [{"role": "user", "content": prompt}, {"role": "assistant", "content": ""}]
         owner = owner_of(browser_id, request)
         ar_speed = self.ctx.ar_speed_of(owner, prompt, engine)  # before this run is stored: not its own baseline
         recorder, _ = self.ctx.start_recording(owner, prompt, engine, cfg)
-
-        def everything(warning=None):
-            steps = replay_steps(events)
-            return (
-                history,
-                *views_at(events, None, warning, show_rollbacks, ar_speed),
-                slider_update(steps, steps[-1] if steps else None),
-                "",
-                events,
-            )
-
-        text, clock = "", self.clock
-        last_all, last_text = clock(), float("-inf")  # the first tokens show at once
+        stream = ChatStream(history, show_rollbacks, ar_speed, self.clock)
         try:
             for event in stream_events(engine, ids, cfg, prompt):
-                events.append(event)
+                update = stream.take(event)
                 recorder.add(event)
-                if isinstance(event, Notice):  # e.g. the draft's step still compiling: say so at once
-                    yield (history, *skips(2), notice_html(events), *skips(VIEWS - 3 + 2), events)
-                elif isinstance(event, TokensEmitted):
-                    text += event.text
-                    history[-1] = {"role": "assistant", "content": text}  # the chat holds the answer text only
-                    now = clock()
-                    if now - last_all >= PLOT_EVERY_S:  # a long run: every view, now and then
-                        last_all = last_text = now
-                        yield everything()
-                    elif now - last_text >= TOKENS_EVERY_S:  # the answer and its tokens, a few times a second
-                        last_text = now
-                        yield (history, token_view(events, show_rollbacks), *skips(VIEWS - 1 + 2), events)
+                if update is not None:
+                    yield update
         except Exception as exc:
-            message = "out of memory: try fewer tokens or a smaller pair" if "out of memory" in str(exc) else str(exc)
-            yield (
-                history,
-                token_view(events, show_rollbacks),
-                metric_panel(events),
-                notice_html(events, message),
-                *skips(VIEWS - 3 + 2),
-                events,
-            )
+            yield stream.failed(exc)
             return
         finally:  # also on Stop: the run is kept, marked partial when it has no Finished event
             recorder.close()
-        yield everything(f"not recording: {recorder.error}" if recorder.error else None)
+        yield stream.everything(f"not recording: {recorder.error}" if recorder.error else None)
 
     @staticmethod
     def show_step(requested, events):

@@ -212,6 +212,7 @@ class ReplayTab:
 
     # ------------------------------------------------------------------ events
     def create_event_handlers(self) -> None:
+        """Search and open sessions, show a run and step through it (by hand or played)."""
         browser, shown = self.ctx.browser, self.shown
         viewing = [self.run, self.runs, self.show_all, self.ar_speed]
         private = dict(api_visibility="private")  # what only the page calls: the same work as a public endpoint
@@ -249,6 +250,11 @@ class ReplayTab:
             api_name="replay_tick",
             **private,
         ).then(self.show_step, [self.nav.slider, *viewing], shown, api_name="replay_tick_show", **private)
+        self.create_session_handlers()
+
+    def create_session_handlers(self) -> None:
+        """Compare and race the picked runs; export, import, share and delete a session."""
+        browser = self.ctx.browser
         self.compare_btn.click(
             self.compare,
             [self.pick, self.runs],

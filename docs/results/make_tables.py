@@ -451,9 +451,21 @@ COSTS_COMMANDS = {
     "branchkv-costs-B-self-skip": "python -m engine costs --draft self-skip:3,4,5,25 --draft-worker thread "
     "--max-rows 3 --max-tokens 1 --reps 30",
     "costs-cpu-draft-0e": "python -m engine costs --draft embedded --max-rows 3 --max-tokens 4 "
-    "--json docs/costs-cpu-draft-0e.json",
-    "costs-cpu-head": "python -m engine costs --draft embedded-head --reps 30 --bench docs/bench-cpu-head-t0.json",
+    "--json docs/results/json/costs-cpu-draft-0e.json",
+    "costs-cpu-head": "python -m engine costs --draft embedded-head --reps 30 "
+    "--bench docs/results/json/bench-cpu-head-t0.json",
 }
+
+
+def as_run_now(command: str, name: str | None = None) -> str:
+    """A recorded command line as it runs today: `python -m engine` for the script's path, and the JSON paths where
+    the results live now, docs/results/json/ (they were written to docs/, or to a folder of that machine, and copied
+    here): the report it writes is `name`'s where given (one run), and the bench reports it reads are here too."""
+    command = re.sub(r"^\S*engine/__main__\.py", "python -m engine", command)
+    command = re.sub(r"--bench \S*/([\w.-]+\.json)", r"--bench docs/results/json/\1", command)
+    if name is not None:
+        return re.sub(r"--json \S+?\.json", f"--json docs/results/json/{name}.json", command)
+    return re.sub(r"--json \S*/([\w.-]+\.json)", r"--json docs/results/json/\1", command)
 
 
 def command_of(name: str) -> tuple[str, str]:
@@ -462,12 +474,12 @@ def command_of(name: str) -> tuple[str, str]:
     if name in COSTS_COMMANDS:
         return COSTS_COMMANDS[name], "–"
     if name.endswith("-model"):
-        return f"python -m engine costs --bench docs/{name[:-6]}.json --model-only", "–"
+        return f"python -m engine costs --bench docs/results/json/{name[:-6]}.json --model-only", "–"
     if "runs" in data and "command" not in data:  # a summary over seeds (engine summarize)
-        first = re.sub(r"^\S*engine/__main__\.py", "python -m engine", data["runs"][0]["command"])
+        first = as_run_now(data["runs"][0]["command"])
         seeds = ", ".join(str(run["seed"]) for run in data["runs"])
         return f"{first}, for seeds {seeds}; then python -m engine summarize over them", "–"
-    return re.sub(r"^\S*engine/__main__\.py", "python -m engine", data["command"]), data.get("when", "–")
+    return as_run_now(data["command"], name), data.get("when", "–")
 
 
 def sources() -> str:
@@ -475,7 +487,7 @@ def sources() -> str:
     for path in sorted(JSON.glob("*.json")):
         command, when = command_of(path.stem)
         rows.append([link([path.stem]), f"`{command}`", when])
-    return table(["JSON", "command (as recorded; paths as they were then)", "when"], rows)
+    return table(["JSON", "command (as recorded; results JSON paths as they are now)", "when"], rows)
 
 
 TABLES = {

@@ -27,15 +27,8 @@ def serve(conn) -> None:
     the lowest CPU priority: low_priority) and answer the parent until it closes the connection. An op that fails is
     reported with the next forward's answer."""
     torch.set_num_threads(1)
-    try:
-        recipe, low = conn.recv()
-
-        def load():
-            return load_pair(**recipe).draft
-
-        lm = low_priority(load) if low else load()
-    except Exception as exc:  # noqa: BLE001 - any failure is the parent's message
-        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+    lm = load_draft(conn)
+    if lm is None:
         return
     conn.send(("ready", time.perf_counter()))  # its clock, which the parent checks it shares (RemoteLM.shares_clock)
     caches, failed, threads = {}, None, 1
@@ -66,23 +59,45 @@ def serve(conn) -> None:
                         threads = on_threads(threads, go_on)
                         ahead = step_ahead(lm, caches, cid, logits, draws)
                     continue
-            elif op == "new":
-                caches[cid] = lm.new_cache()
-            elif op == "free":
-                caches.pop(cid, None)
-            elif op == "crop":
-                caches[cid].crop(arg)
-            elif op == "repeat":
-                caches[cid].batch_repeat_interleave(arg)
-            elif op == "select":
-                caches[cid].batch_select_indices(torch.tensor(arg))
-            elif op == "compile_status":
-                conn.send(("status", *lm.compile_status()))
+            else:
+                cache_op(conn, lm, caches, op, cid, arg)
         except Exception as exc:  # noqa: BLE001
             failed = failed or f"{type(exc).__name__}: {exc}"
         if op == "forward":
             conn.send(("error", failed, False, None))
             failed = None
+
+
+def load_draft(conn):
+    """The draft, loaded by the recipe the parent sends first (with `low`, at the lowest CPU priority); None, with
+    the reason sent to the parent, where it fails."""
+    try:
+        recipe, low = conn.recv()
+
+        def load():
+            return load_pair(**recipe).draft
+
+        return low_priority(load) if low else load()
+    except Exception as exc:  # noqa: BLE001 - any failure is the parent's message
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return None
+
+
+def cache_op(conn, lm, caches: dict, op: str, cid, arg) -> None:
+    """An op other than a forward: a cache made, freed, cropped, repeated or selected from, or the compile status
+    sent back."""
+    if op == "new":
+        caches[cid] = lm.new_cache()
+    elif op == "free":
+        caches.pop(cid, None)
+    elif op == "crop":
+        caches[cid].crop(arg)
+    elif op == "repeat":
+        caches[cid].batch_repeat_interleave(arg)
+    elif op == "select":
+        caches[cid].batch_select_indices(torch.tensor(arg))
+    elif op == "compile_status":
+        conn.send(("status", *lm.compile_status()))
 
 
 def timed_forward(lm, ids: list[list[int]], cache) -> tuple[torch.Tensor, tuple[float, float]]:

@@ -45,7 +45,6 @@ from engine.config import SpecBranchError
 from engine.drafts.storage import load_weights, save_weights
 from engine.kernels.lm_head import draft_matmul, fast_linears
 from engine.models.devices import cast_model
-from engine.models.lean import compile_report
 
 HEAD_KEY = "specbranch_head"
 
@@ -144,7 +143,7 @@ def causal_mask(t: int, past: int, device) -> torch.Tensor:
 
 class HeadCache:
     """The head's KV cache plus the features that go with each position. Looks like a transformers cache
-    to engine.cache (get_seq_length, crop, batch_repeat_interleave, batch_select_indices)."""
+    to engine.models.cache (get_seq_length, crop, batch_repeat_interleave, batch_select_indices)."""
 
     def __init__(self, config, capacity: int, device, dtype, fuse=None):
         self.kv = DynamicCache(config=config)
@@ -177,7 +176,7 @@ class HeadCache:
                 return r
         return self.length
 
-    # -- the transformers-cache surface engine.cache and the parallel loop use
+    # -- the transformers-cache surface engine.models.cache and the parallel loop use
     def get_seq_length(self) -> int:
         return self.length
 
@@ -223,7 +222,8 @@ class HeadLM:
     """A head as the decoders see a draft: forward(input_ids, cache) -> logits [B, T, V] (float32)."""
 
     reads_target_features = True
-    lean = False  # the head has a forward of its own (engine/lean.py is for standalone Llama drafts)
+    lean = False  # the head has a forward of its own (engine/models/lean.py is for standalone Llama drafts)
+    compile_why = ""  # never compiled, so never eager against a request (models.LM.compile_why)
 
     def __init__(
         self, name: str, head: FeatureHead, target_lm, head_ids: torch.Tensor, tokenizer, matmul: str = "float32"
@@ -250,24 +250,9 @@ class HeadLM:
     def context_length(self) -> int:
         return int(getattr(self.model.config, "max_position_embeddings", 2048))
 
-    # -- the compile surface the CLI, the engine and the app read off any draft (models.LM's): a head's step is
-    # never compiled (it has no lean path), so there is nothing to wait for and nothing to report
-    compiled = False
-
-    @property
-    def compile_why(self) -> str:
-        return ""
-
     def compile_status(self) -> tuple[str, str]:
+        """(state, why) as models.LM.compile_status has it: always "off", a head's steps are not compiled."""
         return "off", ""
-
-    def start_compile(self, on_done=None) -> None:
-        """Nothing to compile; on_done still hears how it ended, as from an LM."""
-        if on_done is not None:
-            on_done(self.compile_message())
-
-    def compile_message(self) -> str:
-        return compile_report(self.name, "", "a draft head's steps run eager (no compiled path)")
 
     @property
     def feature_layers(self) -> tuple[int, ...] | None:
@@ -290,7 +275,7 @@ class HeadLM:
         """input_ids [B, T]; appends T rows to the cache. Rows whose input features are all known run in one
         pass; a row that needs the previous row's prediction waits for it (drafting beyond the target).
         last_only: the logits of the last row only, [B, 1, V] (the LM head runs on it alone; models.LM.forward)."""
-        input_ids = input_ids.to(self.device)
+        input_ids = input_ids.to(self.device, non_blocking=True)  # from pinned memory on CUDA (Worker.run)
         b, t = input_ids.shape
         outs, done = [], 0
         while done < t:

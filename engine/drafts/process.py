@@ -83,7 +83,13 @@ class RemoteCache:
         self.remote.send("repeat", self.cid, k)
 
     def batch_select_indices(self, idx: torch.Tensor) -> None:
-        rows = [int(i) for i in idx.tolist()]
+        self.select_rows([int(i) for i in idx.tolist()])
+
+    def select_row(self, row: int) -> None:
+        """Keep row `row` alone (cache.select_row)."""
+        self.select_rows([row])
+
+    def select_rows(self, rows: list[int]) -> None:
         self.rows = len(rows)
         self.remote.send("select", self.cid, rows)
 
@@ -96,8 +102,9 @@ def _stop(conn, process) -> None:
         pass
     try:
         process.wait(timeout=5)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired:  # still loading (a busy machine): it reads the closed connection only after
         process.kill()
+        process.wait()  # reaped, so the child is gone when close returns
 
 
 def _start(recipe: dict, low: bool = False):

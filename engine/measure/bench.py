@@ -9,12 +9,14 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 
-from engine.config import GenerationConfig, SpecBranchError, writable_file
+from engine.config import BASELINE, GenerationConfig, SpecBranchError, method_of, writable_file, write_json
 from engine.measure.datasets import benchmark_prompts
+from sessions.recording import SessionLog
 
 SUMMED = (
     "new_tokens",
@@ -108,7 +110,7 @@ def calibration_report(entries: list[tuple[str, object, GenerationConfig]]) -> d
     The top-level pair is `specbranch`'s, where it ran (the key earlier reports have)."""
     tables = {}
     for label, eng, cfg in entries:
-        if cfg.method.startswith("specbranch"):
+        if cfg.kind.calibrated:
             tables[label] = {
                 "acceptance_by_confidence": eng.calibration(cfg).table(),
                 "rescue_by_share": eng.calibration(cfg, "rescue").table(),
@@ -123,50 +125,113 @@ def draft_forward_kind(draft, method: str) -> str | None:
     """How a method's draft steps ran: "lean-compiled" (the lean path with its one-token step compiled, the compile
     landed), "lean", "transformers" (hf-assisted hands transformers' generate() the draft model itself: never the
     lean path), None without a draft."""
-    if draft is None or method == "ar":
+    kind = method_of(method)
+    if draft is None or not kind.needs_draft:
         return None
-    if method == "hf-assisted" or not draft.lean:
+    if not kind.drafts_here or not draft.lean:
         return "transformers"
     return "lean-compiled" if draft.compile_status()[0] == "compiled" else "lean"
 
 
-def run_bench(entries: list[tuple[str, object, GenerationConfig]], args, log=None) -> dict:
-    """entries: (label, engine, its settings). Every entry runs each prompt in turn; `ar` is the reference. args:
-    the prompts (dataset, limit), the warm-up runs."""
-    engine = entries[0][1]
-    methods = [label for label, _, _ in entries]
-    datasets = ["mt_bench", "gsm8k", "humaneval"] if args.dataset == "all" else [args.dataset]
-    prompts = [p for d in datasets for p in benchmark_prompts(d, args.limit)]
-    encoded = [(p, engine.encode(p.text, p.chat)) for p in prompts]
-    for _ in range(args.warmup):
-        for _, eng, cfg in entries:
-            eng.run(encoded[0][1], cfg)
-    per_run: dict[str, dict[str, list[dict]]] = {label: {} for label in methods}
-    outputs_match = {label: 0 for label in methods if label != "ar"}
+# the report's "settings": what the flags and --draft's preset set for every entry (BenchSpec.settings), and the prompts
+SETTINGS_KEYS = (
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "gamma",
+    "draft_stop",
+    "feed_stop",
+    "head_start",
+    "branches",
+    "epsilon",
+    "hrad",
+    "branch_costs",
+    "calibrate",
+    "hold",
+    "hold_branches",
+)
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    """What a bench runs besides its entries: the prompts, the untimed warm-up runs and where the report goes."""
+
+    settings: GenerationConfig  # the flags over --draft's preset (the report's "settings"; its method is not read)
+    dataset: str = "mt_bench"  # mt_bench | gsm8k | humaneval | all | PATH.jsonl
+    limit: int = 10  # prompts per dataset
+    warmup: int = 1  # untimed generations per entry, before the timed ones
+    json_out: str | None = None  # where to write the report, if anywhere
+
+
+Entry = tuple[str, object, GenerationConfig]  # (label, engine, its settings)
+
+
+def encoded_prompts(spec: BenchSpec, engine) -> list[tuple[object, list[int]]]:
+    """(prompt, its token ids) of every benchmark prompt the spec names."""
+    datasets = ["mt_bench", "gsm8k", "humaneval"] if spec.dataset == "all" else [spec.dataset]
+    prompts = [p for d in datasets for p in benchmark_prompts(d, spec.limit)]
+    return [(p, engine.encode(p.text, p.chat)) for p in prompts]
+
+
+def run_prompts(entries: list[Entry], encoded, log: SessionLog) -> tuple[dict, dict]:
+    """Every entry on each prompt in turn, each prompt one recorded session: (per entry, per dataset: the runs'
+    metrics; per entry but `ar`: how many outputs were `ar`'s)."""
+    per_run: dict[str, dict[str, list[dict]]] = {label: {} for label, _, _ in entries}
+    outputs_match = {label: 0 for label, _, _ in entries if label != BASELINE}
     for p, ids in tqdm(encoded, desc="bench", unit="prompt", file=sys.stderr):
         reference = None
-        sid = log.start(p.text, entries[0][2]) if log is not None else None
-        for label, eng, cfg in entries:
-            recorder = log.recorder(sid) if log is not None else None
+        for i, (label, eng, cfg) in enumerate(entries):
+            recorder = log.start(p.text, entries[0][2]) if i == 0 else log.another()
             try:
-                r = eng.run(ids, cfg, p.text, on_event=recorder.add if recorder else None)
+                r = eng.run(ids, cfg, p.text, on_event=recorder.add)
             finally:
-                if log is not None:
-                    log.finish(recorder)
+                log.finish(recorder)
             per_run[label].setdefault(p.dataset, []).append(r.metrics)
-            if label == "ar":
+            if label == BASELINE:
                 reference = r.token_ids
             elif reference is not None and r.token_ids == reference:
                 outputs_match[label] += 1
+    return per_run, outputs_match
+
+
+def pooled_results(per_run: dict[str, dict[str, list[dict]]]) -> dict:
+    """Per entry, per dataset and "all": the pooled metrics (aggregate) and the speedup against `ar`'s."""
     results = {}
-    for m in methods:
-        results[m] = {d: aggregate(runs) for d, runs in per_run[m].items()}
-        results[m]["all"] = aggregate([x for runs in per_run[m].values() for x in runs])
-    for m in methods:
+    for m, by_dataset in per_run.items():
+        results[m] = {d: aggregate(runs) for d, runs in by_dataset.items()}
+        results[m]["all"] = aggregate([x for runs in by_dataset.values() for x in runs])
+    for m in results:
         for d, agg in results[m].items():
-            base = results.get("ar", {}).get(d, {}).get("tokens_per_s")
+            base = results.get(BASELINE, {}).get(d, {}).get("tokens_per_s")
             agg["speedup_vs_ar"] = round(agg["tokens_per_s"] / base, 3) if base else None
-    report = {
+    return results
+
+
+def how_drafts_ran(entries: list[Entry]) -> dict:
+    """Per entry: its draft, how the draft's matmuls read its weights, how its steps ran and where."""
+    return {
+        "drafts": {label: eng.pair.draft.name if eng.pair.draft else None for label, eng, _ in entries},
+        "draft_matmul": {
+            label: eng.pair.draft.matmul if eng.pair.draft and cfg.kind.needs_draft else None
+            for label, eng, cfg in entries
+        },
+        "target_forward": "static" if entries[0][1].pair.target.static else "transformers",
+        "draft_forward": {label: draft_forward_kind(eng.pair.draft, cfg.method) for label, eng, cfg in entries},
+        # hf-assisted runs the local draft's model on transformers' own loop, in this process
+        "draft_worker": {
+            label: (eng.pair.draft_worker if cfg.kind.drafts_here else "thread")
+            if eng.pair.draft and cfg.kind.needs_draft
+            else None
+            for label, eng, cfg in entries
+        },
+    }
+
+
+def bench_report(entries: list[Entry], spec: BenchSpec, results: dict, outputs_match: dict, prompts: int) -> dict:
+    engine = entries[0][1]
+    return {
         "command": " ".join(sys.argv),
         "when": time.strftime("%Y-%m-%d %H:%M:%S"),
         "machine": {
@@ -176,42 +241,11 @@ def run_bench(entries: list[tuple[str, object, GenerationConfig]], args, log=Non
             "device": str(engine.pair.target.device),
         },
         "pair": {"target": engine.pair.target.name, "draft": engine.pair.draft.name if engine.pair.draft else None},
-        "drafts": {label: eng.pair.draft.name if eng.pair.draft else None for label, eng, _ in entries},
-        "draft_matmul": {
-            label: eng.pair.draft.matmul if eng.pair.draft and cfg.method != "ar" else None
-            for label, eng, cfg in entries
-        },
-        "target_forward": "static" if engine.pair.target.static else "transformers",
-        "draft_forward": {label: draft_forward_kind(eng.pair.draft, cfg.method) for label, eng, cfg in entries},
-        # hf-assisted runs the local draft's model on transformers' own loop, in this process
-        "draft_worker": {
-            label: (eng.pair.draft_worker if cfg.method != "hf-assisted" else "thread")
-            if eng.pair.draft and cfg.method != "ar"
-            else None
-            for label, eng, cfg in entries
-        },
+        **how_drafts_ran(entries),
         "settings": {
-            k: getattr(args, k)
-            for k in (
-                "max_new_tokens",
-                "temperature",
-                "top_p",
-                "top_k",
-                "seed",
-                "gamma",
-                "draft_stop",
-                "feed_stop",
-                "head_start",
-                "branches",
-                "epsilon",
-                "hrad",
-                "branch_costs",
-                "calibrate",
-                "hold",
-                "hold_branches",
-                "limit",
-                "dataset",
-            )
+            **{k: getattr(spec.settings, k) for k in SETTINGS_KEYS},
+            "limit": spec.limit,
+            "dataset": spec.dataset,
         },
         # each entry's own settings: a METHOD@DRAFT entry starts from its draft's preset (engine/presets.py)
         "settings_by_method": {label: cfg.to_dict() for label, _, cfg in entries},
@@ -222,18 +256,32 @@ def run_bench(entries: list[tuple[str, object, GenerationConfig]], args, log=Non
             if eng.measured_branch_costs is not None
         },
         "identical_to_ar": (
-            {m: f"{n}/{len(encoded)}" for m, n in outputs_match.items()}
-            if args.temperature == 0 and "ar" in methods
+            {m: f"{n}/{prompts}" for m, n in outputs_match.items()}
+            if spec.settings.temperature == 0 and BASELINE in results
             else None
         ),
         "results": results,
         **calibration_report(entries),
     }
+
+
+def run_bench(entries: list[Entry], spec: BenchSpec, log: SessionLog | None = None) -> dict:
+    """Every entry runs each prompt in turn (so that a drift of the machine's speed hits them alike); `ar` is the
+    reference. Prints the table, writes the report where spec.json_out says, returns it."""
+    encoded = encoded_prompts(spec, entries[0][1])
+    for _ in range(spec.warmup):
+        for _, eng, cfg in entries:
+            eng.run(encoded[0][1], cfg)
+    per_run, outputs_match = run_prompts(entries, encoded, log or SessionLog())
+    report = bench_report(entries, spec, pooled_results(per_run), outputs_match, len(encoded))
     print(format_table(report))
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(report, f, indent=2)
+    write_json(spec.json_out, report)
     return report
+
+
+def pipe_table(head: list[str], rows: list[list[str]]) -> str:
+    """A table printed as pipe-separated lines: the head, a rule, a line per row."""
+    return "\n".join(" | ".join(cells) for cells in [head, ["---"] * len(head), *rows])
 
 
 def format_table(report: dict) -> str:
@@ -273,11 +321,12 @@ def format_table(report: dict) -> str:
         "host ms/step",
         "rescues",
     ]
-    lines = [" | ".join(head), " | ".join("---" for _ in head)]
-    for m, per_ds in report["results"].items():
-        for d, agg in per_ds.items():
-            cells = [m, d] + ["" if agg.get(c) is None else f"{agg[c]:.3g}" for c in cols]
-            lines.append(" | ".join(cells))
+    rows = [
+        [m, d] + ["" if agg.get(c) is None else f"{agg[c]:.3g}" for c in cols]
+        for m, per_ds in report["results"].items()
+        for d, agg in per_ds.items()
+    ]
+    lines = [pipe_table(head, rows)]
     if report.get("identical_to_ar"):
         lines.append("identical to ar (greedy): " + ", ".join(f"{m} {v}" for m, v in report["identical_to_ar"].items()))
     return "\n".join(lines)
@@ -341,11 +390,11 @@ def format_spread_table(summary: dict) -> str:
         "idle T",
         "D alone",
     ]
-    lines = [" | ".join(head), " | ".join("---" for _ in head)]
-    for m, row in summary["methods"].items():
-        cells = [f"{row[k]['mean']:.3g} ± {row[k]['sd']:.2g}" if row[k] else "" for k in SPREAD_KEYS]
-        lines.append(" | ".join([m] + cells))
-    return "\n".join(lines)
+    rows = [
+        [m] + [f"{row[k]['mean']:.3g} ± {row[k]['sd']:.2g}" if row[k] else "" for k in SPREAD_KEYS]
+        for m, row in summary["methods"].items()
+    ]
+    return pipe_table(head, rows)
 
 
 def read_report(path: str) -> dict:
@@ -360,12 +409,11 @@ def read_report(path: str) -> dict:
     return report
 
 
-def run_summary(args) -> dict:
-    writable_file(args.json_out, "summary")
-    reports = [read_report(path) for path in args.reports]
-    summary = summarize_runs(reports, args.dataset)
+def run_summary(paths: list[str], dataset: str = "all", json_out: str | None = None) -> dict:
+    """`python -m engine summarize`: mean ± sd per method over the bench reports at `paths`."""
+    writable_file(json_out, "summary")
+    reports = [read_report(path) for path in paths]
+    summary = summarize_runs(reports, dataset)
     print(format_spread_table(summary))
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(summary, f, indent=2)
+    write_json(json_out, summary)
     return summary

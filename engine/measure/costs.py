@@ -32,10 +32,12 @@ from __future__ import annotations
 import asyncio
 import json
 import statistics
+from dataclasses import dataclass
 
 import torch
 
-from engine.measure.metrics import round_ms, round_pace
+from engine.config import BASELINE, write_json
+from engine.measure.metrics import is_serial, round_ms, round_pace
 from engine.models import cache as kv
 from engine.runtime import run_apart
 
@@ -134,7 +136,7 @@ def measure(engine, context: int = 200, max_tokens: int = 8, max_rows: int = 4, 
 def modelled(report: dict, dataset: str = "all") -> dict[str, dict]:
     """Measured and modelled speedup per method of a bench report (see the module's docstring)."""
     res = report["results"]
-    ar = res.get("ar", {}).get(dataset)
+    ar = res.get(BASELINE, {}).get(dataset)
     if not ar or not ar.get("target_forward_ms"):
         return {}
     t_ar = ar["target_forward_ms"]
@@ -146,12 +148,12 @@ def modelled(report: dict, dataset: str = "all") -> dict[str, dict]:
         method = label.split("@")[0]
         tau, t_v = agg.get("mean_accepted_length"), agg.get("target_forward_ms")
         model = no_waste = pace = None
-        if label == "ar":
+        if label == BASELINE:
             model = no_waste = 1.0
         elif tau and t_v:  # hf-assisted's forwards are not visible to us
             rounds = max(agg["target_forwards"] - agg["prompts"], 1)  # the prefill is no round
             drafting = agg["draft_forwards"] / rounds * (agg.get("draft_forward_ms") or 0.0)  # d · D
-            serial = method == "sd"
+            serial = is_serial(method)
             model = tau * t_ar / round_ms(t_v, drafting, serial)
             pace, headroom = round_pace(t_v, drafting, agg.get("wasted_draft_rate"), serial)
             no_waste = model * (headroom or 1.0)
@@ -187,28 +189,43 @@ def format_model(rows: dict[str, dict]) -> str:
 def model_bench(path: str, report: dict) -> dict:
     """The modelled limits of every method of a bench report (read from `path`), per dataset; the pooled table is
     printed."""
-    out = {"bench": path, "model": {d: modelled(report, d) for d in report["results"].get("ar", {})}}
+    out = {"bench": path, "model": {d: modelled(report, d) for d in report["results"].get(BASELINE, {})}}
     print(format_model(out["model"].get("all", {})))
     return out
 
 
-def run_costs(engine, args, report: dict | None = None) -> dict:
+@dataclass(frozen=True)
+class CostsSpec:
+    """What `python -m engine costs` measures and models (the flags of the same names)."""
+
+    context: int = 200  # tokens already in the cache
+    max_tokens: int = 8  # the target fed 1..max_tokens tokens
+    max_rows: int = 4  # the draft's step on 1..max_rows rows
+    reps: int = 15  # timed repeats of each forward (the median is kept)
+    threads: int = 1  # torch threads for the measuring
+    bench: str | None = None  # a bench JSON to model, if any
+    json_out: str | None = None  # where to write the results, if anywhere
+
+
+def measured_forwards(engine, spec: CostsSpec) -> dict:
+    """The forward costs of the engine's pair (measure), and what a fork's k rows do to the target step beside them."""
+    torch.set_num_threads(max(1, spec.threads))
+    out = {
+        "forwards": measure(engine, spec.context, spec.max_tokens, spec.max_rows, spec.reps),
+        "pair": {"target": engine.pair.target.name, "draft": engine.pair.draft.name if engine.pair.draft else None},
+        "threads": spec.threads,
+    }
+    if engine.pair.draft is not None:
+        out["forwards"]["target_ms_beside_draft_rows"] = engine.branch_costs(spec.max_rows).target_busy_ms
+    print(json.dumps(out["forwards"]))
+    return out
+
+
+def run_costs(engine, spec: CostsSpec, report: dict | None = None) -> dict:
     """Measure the forwards (unless engine is None: --model-only), then model `report`, the bench JSON at
-    args.bench."""
-    out = {}
-    if engine is not None:
-        torch.set_num_threads(max(1, args.threads))
-        out = {
-            "forwards": measure(engine, args.context, args.max_tokens, args.max_rows, args.reps),
-            "pair": {"target": engine.pair.target.name, "draft": engine.pair.draft.name if engine.pair.draft else None},
-            "threads": args.threads,
-        }
-        if engine.pair.draft is not None:  # what a fork's k rows do to the target step beside them
-            out["forwards"]["target_ms_beside_draft_rows"] = engine.branch_costs(args.max_rows).target_busy_ms
-        print(json.dumps(out["forwards"]))
+    spec.bench."""
+    out = measured_forwards(engine, spec) if engine is not None else {}
     if report is not None:
-        out.update(model_bench(args.bench, report))
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(out, f, indent=2)
+        out.update(model_bench(spec.bench, report))
+    write_json(spec.json_out, out)
     return out

@@ -19,6 +19,7 @@ Definitions (docs/specbranch.md (Metrics)):
 
 from __future__ import annotations
 
+from engine.config import REGISTRY
 from engine.events import (
     ACCEPTED,
     RESCUED,
@@ -54,6 +55,13 @@ FORMULAS = {
     "rate). Where the draft sets the pace, the most that any branch or rollback policy could "
     "speed this run up at the same forward costs: each committed draft token costs a draft step",
 }
+
+
+def is_serial(method: str) -> bool:
+    """Whether a method's draft and target take turns (SD), so that a round lasts both models' forwards. A name not
+    in the registry (a stored run, a bench report's label) is read as overlapped."""
+    kind = REGISTRY.get(method)
+    return kind is not None and not kind.overlapped
 
 
 def round_ms(verify_ms: float, draft_ms_a_round: float, serial: bool) -> float:
@@ -160,9 +168,9 @@ def compute_metrics(events: list[Event]) -> dict:
 
 
 def per_position(verified: list[Verified]) -> tuple[list[int], list[int]]:
-    """(accepted, reached) at each draft position: a verdict on the first branch (branch=1, fed through an accepted
-    branch point) goes on from the step's path verdict, since its tokens sit after the path and the branch point
-    (which passed)."""
+    """(accepted, reached) at each draft position: a verdict on the surviving branch (branch >= 1, judged in the pass
+    that resolved its branch point) goes on from the step's path verdict, since its tokens sit after the path and the
+    branch point (which passed)."""
     offsets, base = [], {}
     for v in verified:
         if v.branch == 0:
@@ -216,7 +224,7 @@ def forward_pace(
         (None, None)
         if opaque or not rounds or draft_ms is None
         else round_pace(
-            verify_ms, draft_forwards / rounds * draft_ms, wasted, started is not None and started.method == "sd"
+            verify_ms, draft_forwards / rounds * draft_ms, wasted, started is not None and is_serial(started.method)
         )
     )
     return {

@@ -11,7 +11,7 @@ AcceptanceCalibration keeps, per confidence bin, how many drafted path tokens th
 reads a confidence as the posterior mean acceptance of its bin under a prior centred on the confidence itself
 (PRIOR_WEIGHT pseudo-verdicts): before any verdict it is the paper's rule, and it moves to the measured rate as
 verdicts arrive. Only positions the target judged count (those after a rejection were never judged). The policy
-(parallel.Policy) reads it; it changes where the draft forks, never what is emitted, so it is lossless.
+(policy.Policy) reads it; it changes where the draft forks, never what is emitted, so it is lossless.
 
 The same class, with RESCUE_BINS and RESCUE_PRIOR_WEIGHT, keeps the rescue table: where a fork's first candidate was
 rejected, whether another was the target's token, by the share of the draft's remaining mass they covered. Its prior is
@@ -19,9 +19,9 @@ pooled: a bin with few verdicts reads the rate the other bins measured (itself s
 alone, because a far-off draft's share is a guess the pair's own rescues refute at once (the weak draft: 0 rescues in
 4 judged forks a run, docs/methods.md), and forks are too few to fill 5 bins one by one. So, where a decision
 reads the table (Policy.reads_rescues), every rejection of the draft's own token is a verdict too
-(parallel.missed_rescue): greedy, whether the target's token was among the draft's top k, which is exactly what a fork
+(verdict.missed_rescue): greedy, whether the target's token was among the draft's top k, which is exactly what a fork
 there would have decided; sampled, one play of that fork.
-SpecBranch's hold (parallel.Policy.held_back) reads both tables to decide whether to draft at all.
+SpecBranch's hold (policy.Policy.held_back) reads both tables to decide whether to draft at all.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ verify_and_commit, emit. The decoders (ar.py, sd.py, ...) are short loops over t
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -28,10 +29,21 @@ from engine.events import (
     TokensEmitted,
     Verified,
 )
-from engine.methods.sampling import NextDraw, draw_u, logits_to_probs, sample, top_alternatives, verify_block
+from engine.methods.sampling import (
+    ALTERNATIVES,
+    NextDraw,
+    alternatives,
+    greedy_block,
+    logits_to_probs,
+    sample,
+    to_host,
+    verify_block,
+)
 from engine.models import cache as kv
 from engine.models.loading import LM, ModelPair, Out
 from engine.runtime import Worker, settled
+
+UNIFORM_BATCH = 64  # the draft's uniforms drawn at a time (RunState.uniforms)
 
 
 @dataclass
@@ -53,8 +65,9 @@ class RunState:
     text: TextStream = None  # the output's text, decoded as it grows (emit)
     generator: torch.Generator = field(default_factory=torch.Generator)  # verification draws
     draft_generator: torch.Generator = field(default_factory=torch.Generator)  # the draft's own samples
+    draft_uniforms: list[float] = field(default_factory=list)  # drawn from it ahead, a batch at a time (uniforms)
     probe_generator: torch.Generator = field(default_factory=torch.Generator)  # forks a sampled SpecBranch run
-    # plays out where it made none, for its rescue table only (parallel.missed_rescue): never the output's draws
+    # plays out where it made none, for its rescue table only (verdict.missed_rescue): never the output's draws
     target_seq: list[int] = field(default_factory=list)  # tokens the target cache holds (parallel methods)
     target_cache: object = None
     draft_cache: object = None
@@ -100,14 +113,59 @@ class RunState:
         """How each of `rows` draft rows will pick its next token, drawn before the forward that computes them (the
         draft's own generator; no draw when greedy), so a draft in its own process can step on them ahead."""
         c = self.cfg
-        return [
-            NextDraw(c.temperature, c.top_k, c.top_p, 0.0 if c.greedy else draw_u(self.draft_generator))
-            for _ in range(rows)
-        ]
+        us = [0.0] * rows if c.greedy else self.uniforms(rows)
+        return [NextDraw(c.temperature, c.top_k, c.top_p, u) for u in us]
+
+    def uniforms(self, n: int) -> list[float]:
+        """n uniforms in [0, 1), float64, from the draft's generator: drawn UNIFORM_BATCH at a time, so that a draft
+        step reads no random number of its own (one read of a CPU tensor per batch)."""
+        while len(self.draft_uniforms) < n:
+            self.draft_uniforms += torch.rand(
+                UNIFORM_BATCH, generator=self.draft_generator, dtype=torch.float64
+            ).tolist()
+        out, self.draft_uniforms = self.draft_uniforms[:n], self.draft_uniforms[n:]
+        return out
 
     def pieces(self, ids: list[int]) -> list[str]:
-        tok = self.pair.tokenizer
-        return [tok.decode([i]) for i in ids]
+        return self.pair.pieces(ids)
+
+
+@dataclass(slots=True)
+class DraftRow:
+    """One draft row [V], read once."""
+
+    top: list[float]  # its largest untempered probabilities, best first (k of them)
+    ids: list[int]  # ... their tokens
+    token: int  # what its draw picks
+    q: torch.Tensor | None  # the exact row the token was drawn from (None when greedy: a point mass)
+    conf: float  # the untempered probability of the token
+    raw: torch.Tensor  # [V]: the untempered probabilities (a fork's candidates are read from it)
+    q_x: float = 1.0  # q(token)
+    shown: list[list[float]] = field(default_factory=list)  # the UI's alternatives at the token ([[id, q], ...])
+
+
+def read_row(state: RunState, logits: torch.Tensor, draw: NextDraw, k: int) -> DraftRow:
+    """logits [V] -> DraftRow, in one host read: confidence is read from the untempered distribution; the token from
+    the row the sampling settings make (state.probs), at the draw fixed before the forward (greedy: the argmax, a
+    point mass; sampled: the inverse CDF at its uniform, on the row's device: NextDraw.pick)."""
+    raw = logits.float().softmax(-1)  # [V]
+    best = raw.topk(min(k, raw.shape[-1]))
+    if state.cfg.greedy:
+        values = to_host(torch.cat([best.values.double(), best.indices.double()]))
+        top, ids = values[:k], [int(i) for i in values[k:]]
+        return DraftRow(top, ids, ids[0], None, top[0], raw, 1.0, [[ids[0], 1.0]])
+    q = state.probs(logits)  # [V]
+    token = draw.pick(q)  # []
+    shown = q.topk(min(ALTERNATIVES, q.shape[-1]))
+    packed = [best.values, best.indices, token.view(1), raw[token].view(1), q[token].view(1)]
+    packed += [shown.values, shown.indices]
+    values = to_host(torch.cat([t.double() for t in packed]))
+    n = len(best.values)
+    top, ids = values[:n], [int(i) for i in values[n : 2 * n]]
+    token, conf, q_x = int(values[2 * n]), values[2 * n + 1], values[2 * n + 2]
+    a = len(shown.values)
+    shown = alternatives(values[2 * n + 3 : 2 * n + 3 + a], values[2 * n + 3 + a :])
+    return DraftRow(top, ids, token, q, conf, raw, q_x, shown)
 
 
 async def forward(
@@ -123,15 +181,18 @@ async def forward(
     solo: bool = False,
     ahead: int = 0,
     draws: list[NextDraw] | None = None,
+    tree=None,
 ):
     """Feed `ids` (appended to `cache`) on `worker` and record the span. Returns logits [T, V]; with
     hidden_states/features, Out(logits [T, V], every layer's states [1, T, H] each, last features [T, H]).
     solo: the other model waits on this forward (Worker.run). ahead: a draft in its own process steps at once on the
     token `draws` will pick (state.next_draws; None: the argmax), on that many torch threads (draft_process.step_fn;
-    0 = not)."""
+    0 = not). tree: how the ids hang together where they are not one line (llama.TokenTree; the target's verify
+    pass of a fork)."""
     x = torch.tensor([ids], dtype=torch.long)
+    fn = step_fn(lm, ahead, draws) if tree is None else functools.partial(lm.forward, tree=tree)
     out, span = await worker.run(
-        step_fn(lm, ahead, draws),
+        fn,
         x,
         cache,
         hidden_states,
@@ -198,11 +259,11 @@ async def decode_one_token(state: RunState, events: list[Event]) -> None:
 
 
 async def draft_block(state: RunState, gamma: int, events: list[Event], kind: str = DRAFT):
-    """Draft gamma tokens autoregressively on top of the committed tokens.
-    Returns (tokens, q_rows [gamma, V]); the last drafted token is not fed to the draft cache."""
+    """Draft gamma tokens autoregressively on top of the committed tokens, each row read once (read_row).
+    Returns their DraftRows; the last drafted token is not fed to the draft cache."""
     draft = state.pair.draft
     feed = state.tokens[kv.cache_length(state.draft_cache) :]  # committed tokens the draft has not seen yet
-    tokens, q_rows = [], []
+    rows: list[DraftRow] = []
     for i in range(gamma):
         # the target waits on the whole block: the draft may have the cores (Engine's solo_threads); a draft in its own
         # process takes the block's next step on them, on the token `draw` picks, while this one is read (not after
@@ -212,47 +273,48 @@ async def draft_block(state: RunState, gamma: int, events: list[Event], kind: st
         logits = await forward(
             state, draft, state.draft_worker, state.draft_cache, feed, kind, events, solo=True, ahead=ahead, draws=draw
         )
-        q = state.probs(logits[-1])
-        x = draw[0].token(q)
-        tokens.append(x)
-        q_rows.append(q)
-        feed = [x]
-    q_rows = torch.stack(q_rows)
+        rows.append(read_row(state, logits[-1], draw[0], 1))
+        feed = [rows[-1].token]
+    tokens = [r.token for r in rows]
     events.append(
         DraftProposed(
-            state.step,
-            tokens,
-            state.pieces(tokens),
-            [float(q_rows[i, x]) for i, x in enumerate(tokens)],
+            step=state.step,
+            tokens=tokens,
+            pieces=state.pieces(tokens),
+            q=[r.q_x for r in rows],
             parent_position=len(state.tokens),
-            top=[top_alternatives(q) for q in q_rows],
+            top=[r.shown for r in rows],
         )
     )
-    return tokens, q_rows
+    return rows
 
 
-async def verify_and_commit(state: RunState, tokens: list[int], q_rows: torch.Tensor, events: list[Event]):
+async def verify_and_commit(state: RunState, rows: list[DraftRow], events: list[Event]):
     """One target forward over [unfed committed tokens, x_1..x_g]; accept a prefix, roll back the rest,
     commit accepted tokens plus the correction or bonus token. Returns the Verdict."""
+    tokens = [r.token for r in rows]
     start = kv.cache_length(state.target_cache)
     feed = state.tokens[start:] + tokens
     out = await forward(
         state, state.pair.target, state.target_worker, state.target_cache, feed, VERIFY, events, features=True
     )
-    p_rows = state.probs(out.logits[-(len(tokens) + 1) :])  # p at the positions predicting x_1..x_g and the bonus
-    verdict = verify_block(tokens, q_rows, p_rows, state.generator, state.cfg.greedy)
+    logits = out.logits[-(len(tokens) + 1) :]  # [g + 1, V]: the rows predicting x_1..x_g and the bonus
+    if state.cfg.greedy:  # the whole verdict is each row's argmax: one read
+        verdict = greedy_block(tokens, [int(t) for t in to_host(logits.argmax(-1))], True)
+    else:
+        verdict = verify_block(tokens, torch.stack([r.q for r in rows]), state.probs(logits), state.generator, False)
     n = verdict.accepted
     events.append(
         Verified(
-            state.step,
-            len(tokens),
-            n,
-            verdict.p,
-            verdict.q,
-            verdict.u,
-            verdict.next_token,
-            BONUS if verdict.bonus else CORRECTION,
-            verdict.next_p,
+            step=state.step,
+            drafted=len(tokens),
+            accepted=n,
+            p=verdict.p,
+            q=verdict.q,
+            u=verdict.u,
+            next_token=verdict.next_token,
+            next_kind=BONUS if verdict.bonus else CORRECTION,
+            next_p=verdict.next_p,
             tokens=list(tokens),
             pieces=state.pieces(tokens),
         )

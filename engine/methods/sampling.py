@@ -35,13 +35,11 @@ def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, to
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """Draw one token id from a 1-D probability row (argmax when the row is one-hot), by inverse CDF in float64
-    (sample_at), U ~ Uniform[0, 1). Why not torch.multinomial: over a 49k-token row it costs 1.05 ms on one CPU thread
-    against 0.07 ms for this, and a sampled round draws several tokens on the host, between the forwards
-    (docs/methods.md)."""
-    if float(probs.max()) == 1.0:
-        return int(probs.argmax())
-    return sample_at(probs, draw_u(generator))
+    """Draw one token id from a 1-D probability row (its token when the row is one-hot), by inverse CDF in float64
+    on the row's device (inverse_cdf: the same token as sample_at), U ~ Uniform[0, 1), with one read of the row's
+    device, the token. Why not torch.multinomial: over a 49k-token row it costs 1.05 ms on one CPU thread against
+    0.07 ms for this (docs/methods.md)."""
+    return int(inverse_cdf(probs, torch.tensor([draw_u(generator)], dtype=torch.float64, device=probs.device)))
 
 
 def draw_u(generator: torch.Generator | None) -> float:
@@ -78,6 +76,10 @@ class NextDraw:
         """The token this draw gives on the row `probs` (what the engine drafts)."""
         return sample_at(probs, self.u)
 
+    def pick(self, probs: torch.Tensor) -> torch.Tensor:
+        """token() left on the row's device: [] (long), read nowhere (inverse_cdf)."""
+        return inverse_cdf(probs, torch.tensor([self.u], dtype=torch.float64, device=probs.device))
+
     def guess(self, logits: torch.Tensor) -> int:
         """The same draw on a row of logits [V], read through the same settings."""
         return self.token(logits_to_probs(logits, self.temperature, self.top_k, self.top_p))
@@ -95,12 +97,13 @@ def to_host(values: torch.Tensor) -> list[float]:
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """sample_at on the device: the token [] (long) at U = u ([] float64) of a 1-D row's inverse CDF, read nowhere.
-    Where u · total rounds up to the total, the last token with mass (the first index whose CDF reaches it)."""
-    cdf = probs.double().cumsum(-1)  # [V]
-    total = cdf[-1:]  # [1]
-    hit = torch.searchsorted(cdf, u * total, right=True)  # [1]
-    return torch.minimum(hit, torch.searchsorted(cdf, total))[0]
+    """sample_at on the device: the token [...] (long) at U = u ([..., 1] float64) of rows [..., V]' inverse CDF,
+    read nowhere. Where u · total rounds up to the total, the last token with mass (the first index whose CDF
+    reaches it)."""
+    cdf = probs.double().cumsum(-1)  # [..., V]
+    total = cdf[..., -1:].contiguous()  # [..., 1]
+    hit = torch.searchsorted(cdf, u * total, right=True)  # [..., 1]
+    return torch.minimum(hit, torch.searchsorted(cdf, total))[..., 0]
 
 
 class Draws:
@@ -251,10 +254,35 @@ def check_block(
     return Pending(torch.cat(packed).double(), read)
 
 
-def top_alternatives(probs: torch.Tensor, k: int = 3) -> list[list[float]]:
+def greedy_block(tokens: list[int], best: list[int], ends: bool) -> Verdict:
+    """verify_block at T=0, from the target's argmax of each row (`best`, read already): a one-hot p accepts x iff
+    p(x) = 1, and the residual of two different one-hot rows is p, so the rule accepts while a token is its row's
+    argmax and corrects the first that is not to it; where every judged token holds and nothing follows (`ends`),
+    a spare row gives the bonus token. Row i judges tokens[i]."""
+    n, judged = 0, min(len(tokens), len(best))
+    while n < judged and tokens[n] == best[n]:
+        n += 1
+    tried = min(n + 1, judged)
+    p, q, u = [1.0] * n + [0.0] * (tried - n), [1.0] * tried, [-1.0] * tried
+    if n < judged:
+        return Verdict(n, best[n], 1.0, False, p, q, u)
+    if ends and len(best) > n:
+        return Verdict(n, best[n], 1.0, True, p, q, u)
+    return Verdict(n, None, 0.0, False, p, q, u)
+
+
+ALTERNATIVES = 3  # the alternatives an event shows at a drafted token
+
+
+def top_alternatives(probs: torch.Tensor, k: int = ALTERNATIVES) -> list[list[float]]:
     """[[token_id, prob], ...] for the k most likely tokens of a row (for the UI's hover and trees)."""
     values, ids = torch.topk(probs, min(k, probs.shape[-1]))
-    return [[int(i), round(float(v), 6)] for v, i in zip(values, ids) if float(v) > 0]
+    return alternatives(values.tolist(), ids.tolist())
+
+
+def alternatives(values: list[float], ids: list) -> list[list[float]]:
+    """top_alternatives of a row whose top k (values, ids) were read already."""
+    return [[int(i), round(v, 6)] for v, i in zip(values, ids) if v > 0]
 
 
 # ---------------------------------------------------------------- several candidates at one position
@@ -278,6 +306,19 @@ def draw_candidates(q: torch.Tensor, k: int, scheme: str, generator: torch.Gener
             drawn.append(sample(candidate_q(q, drawn, scheme), generator))
         return drawn
     raise ValueError(f"unknown candidate scheme {scheme!r}")
+
+
+def without_replacement(q: torch.Tensor, u: list[float]) -> torch.Tensor:
+    """draw_candidates(q, len(u), NO_REPLACEMENT) at the uniforms u, left on q's device: [k] (long), candidate i the
+    inverse CDF at u_i of q without candidates 1..i-1 (candidate_q's row, the mass left not renormalised: the CDF's
+    total does that); -1 where q's support holds fewer than k tokens. Read nowhere."""
+    rest, out = q, []
+    for u_i in u:
+        token = inverse_cdf(rest, torch.tensor([u_i], dtype=torch.float64, device=q.device))
+        out.append(token)
+        rest = rest.index_fill(0, token.view(1), 0)
+    support = (q > 0).sum()
+    return torch.where(torch.arange(len(u), device=q.device) < support, torch.stack(out), -1)
 
 
 def candidate_q(q: torch.Tensor, earlier: list[int], scheme: str) -> torch.Tensor:

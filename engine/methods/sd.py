@@ -13,7 +13,7 @@ def speculative_decode(state: RunState):
         if gamma < 1:
             await decode_one_token(state, events)
             return
-        tokens, q_rows = await draft_block(state, gamma, events)
-        await verify_and_commit(state, tokens, q_rows, events)
+        rows = await draft_block(state, gamma, events)
+        await verify_and_commit(state, rows, events)
 
     return step_loop(state, step)

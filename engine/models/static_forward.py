@@ -35,6 +35,7 @@ from engine.kernels.lm_head import COPY_BUDGET, LAYER_MAX_ROWS, HeadMatmul
 from engine.models.cache import new_cache as transformers_cache
 from engine.models.lean import CAPACITY, GenericDecoder, KVBuffer, compile_mode, default_kernels
 from engine.models.lean import fits as lean_misfit
+from engine.models.llama import Heads, LayerWeights, TokenTree, decoder_layer
 
 AUTO = "auto"  # compiled: by device (CUDA graphs on CUDA, none on the CPU)
 
@@ -97,7 +98,9 @@ class StaticLlama:
     def __init__(self, model, kernels: str | None = None, compiled: bool | str = AUTO):
         """kernels: "cpu" (the stacked matmuls through lm_head's layouts, bit-identical to transformers) or "generic"
         (lean.GenericDecoder, any device); default_kernels(the model's device) unless given. compiled (generic only):
-        the steps through torch.compile in compile_mode(device); AUTO: on CUDA (CUDA graphs), not on the CPU."""
+        the steps through torch.compile in compile_mode(device); AUTO: on CUDA (CUDA graphs), not on the CPU. They
+        compile on the thread that will call them (compile_here, on the model's worker), not here: CUDA graph trees
+        keep their state per thread."""
         device = next(model.parameters()).device
         self.kernels = kernels or default_kernels(device)
         if self.kernels not in ("cpu", "generic"):
@@ -106,20 +109,18 @@ class StaticLlama:
         if why:
             raise ValueError(f"the static-cache forward does not fit this model: {why}")
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-        from transformers.models.llama.modeling_llama import rotate_half
 
         self.config = model.config
         self.model = model.model
         self.attention = ALL_ATTENTION_FUNCTIONS["sdpa"]
-        self.rotate_half = rotate_half
         self.layers = list(self.model.layers[: model.config.num_hidden_layers])
-        self.heads, self.kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
-        self.head_dim = self.layers[0].self_attn.head_dim
-        self.qkv, self.gate_up, self.generic = [], [], None
+        first = self.layers[0].self_attn
+        self.heads = Heads(model.config.num_attention_heads, model.config.num_key_value_heads, first.head_dim)
+        self.weights: list[LayerWeights] = []
+        self.generic, self.compiles_here = None, False
         if self.kernels == "generic":
             self.generic = GenericDecoder(model, len(self.layers))
-            if compiled is True or (compiled == AUTO and compile_mode(device) == "reduce-overhead"):
-                self.generic.compile()  # lazily: each shape compiles at its first use
+            self.compiles_here = compiled is True or (compiled == AUTO and compile_mode(device) == "reduce-overhead")
             return
         room = COPY_BUDGET
         for layer in self.layers:
@@ -127,12 +128,29 @@ class StaticLlama:
             qkv, used = fuse([a.q_proj, a.k_proj, a.v_proj], room)
             gate_up, more = fuse([mlp.gate_proj, mlp.up_proj], room - used)
             room -= used + more
-            self.qkv.append(qkv)
-            self.gate_up.append(gate_up)
+            # the modules' own forwards (fast_linears has routed the linear ones) and norms: transformers' bits
+            self.weights.append(
+                LayerWeights(
+                    layer.input_layernorm.forward,
+                    qkv,
+                    a.o_proj.forward,
+                    layer.post_attention_layernorm.forward,
+                    gate_up,
+                    mlp.down_proj.forward,
+                    mlp.act_fn,
+                )
+            )
 
     @property
     def device(self) -> torch.device:
         return self.model.norm.weight.device
+
+    def compile_here(self) -> None:
+        """Compile the generic steps for this thread, where asked, and warm up the one-token step here (each other
+        shape compiles at its first use, on the thread that calls it)."""
+        if self.compiles_here and self.generic._graph is None and not self.generic.compile_why:
+            self.generic.compile()
+            self.generic.warm_up(self.new_cache())
 
     @property
     def compile_why(self) -> str:
@@ -143,46 +161,52 @@ class StaticLlama:
         if self.generic is not None:  # static: the context's positions from the start (GenericDecoder.new_cache)
             return self.generic.new_cache(capacity)
         norm = self.model.norm.weight
-        return KVBuffer(len(self.layers), self.kv_heads, self.head_dim, norm.dtype, norm.device, capacity or CAPACITY)
+        return KVBuffer(len(self.layers), self.heads.kv, self.heads.dim, norm.dtype, norm.device, capacity or CAPACITY)
 
     @staticmethod
-    def mask(start: int, t: int, device) -> torch.Tensor | None:
+    def mask(start: int, t: int, device, tree: TokenTree | None = None) -> torch.Tensor | None:
         """What transformers' create_causal_mask gives sdpa here: None for one new token (it sees everything) or for
         a pass from position 0 (sdpa's is_causal does it); else bool [1, 1, T, start + T], query i seeing keys up to
-        start + i."""
+        start + i. A tree (not a line): each new token sees the cache and its ancestors (TokenTree.sees)."""
+        if tree is not None and not tree.is_line:
+            return tree.sees(start, device)[None, None]
         if t == 1 or start == 0:
             return None
         keys = torch.arange(start + t, device=device)
         return (keys[None, :] <= (start + torch.arange(t, device=device))[:, None])[None, None]
 
     @torch.inference_mode()
-    def __call__(self, input_ids: torch.Tensor, cache: KVBuffer, hidden_states: bool = False):
+    def __call__(
+        self, input_ids: torch.Tensor, cache: KVBuffer, hidden_states: bool = False, tree: TokenTree | None = None
+    ):
+        """input_ids [B, T] -> (final-norm states [B, T, H], per-layer states or None), appending T positions. `tree`:
+        how the T new tokens hang together where they are not a line (one row only)."""
         if self.generic is not None:
-            return self.generic(input_ids, cache, hidden_states)
+            return self.generic(input_ids, cache, hidden_states, tree)
         b, t = input_ids.shape
         if cache.rows != b:
             raise ValueError(f"the cache holds {cache.rows} rows, fed {b}")
-        hq, hkv, d = self.heads, self.kv_heads, self.head_dim
         start = cache.length
         cache.reserve(t)
         x = self.model.embed_tokens(input_ids)  # [B, T, H]
-        position_ids = (torch.arange(t, device=x.device) + start).unsqueeze(0)
+        if tree is None or tree.is_line:
+            position_ids = (torch.arange(t, device=x.device) + start).unsqueeze(0)
+        else:
+            position_ids = tree.positions(start, x.device).unsqueeze(0)
         cos, sin = self.model.rotary_emb(x, position_ids)  # [1, T, D]
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        mask = self.mask(start, t, x.device)
+        mask = self.mask(start, t, x.device, tree)
         hidden = [x] if hidden_states else None
-        for i, layer in enumerate(self.layers):  # LlamaDecoderLayer.forward and LlamaAttention.forward, inlined
-            a, mlp = layer.self_attn, layer.mlp
-            h = layer.input_layernorm.forward(x)
-            qkv = self.qkv[i](h).view(b, t, hq + 2 * hkv, d).transpose(1, 2)  # [B, Hq + 2 Hkv, T, D]
-            qk = qkv[:, : hq + hkv]  # apply_rotary_pos_emb's arithmetic, on q and k in one pass
-            qk = (qk * cos) + (self.rotate_half(qk) * sin)
-            k, v = cache.write(i, qk[:, hq:], qkv[:, hq + hkv :])  # [B, Hkv, start + T, D]: views of the buffers
-            o, _ = self.attention(a, qk[:, :hq], k, v, mask, dropout=0.0, scaling=a.scaling)  # [B, T, Hq, D]
-            x = x + a.o_proj.forward(o.reshape(b, t, -1).contiguous())
-            h = layer.post_attention_layernorm.forward(x)
-            gate, up = self.gate_up[i](h).chunk(2, -1)
-            x = x + mlp.down_proj.forward(mlp.act_fn(gate) * up)
+        for i, (layer, w) in enumerate(zip(self.layers, self.weights)):
+
+            def store(k, v, i=i):
+                return cache.write(i, k, v)  # [B, Hkv, start + T, D]: views of the buffers
+
+            def attend(q, k, v, a=layer.self_attn):  # transformers' sdpa attention: [B, T, Hq, D] -> [B, T, Hq D]
+                o, _ = self.attention(a, q, k, v, mask, dropout=0.0, scaling=a.scaling)
+                return o.reshape(b, t, -1).contiguous()
+
+            x = decoder_layer(x, w, self.heads, cos, sin, store, attend)
             if hidden is not None:
                 hidden.append(x)
         cache.advance(t)

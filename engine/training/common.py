@@ -1,17 +1,66 @@
-"""What the training tools share: reading corpora, batching (prompt, response) rows, splitting them by prompt,
-capping a corpus at a token budget, the frequent-token vocabulary of a reduced head, and one optimizer step."""
+"""What the training tools share: `distill`'s settings, reading corpora, batching (prompt, response) rows, splitting
+them by prompt, capping a corpus at a token budget, the frequent-token vocabulary of a reduced head, the optimiser and
+its schedule, and a training run's checkpoint (what a rerun resumes from)."""
 
 from __future__ import annotations
 
 import gzip
 import hashlib
 import json
+import math
 import random
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 from engine.config import SpecBranchError
+
+Item = TypeVar("Item")
+
+
+@dataclass(frozen=True)
+class DistillSpec:
+    """What `python -m engine distill` trains, from what, and where it writes (the flags of the same names)."""
+
+    out: str  # the folder the draft is written to
+    target: str = "embedded"
+    corpus: list[str] | None = None  # JSONL rows with prompt_ids and response_ids
+    prompts: str | None = None  # JSONL prompts to generate the target's responses to
+    limit: int = 0  # use only the first N prompts (0: all)
+    self_prompts: int = 0  # let the target write N user questions of its own (Magpie) and answer them
+    generate_only: bool = False  # stop after generating responses
+    max_new_tokens: int = 128
+    gen_batch_size: int = 16
+    gen_temperature: float = 0.0
+    max_tokens: int = 0  # cap on response tokens used (0: all)
+    kind: str = "standalone"  # standalone: the target's first layers; head: a feature-conditioned head
+    layers: int = 4
+    init: str | None = None  # standalone: go on training this saved draft
+    grow: int = 0  # standalone, with init: add N layers on top that start as no-ops
+    unroll: int = 3  # head: training-time-test steps
+    feature_layers: tuple[int, ...] | None = None  # head: fuse these of the target's hidden states (EAGLE-3)
+    hard_labels: bool = False  # standalone: train on the answers' own tokens (no target pass labels them)
+    held_out: str | None = None  # JSONL rows held out instead of a random split (their prompts leave training)
+    eval_every: int = 0  # held-out evaluation every N steps too (0: at each epoch's end only)
+    vocab: int = 8192  # reduced LM-head size (FR-Spec)
+    epochs: float = 3
+    lr: float = 5e-4
+    batch_size: int = 16
+    label_batch_size: int = 8
+    top_k: int = 32  # teacher probabilities kept per position
+    val_fraction: float = 0.03
+    seed: int = 0
+    max_minutes: float | None = None  # stop training after this long (wall clock, this run; a rerun resumes)
+    threads: int = 0  # torch threads (0: torch's default)
+    device: str | None = None
+    work_dir: str = "runs/distill"
+
+    def training_meta(self) -> dict:
+        """The training settings a saved draft's card records."""
+        return {"epochs": self.epochs, "lr": self.lr, "batch_size": self.batch_size, "seed": self.seed}
 
 
 # ---------------------------------------------------------------- data
@@ -62,14 +111,17 @@ def optimizer_step(loss: torch.Tensor, params, opt, sched) -> None:
     sched.step()
 
 
-def split_by_prompt(rows: list[dict], val_fraction: float, seed: int):
-    """Hold out whole prompts (a prompt's greedy and sampled responses go to the same side)."""
-    keys = sorted({tuple(r["prompt_ids"]) for r in rows})
-    random.Random(seed).shuffle(keys)
-    val_keys = set(keys[: max(1, int(len(keys) * val_fraction))])
-    train = [r for r in rows if tuple(r["prompt_ids"]) not in val_keys]
-    val = [r for r in rows if tuple(r["prompt_ids"]) in val_keys]
-    return train, val
+def split_by_prompt(
+    items: list[Item], fraction: float, seed: int, prompt_of: Callable[[Item], Hashable] | None = None
+) -> tuple[list[Item], list[Item]]:
+    """(train, held out): whole prompts held out, a seeded `fraction` of them (at least one), so that no held-out
+    item has a neighbour from its prompt in training (a prompt's greedy and sampled responses, a response's
+    samples). prompt_of: an item's prompt (default: a row's prompt_ids)."""
+    key = prompt_of or (lambda row: tuple(row["prompt_ids"]))
+    prompts = sorted({key(x) for x in items})
+    random.Random(seed).shuffle(prompts)
+    held = set(prompts[: max(1, int(len(prompts) * fraction))])
+    return [x for x in items if key(x) not in held], [x for x in items if key(x) in held]
 
 
 def held_out_split(rows: list[dict], held_out: str | None, val_fraction: float, seed: int):
@@ -93,6 +145,32 @@ def capped_rows(rows: list[dict], max_tokens: int, seed: int) -> list[int]:
         kept.append(i)
         n += len(rows[i]["response_ids"])
     return kept
+
+
+@dataclass
+class Optimiser:
+    """AdamW without weight decay over `params`, with its learning-rate schedule."""
+
+    params: list
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LRScheduler
+
+    @classmethod
+    def warm_cosine(cls, params, lr: float, total_steps: int, warmup: int) -> Optimiser:
+        """A linear warm-up over `warmup` steps times a cosine decay to 0 at `total_steps`."""
+        opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt,
+            lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps)),
+        )
+        return cls(params, opt, sched)
+
+    def step(self, loss: torch.Tensor) -> None:
+        optimizer_step(loss, self.params, self.opt, self.sched)
+
+    @property
+    def lr(self) -> float:
+        return self.sched.get_last_lr()[0]
 
 
 class Checkpoint:

@@ -25,11 +25,12 @@ from engine.config import SpecBranchError, writable_dir
 from engine.drafts.distilled import draft_from_target, grown, is_specbranch_draft, load_draft_dir, save_draft
 from engine.training.common import (
     Checkpoint,
+    DistillSpec,
+    Optimiser,
     batches,
     capped_rows,
     frequent_vocab,
     held_out_split,
-    optimizer_step,
     read_jsonl,
 )
 
@@ -223,6 +224,17 @@ def evaluate(draft, rows, labels, head, remap, batch_size) -> float:
     return agree / max(total, 1)
 
 
+def reduced_head(target, rows: list[dict], vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(subset, remap, head): the FR-Spec vocabulary of `vocab` ids (frequent_vocab), each target id's position in
+    it (-1 outside) [V], and the target's head rows of the subset [|subset|, H]."""
+    vocab_size = target.get_output_embeddings().weight.shape[0]
+    subset = frequent_vocab(rows, vocab, vocab_size)
+    remap = torch.full((vocab_size,), -1, dtype=torch.long)
+    remap[subset] = torch.arange(len(subset))
+    head = target.get_output_embeddings().weight[subset].detach().contiguous()
+    return subset, remap, head
+
+
 @dataclass(frozen=True)
 class DraftSettings:
     """How a standalone draft is trained (distill's flags)."""
@@ -239,6 +251,21 @@ class DraftSettings:
     eval_every: int = 0  # steps between held-out evaluations besides each epoch's end (0: at epoch ends only)
     checkpoint_every: int = 100  # steps between checkpoints a rerun resumes from (0: none)
     stop_at: int = 0  # stop (checkpointed) at this step, for a rerun to go on from (0: run to the end)
+
+    @classmethod
+    def from_spec(cls, spec: DistillSpec) -> DraftSettings:
+        return cls(
+            layers=spec.layers,
+            vocab=spec.vocab,
+            epochs=spec.epochs,
+            lr=spec.lr,
+            batch_size=spec.batch_size,
+            seed=spec.seed,
+            max_minutes=spec.max_minutes,
+            init=Path(spec.init) if spec.init else None,
+            grow=spec.grow,
+            eval_every=spec.eval_every,
+        )
 
     def out_of_time(self, start: float, step: int) -> bool:
         return bool(
@@ -257,30 +284,27 @@ class DraftRun:
         self.draft = initial_draft(target, s.layers, s.init, s.grow).train()
         for module in (self.draft.model.embed_tokens, self.draft.lm_head):  # shared with the target: frozen
             module.requires_grad_(False)
-        vocab_size = target.get_output_embeddings().weight.shape[0]
-        self.subset = frequent_vocab(rows, s.vocab, vocab_size)
-        self.remap = torch.full((vocab_size,), -1, dtype=torch.long)
-        self.remap[self.subset] = torch.arange(len(self.subset))
-        self.head = target.get_output_embeddings().weight[self.subset].detach().contiguous()
-        self.params = [p for p in self.draft.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=s.lr, weight_decay=0.0)
+        self.subset, self.remap, self.head = reduced_head(target, rows, s.vocab)
         self.per_epoch = math.ceil(len(rows) / s.batch_size)
-        self.total = total = max(1, int(s.epochs * self.per_epoch))
-        self.sched = torch.optim.lr_scheduler.LambdaLR(
-            self.opt, lambda k: min(1.0, (k + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(k, total) / total))
-        )
+        self.total = max(1, int(s.epochs * self.per_epoch))
+        params = [p for p in self.draft.parameters() if p.requires_grad]
+        self.optimiser = Optimiser.warm_cosine(params, s.lr, self.total, warmup=20)
         self.ckpt = Checkpoint(work, "draft", s, rows, s.checkpoint_every)
-        parts = {"draft": self.draft, "opt": self.opt, "sched": self.sched}
-        self.step, cpu_s = self.ckpt.restore(parts)
+        self.step, cpu_s = self.ckpt.restore(self.parts())
         self.cpu0 = time.process_time() - cpu_s
 
+    def parts(self) -> dict:
+        return {"draft": self.draft, "opt": self.optimiser.opt, "sched": self.optimiser.sched}
+
     def save(self) -> None:
-        parts = {"draft": self.draft, "opt": self.opt, "sched": self.sched}
-        self.ckpt.save(parts, self.step, time.process_time() - self.cpu0)
+        self.ckpt.save(self.parts(), self.step, time.process_time() - self.cpu0)
+
+    def cpu_minutes(self) -> float:
+        return round((time.process_time() - self.cpu0) / 60, 2)
 
     def train_step(self, rows, labels, chunk, ids, mask) -> tuple[float, float]:
         loss, agree, total = kl_loss(draft_logits(self.draft, ids, mask, self.head), rows, chunk, labels, self.remap)
-        optimizer_step(loss, self.params, self.opt, self.sched)
+        self.optimiser.step(loss)
         self.step += 1
         if self.ckpt.due(self.step):
             self.save()
@@ -288,47 +312,44 @@ class DraftRun:
 
     def log(self, log, **fields) -> None:
         line = {"step": self.step, "epoch": round(self.step / self.per_epoch, 3), **fields}
-        print(
-            json.dumps({**line, "cpu_minutes": round((time.process_time() - self.cpu0) / 60, 2)}), file=log, flush=True
-        )
+        print(json.dumps({**line, "cpu_minutes": self.cpu_minutes()}), file=log, flush=True)
 
 
 def train_draft(target, rows, labels, val_rows, val_labels, settings: DraftSettings, work: Path):
-    """Train (or resume) a standalone draft; returns (draft, vocabulary subset, summary). Logs to
-    work/train_log.jsonl (appended to on a resume)."""
+    """Train (or resume) a standalone draft on the teacher's labels of `rows`: (draft, its vocabulary subset, a
+    summary). Logs to work/train_log.jsonl (appended to on a resume)."""
     s = settings
     run = DraftRun(target, rows, s, work)
-    log = open(work / "train_log.jsonl", "a" if run.step else "w")
     held_out = lambda: round(evaluate(run.draft, val_rows, val_labels, run.head, run.remap, s.batch_size), 4)  # noqa: E731
-    if not run.step:
-        run.log(log, val_agreement=held_out())
-    start, val = time.time(), None
-    bar = tqdm(total=run.total, initial=run.step, desc="train", unit="step")
-    while run.step < run.total and not s.out_of_time(start, run.step):
-        epoch, skip = divmod(run.step, run.per_epoch)
-        epoch_losses = []  # this run's part of the epoch
-        for k, (chunk, ids, mask) in enumerate(batches(rows, s.batch_size, shuffle=True, seed=s.seed + epoch)):
-            if k < skip:
-                continue  # taken before a resume
-            loss, agree = run.train_step(rows, labels, chunk, ids, mask)
-            epoch_losses.append(loss)
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}", agree=f"{agree:.3f}")
-            if run.step % 25 == 0 or run.step == run.total:
-                run.log(log, loss=round(loss, 4), train_agreement=round(agree, 4), lr=run.sched.get_last_lr()[0])
-            end = run.step >= run.total or s.out_of_time(start, run.step) or run.step % run.per_epoch == 0
-            if end or (s.eval_every and run.step % s.eval_every == 0):
-                val = held_out()
-                mean = round(sum(epoch_losses) / len(epoch_losses), 4)
-                run.log(log, val_agreement=val, **({"epoch_loss": mean} if run.step % run.per_epoch == 0 else {}))
-                tqdm.write(f"step {run.step}: held-out greedy agreement {val:.4f}")
-            if end:
-                break
-    bar.close()
+    with open(work / "train_log.jsonl", "a" if run.step else "w") as log:
+        if not run.step:
+            run.log(log, val_agreement=held_out())
+        start, val = time.time(), None
+        bar = tqdm(total=run.total, initial=run.step, desc="train", unit="step")
+        while run.step < run.total and not s.out_of_time(start, run.step):
+            epoch, skip = divmod(run.step, run.per_epoch)
+            epoch_losses = []  # this run's part of the epoch
+            for k, (chunk, ids, mask) in enumerate(batches(rows, s.batch_size, shuffle=True, seed=s.seed + epoch)):
+                if k < skip:
+                    continue  # taken before a resume
+                loss, agree = run.train_step(rows, labels, chunk, ids, mask)
+                epoch_losses.append(loss)
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.3f}", agree=f"{agree:.3f}")
+                if run.step % 25 == 0 or run.step == run.total:
+                    run.log(log, loss=round(loss, 4), train_agreement=round(agree, 4), lr=run.optimiser.lr)
+                end = run.step >= run.total or s.out_of_time(start, run.step) or run.step % run.per_epoch == 0
+                if end or (s.eval_every and run.step % s.eval_every == 0):
+                    val = held_out()
+                    mean = round(sum(epoch_losses) / len(epoch_losses), 4)
+                    run.log(log, val_agreement=val, **({"epoch_loss": mean} if run.step % run.per_epoch == 0 else {}))
+                    tqdm.write(f"step {run.step}: held-out greedy agreement {val:.4f}")
+                if end:
+                    break
+        bar.close()
     run.save()
     val = val if val is not None else held_out()
-    summary = {"val_agreement": val, "steps": run.step, "cpu_minutes": round((time.process_time() - run.cpu0) / 60, 2)}
-    return run.draft.eval(), run.subset, summary
+    return run.draft.eval(), run.subset, {"val_agreement": val, "steps": run.step, "cpu_minutes": run.cpu_minutes()}
 
 
 def initial_draft(target, layers: int, init: Path | None, grow: int = 0):
@@ -341,81 +362,93 @@ def initial_draft(target, layers: int, init: Path | None, grow: int = 0):
     return grown(draft, target, grow).to(device) if grow else draft
 
 
-def check_inputs(args) -> None:
+def check_inputs(spec: DistillSpec) -> None:
     """Fail fast, with the reason, on files that are missing or hold nothing to learn from."""
-    for path in [*(args.corpus or []), *([args.prompts] if args.prompts else [])]:
+    for path in [*(spec.corpus or []), *([spec.prompts] if spec.prompts else [])]:
         if not Path(path).is_file():
             raise SpecBranchError(f"file not found: {path}")
         if not read_jsonl(Path(path)):
             raise SpecBranchError(f"{path} holds no rows (the file is empty)")
-    if args.kind == "head" and args.unroll < 1:
-        raise SpecBranchError(f"--unroll must be >= 1, got {args.unroll}")
-    if args.kind != "head" and args.feature_layers:
+    if spec.kind == "head" and spec.unroll < 1:
+        raise SpecBranchError(f"--unroll must be >= 1, got {spec.unroll}")
+    if spec.kind != "head" and spec.feature_layers:
         raise SpecBranchError("--feature-layers is for --kind head")
-    if args.kind == "head" and args.hard_labels:
+    if spec.kind == "head" and spec.hard_labels:
         raise SpecBranchError("--hard-labels is for a standalone draft (a head's labels come with its features)")
-    if args.held_out and not Path(args.held_out).is_file():
-        raise SpecBranchError(f"file not found: {args.held_out}")
-    if args.init and args.kind == "head":
+    if spec.held_out and not Path(spec.held_out).is_file():
+        raise SpecBranchError(f"file not found: {spec.held_out}")
+    if spec.init and spec.kind == "head":
         raise SpecBranchError("--init continues a standalone draft; a head starts from the target's last layer")
-    if args.grow and not args.init:
+    if spec.grow and not spec.init:
         raise SpecBranchError("--grow adds layers to the draft --init names")
-    if args.init and not is_specbranch_draft(Path(args.init)):
+    if spec.init and not is_specbranch_draft(Path(spec.init)):
         raise SpecBranchError(
-            f"--init {args.init}: not a draft directory (no config.json with a specbranch_draft entry)"
+            f"--init {spec.init}: not a draft directory (no config.json with a specbranch_draft entry)"
         )
-    if not (args.corpus or args.prompts or args.self_prompts):
+    if not (spec.corpus or spec.prompts or spec.self_prompts):
         raise SpecBranchError("distill needs training data: give --corpus, --prompts or --self-prompts")
 
 
-def run_distill(args) -> dict:
-    from engine.models.loading import load_pair
+def self_prompted_rows(spec: DistillSpec, target, tok, work: Path) -> list[dict]:
+    """The target's answers to questions it wrote itself (--self-prompts), none near a benchmark prompt."""
+    from engine.measure.datasets import DATASETS, benchmark_prompts
 
-    check_inputs(args)
-    work = writable_dir(Path(args.work_dir), "work files")
-    writable_dir(Path(args.out), "draft")
-    torch.set_num_threads(args.threads) if args.threads else None
-    pair = load_pair(args.target, None, device=args.device, dtype="float32")
-    target, tok = pair.target.model, pair.target.tokenizer
-    target.requires_grad_(False)
+    exclude = set().union(*(shingles(p.text) for d in DATASETS for p in benchmark_prompts(d)))
+    prompt_file, generated = work / "self_prompts.jsonl", work / "self_generated.jsonl"
+    generate_self_prompts(target, tok, spec.self_prompts, prompt_file, spec.gen_batch_size, spec.seed, exclude)
+    prompts = read_jsonl(prompt_file)[: spec.self_prompts]
+    generate_responses(
+        target, tok, prompts, generated, spec.max_new_tokens, spec.gen_batch_size, spec.gen_temperature, spec.seed
+    )
+    return read_jsonl(generated)[: spec.self_prompts]
+
+
+def distill_rows(spec: DistillSpec, target, tok, work: Path) -> list[dict]:
+    """The (prompt, response) rows to learn from, those with a response: the corpora's, then the target's answers
+    to --prompts and to --self-prompts (generated into the work folder, resumably)."""
     rows: list[dict] = []
-    for corpus in args.corpus or []:
+    for corpus in spec.corpus or []:
         rows += [{"prompt_ids": r["prompt_ids"], "response_ids": r["response_ids"]} for r in read_jsonl(Path(corpus))]
-    if args.prompts:
+    if spec.prompts:
         generated = work / "generated.jsonl"
-        prompts = read_jsonl(Path(args.prompts))[: args.limit or None]
+        prompts = read_jsonl(Path(spec.prompts))[: spec.limit or None]
         generate_responses(
-            target, tok, prompts, generated, args.max_new_tokens, args.gen_batch_size, args.gen_temperature, args.seed
+            target, tok, prompts, generated, spec.max_new_tokens, spec.gen_batch_size, spec.gen_temperature, spec.seed
         )
         rows += read_jsonl(generated)
-    if args.self_prompts:
-        from engine.measure.datasets import DATASETS, benchmark_prompts
+    if spec.self_prompts:
+        rows += self_prompted_rows(spec, target, tok, work)
+    return [r for r in rows if r["response_ids"]]
 
-        exclude = set().union(*(shingles(p.text) for d in DATASETS for p in benchmark_prompts(d)))
-        prompt_file, generated = work / "self_prompts.jsonl", work / "self_generated.jsonl"
-        generate_self_prompts(target, tok, args.self_prompts, prompt_file, args.gen_batch_size, args.seed, exclude)
-        prompts = read_jsonl(prompt_file)[: args.self_prompts]
-        generate_responses(
-            target, tok, prompts, generated, args.max_new_tokens, args.gen_batch_size, args.gen_temperature, args.seed
-        )
-        rows += read_jsonl(generated)[: args.self_prompts]
-    rows = [r for r in rows if r["response_ids"]]
-    if args.generate_only:
+
+def run_distill(spec: DistillSpec) -> dict:
+    """`python -m engine distill`: the rows, then a standalone draft or a head trained on them."""
+    from engine.models.loading import load_pair
+
+    check_inputs(spec)
+    work = writable_dir(Path(spec.work_dir), "work files")
+    writable_dir(Path(spec.out), "draft")
+    torch.set_num_threads(spec.threads) if spec.threads else None
+    pair = load_pair(spec.target, None, device=spec.device, dtype="float32")
+    target, tok = pair.target.model, pair.target.tokenizer
+    target.requires_grad_(False)
+    rows = distill_rows(spec, target, tok, work)
+    if spec.generate_only:
         print(f"distill: generated; {len(rows)} rows, {sum(len(r['response_ids']) for r in rows)} response tokens")
         return {"rows": len(rows)}
     if len(rows) < 2:
         raise SpecBranchError(
             "distill needs at least two (prompt, response) rows: give --corpus, --prompts or --self-prompts"
         )
-    if args.kind == "head":
+    if spec.kind == "head":
         from engine.training.head_distill import run_head_distill
 
         deepest = target.config.num_hidden_layers
-        if args.feature_layers and max(args.feature_layers) > deepest:
+        if spec.feature_layers and max(spec.feature_layers) > deepest:
             raise SpecBranchError(f"--feature-layers: the target has hidden states 0..{deepest}")
 
-        return run_head_distill(args, target, rows, work)
-    return run_standalone_distill(args, target, rows, work)
+        return run_head_distill(spec, target, rows, work)
+    return distill_standalone(spec, target, rows, work)
 
 
 def hard_labels(rows: list[dict]) -> list[dict]:
@@ -430,58 +463,44 @@ def hard_labels(rows: list[dict]) -> list[dict]:
     ]
 
 
-def draft_labels(args, target, train_rows, val_rows, work: Path) -> tuple[list[dict], list[dict]]:
+def draft_labels(spec: DistillSpec, target, train_rows, val_rows, work: Path) -> tuple[list[dict], list[dict]]:
     """(training labels, held-out labels): the target's top-k at every response position, or with --hard-labels the
     answers' own tokens for training (the held-out rows keep the target's top-k: agreement is with its argmax)."""
-    if args.hard_labels:
-        path = work / f"labels_top{args.top_k}_val_{len(val_rows)}_{args.seed}.pt"
-        return hard_labels(train_rows), label_topk(target, val_rows, path, args.top_k, args.label_batch_size)
-    path = work / f"labels_top{args.top_k}_{len(train_rows) + len(val_rows)}_{args.seed}.pt"
-    labels = label_topk(target, train_rows + val_rows, path, args.top_k, args.label_batch_size)
+    if spec.hard_labels:
+        path = work / f"labels_top{spec.top_k}_val_{len(val_rows)}_{spec.seed}.pt"
+        return hard_labels(train_rows), label_topk(target, val_rows, path, spec.top_k, spec.label_batch_size)
+    path = work / f"labels_top{spec.top_k}_{len(train_rows) + len(val_rows)}_{spec.seed}.pt"
+    labels = label_topk(target, train_rows + val_rows, path, spec.top_k, spec.label_batch_size)
     return labels[: len(train_rows)], labels[len(train_rows) :]
 
 
-def run_standalone_distill(args, target, rows: list[dict], work: Path) -> dict:
-    """Stages label and train for a standalone draft; saves it to --out."""
-    train_rows, val_rows = held_out_split(rows, args.held_out, args.val_fraction, args.seed)
-    train_labels, val_labels = draft_labels(args, target, train_rows, val_rows, work)
-    if args.max_tokens:  # a data-size curve: fewer training rows, the same held-out rows and labels
-        kept = capped_rows(train_rows, args.max_tokens, args.seed)
+def distill_standalone(spec: DistillSpec, target, rows: list[dict], work: Path) -> dict:
+    """Stages label and train for a standalone draft; saves it to spec.out with its card's facts."""
+    train_rows, val_rows = held_out_split(rows, spec.held_out, spec.val_fraction, spec.seed)
+    train_labels, val_labels = draft_labels(spec, target, train_rows, val_rows, work)
+    if spec.max_tokens:  # a data-size curve: fewer training rows, the same held-out rows and labels
+        kept = capped_rows(train_rows, spec.max_tokens, spec.seed)
         train_rows, train_labels = [train_rows[i] for i in kept], [train_labels[i] for i in kept]
     n_tokens = sum(len(r["response_ids"]) for r in train_rows)
     print(f"distill: {len(train_rows)} training rows ({n_tokens} response tokens), {len(val_rows)} held-out rows")
-    settings = DraftSettings(
-        layers=args.layers,
-        vocab=args.vocab,
-        epochs=args.epochs,
-        lr=args.lr,
-        batch_size=args.batch_size,
-        seed=args.seed,
-        max_minutes=args.max_minutes,
-        init=Path(args.init) if args.init else None,
-        grow=args.grow,
-        eval_every=args.eval_every,
-    )
+    settings = DraftSettings.from_spec(spec)
     draft, subset, summary = train_draft(target, train_rows, train_labels, val_rows, val_labels, settings, work)
     meta = {
-        "target": args.target,
+        "target": spec.target,
         "layers": draft.config.num_hidden_layers,
-        "init": args.init,
-        "grow": args.grow,
+        "init": spec.init,
+        "grow": spec.grow,
         "vocab_subset_size": int(len(subset)),
         "train_rows": len(train_rows),
         "train_response_tokens": n_tokens,
         "held_out_rows": len(val_rows),
-        "epochs": args.epochs,
-        "lr": args.lr,
-        "batch_size": args.batch_size,
-        "seed": args.seed,
-        "top_k_labels": args.top_k,
-        "hard_labels": args.hard_labels,
+        **spec.training_meta(),
+        "top_k_labels": spec.top_k,
+        "hard_labels": spec.hard_labels,
         **summary,
     }
-    use_subset = args.vocab < target.get_output_embeddings().weight.shape[0]
-    save_draft(draft, Path(args.out), subset if use_subset else None, meta)
-    (Path(args.out) / "training_log.jsonl").write_text((work / "train_log.jsonl").read_text())
+    use_subset = spec.vocab < target.get_output_embeddings().weight.shape[0]
+    save_draft(draft, Path(spec.out), subset if use_subset else None, meta)
+    (Path(spec.out) / "training_log.jsonl").write_text((work / "train_log.jsonl").read_text())
     print(json.dumps(meta))
     return meta

@@ -1,4 +1,4 @@
-"""`python -m engine distill --kind head`: train a feature-conditioned draft head (engine/head.py).
+"""`python -m engine distill --kind head`: train a feature-conditioned draft head (engine/drafts/head.py).
 
 Two resumable stages in --work-dir, after distill's own generate stage:
   features  the target's post-norm last hidden state at every position of every (prompt, response) row,
@@ -28,11 +28,12 @@ from engine.drafts.head import FeatureHead, save_head
 from engine.kernels.lm_head import bf16_supported
 from engine.training.common import (
     Checkpoint,
+    DistillSpec,
+    Optimiser,
     batches,
     capped_rows,
     frequent_vocab,
     held_out_split,
-    optimizer_step,
 )
 
 CHUNK_ROWS = 256
@@ -260,20 +261,16 @@ class Trainer:
         self.subset = frequent_vocab(rows, s.vocab, target.get_output_embeddings().weight.shape[0])
         self.sub_head = target.get_output_embeddings().weight[self.subset].detach().float().contiguous()
         self.embed = target.get_input_embeddings()
-        self.params = [p for p in self.head.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=s.lr, weight_decay=0.0)
         self.per_epoch = math.ceil(len(rows) / s.batch_size)
-        self.total = total = max(1, int(s.epochs * self.per_epoch))
-        self.sched = torch.optim.lr_scheduler.LambdaLR(
-            self.opt,
-            lambda k: min(1.0, (k + 1) / s.warmup) * 0.5 * (1 + math.cos(math.pi * min(k, total) / total)),
-        )
+        self.total = max(1, int(s.epochs * self.per_epoch))
+        params = [p for p in self.head.parameters() if p.requires_grad]
+        self.optimiser = Optimiser.warm_cosine(params, s.lr, self.total, warmup=s.warmup)
         self.ckpt = Checkpoint(work, "head", s, rows, s.checkpoint_every)
         self.step, cpu_s = self.ckpt.restore(self.parts())
         self.cpu0 = time.process_time() - cpu_s
 
     def parts(self) -> dict:
-        return {"head": self.head, "opt": self.opt, "sched": self.sched}
+        return {"head": self.head, "opt": self.optimiser.opt, "sched": self.optimiser.sched}
 
     def save(self) -> None:
         self.ckpt.save(self.parts(), self.step, time.process_time() - self.cpu0)
@@ -286,7 +283,7 @@ class Trainer:
         with autocast(device):
             outs = unrolled_outputs(self.head, self.embed(ids).float(), raw, self.settings.unroll)
             loss, agree = losses(outs, f, m, self.sub_head, self.settings.reg_weight)
-        optimizer_step(loss, self.params, self.opt, self.sched)
+        self.optimiser.step(loss)
         self.step += 1
         if self.ckpt.due(self.step):
             self.save()
@@ -298,53 +295,54 @@ def log_line(log, **fields) -> None:
 
 
 def train_head(target, rows, feats, val_rows, val_feats, settings: HeadSettings, work: Path):
-    """Train (or resume) a head; returns (head, vocabulary subset, summary). Logs to work/train_head_log.jsonl."""
+    """Train (or resume) a feature-conditioned head on the target's features of `rows`: (head, its vocabulary subset,
+    a summary). Logs to work/train_head_log.jsonl (appended to on a resume)."""
     s = settings
     t = Trainer(target, rows, s, work)
-    log = open(work / "train_head_log.jsonl", "a" if t.step else "w")
     held_out = lambda: evaluate(t.head, val_rows, val_feats, t.embed, t.sub_head, s.unroll, s.batch_size)  # noqa: E731
     tokens_per_step = sum(len(r["response_ids"]) for r in rows) / t.per_epoch
-    if not t.step:
-        log_line(log, step=0, val_agreement_by_depth=held_out())
-    start, val = time.time(), None
-    bar = tqdm(total=t.total, initial=t.step, desc="train head", unit="step")
-    while t.step < t.total and not out_of_time(s, start, t):
-        epoch, skip = divmod(t.step, t.per_epoch)
-        batches_ = feature_batches(
-            rows, feats, s.batch_size, True, s.seed + epoch, t.head.fc.weight.device, t.head.config.hidden_size
-        )
-        for k, (ids, raw, f, m) in enumerate(batches_):
-            if k < skip:
-                continue  # done before a resume
-            loss, agree = t.train_step(ids, raw, f, m)
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}", d1=f"{agree[0][0] / max(agree[0][1], 1):.3f}")
-            if t.step % 25 == 0:
-                log_line(
-                    log,
-                    step=t.step,
-                    epoch=round(t.step / t.per_epoch, 3),
-                    tokens=round(t.step * tokens_per_step),
-                    loss=round(loss, 4),
-                    train_agreement_by_depth=[round(x / max(y, 1), 4) for x, y in agree],
-                    lr=t.sched.get_last_lr()[0],
-                    cpu_minutes=round(t.cpu_minutes(), 2),
-                )
-            end = t.step >= t.total or out_of_time(s, start, t) or t.step % t.per_epoch == 0
-            if end or (s.eval_every and t.step % s.eval_every == 0):
-                val = held_out()
-                log_line(
-                    log,
-                    step=t.step,
-                    epoch=round(t.step / t.per_epoch, 3),
-                    tokens=round(t.step * tokens_per_step),
-                    val_agreement_by_depth=val,
-                    cpu_minutes=round(t.cpu_minutes(), 2),
-                )
-                tqdm.write(f"step {t.step}: held-out agreement by depth {val}")
-            if end:
-                break
-    bar.close()
+    with open(work / "train_head_log.jsonl", "a" if t.step else "w") as log:
+        if not t.step:
+            log_line(log, step=0, val_agreement_by_depth=held_out())
+        start, val = time.time(), None
+        bar = tqdm(total=t.total, initial=t.step, desc="train head", unit="step")
+        while t.step < t.total and not out_of_time(s, start, t):
+            epoch, skip = divmod(t.step, t.per_epoch)
+            batches_ = feature_batches(
+                rows, feats, s.batch_size, True, s.seed + epoch, t.head.fc.weight.device, t.head.config.hidden_size
+            )
+            for k, (ids, raw, f, m) in enumerate(batches_):
+                if k < skip:
+                    continue  # done before a resume
+                loss, agree = t.train_step(ids, raw, f, m)
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.3f}", d1=f"{agree[0][0] / max(agree[0][1], 1):.3f}")
+                if t.step % 25 == 0:
+                    log_line(
+                        log,
+                        step=t.step,
+                        epoch=round(t.step / t.per_epoch, 3),
+                        tokens=round(t.step * tokens_per_step),
+                        loss=round(loss, 4),
+                        train_agreement_by_depth=[round(x / max(y, 1), 4) for x, y in agree],
+                        lr=t.optimiser.lr,
+                        cpu_minutes=round(t.cpu_minutes(), 2),
+                    )
+                end = t.step >= t.total or out_of_time(s, start, t) or t.step % t.per_epoch == 0
+                if end or (s.eval_every and t.step % s.eval_every == 0):
+                    val = held_out()
+                    log_line(
+                        log,
+                        step=t.step,
+                        epoch=round(t.step / t.per_epoch, 3),
+                        tokens=round(t.step * tokens_per_step),
+                        val_agreement_by_depth=val,
+                        cpu_minutes=round(t.cpu_minutes(), 2),
+                    )
+                    tqdm.write(f"step {t.step}: held-out agreement by depth {val}")
+                if end:
+                    break
+        bar.close()
     t.save()
     val = val or held_out()
     summary = {"val_agreement_by_depth": val, "steps": t.step, "cpu_minutes": round(t.cpu_minutes(), 2)}
@@ -359,32 +357,33 @@ def out_of_time(s: HeadSettings, start: float, t: Trainer) -> bool:
     )
 
 
-def head_settings(args) -> HeadSettings:
+def head_settings(spec: DistillSpec) -> HeadSettings:
+    """The head's training settings from distill's."""
     return HeadSettings(
-        layers=args.layers,
-        vocab=args.vocab,
-        unroll=args.unroll,
-        epochs=args.epochs,
-        lr=args.lr,
-        batch_size=args.batch_size,
-        seed=args.seed,
-        feature_layers=tuple(args.feature_layers) if args.feature_layers else None,
-        max_minutes=args.max_minutes,
-        eval_every=args.eval_every,
+        layers=spec.layers,
+        vocab=spec.vocab,
+        unroll=spec.unroll,
+        epochs=spec.epochs,
+        lr=spec.lr,
+        batch_size=spec.batch_size,
+        seed=spec.seed,
+        feature_layers=tuple(spec.feature_layers) if spec.feature_layers else None,
+        max_minutes=spec.max_minutes,
+        eval_every=spec.eval_every,
     )
 
 
-def run_head_distill(args, target, rows: list[dict], work: Path) -> dict:
-    """Stages features and train for --kind head; saves the head to --out."""
-    torch.manual_seed(args.seed)
-    settings = head_settings(args)
-    train_rows, val_rows = held_out_split(rows, args.held_out, args.val_fraction, args.seed)
+def run_head_distill(spec: DistillSpec, target, rows: list[dict], work: Path) -> dict:
+    """Stages features and train for --kind head; saves the head to spec.out with its card's facts."""
+    torch.manual_seed(spec.seed)
+    settings = head_settings(spec)
+    train_rows, val_rows = held_out_split(rows, spec.held_out, spec.val_fraction, spec.seed)
     ordered = train_rows + val_rows
     store = FeatureStore(work, ordered, settings.feature_layers, target.config.hidden_size)
-    extract_features(target, ordered, store, args.label_batch_size)
+    extract_features(target, ordered, store, spec.label_batch_size)
     train_index = list(range(len(train_rows)))
-    if args.max_tokens:  # a data-size curve: fewer training rows, the same held-out rows
-        train_index = capped_rows(train_rows, args.max_tokens, args.seed)
+    if spec.max_tokens:  # a data-size curve: fewer training rows, the same held-out rows
+        train_index = capped_rows(train_rows, spec.max_tokens, spec.seed)
         train_rows = [train_rows[i] for i in train_index]
     val_feats = Rows(store, list(range(len(ordered) - len(val_rows), len(ordered))))
     n_tokens = sum(len(r["response_ids"]) for r in train_rows)
@@ -396,21 +395,18 @@ def run_head_distill(args, target, rows: list[dict], work: Path) -> dict:
     )
     meta = {
         "kind": "head",
-        "target": args.target,
+        "target": spec.target,
         "target_layers": target.config.num_hidden_layers,
-        "layers": args.layers,
-        "unroll": args.unroll,
+        "layers": spec.layers,
+        "unroll": spec.unroll,
         "vocab_subset_size": int(len(subset)),
         "train_rows": len(train_rows),
         "train_response_tokens": n_tokens,
         "held_out_rows": len(val_rows),
-        "epochs": args.epochs,
-        "lr": args.lr,
-        "batch_size": args.batch_size,
-        "seed": args.seed,
+        **spec.training_meta(),
         **summary,
     }
-    save_head(head, Path(args.out), subset, meta)
-    (Path(args.out) / "training_log.jsonl").write_text((work / "train_head_log.jsonl").read_text())
+    save_head(head, Path(spec.out), subset, meta)
+    (Path(spec.out) / "training_log.jsonl").write_text((work / "train_head_log.jsonl").read_text())
     print(json.dumps(meta))
     return meta

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import torch
 
-from engine.config import SpecBranchError
+from engine.config import GenerationConfig, ModelSettings, SpecBranchError
 from engine.methods.hrad import HRAD, features, pair_signature, save_hrad
+from engine.training.common import read_jsonl, split_by_prompt
 
 
 def label(run: int, horizon: int) -> int:
@@ -62,14 +63,6 @@ def scores(pred: torch.Tensor, gold: torch.Tensor) -> dict:
         "accuracy": round(float((pred == gold).float().mean()), 4) if len(gold) else None,
         "macro_f1": round(macro_f1(pred, gold), 4) if len(gold) else None,
     }
-
-
-def split_by_prompt(samples: list[Sample], fraction: float, seed: int) -> tuple[list[Sample], list[Sample]]:
-    """Hold out whole prompts, so that validation never sees a neighbour of a training sample."""
-    prompts = sorted({s.prompt for s in samples})
-    random.Random(seed).shuffle(prompts)
-    held = set(prompts[: max(1, round(len(prompts) * fraction))]) if len(prompts) > 1 else set()
-    return [s for s in samples if s.prompt not in held], [s for s in samples if s.prompt in held]
 
 
 def tensors(samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -174,8 +167,6 @@ def training_rows(corpora: list[Path], limit: int, seed: int) -> list[dict]:
     """Up to `limit` distinct training-split prompts with the target's greedy response, the same number
     from each source (GSM8K, HumanEval, MT-Bench second turns, the target's own questions), so that the
     classifier does not learn only GSM8K's rhythm."""
-    from engine.training.distill import read_jsonl
-
     by_source: dict[str, list[dict]] = {}
     seen = set()
     for r in (row for corpus in corpora for row in read_jsonl(corpus)):
@@ -234,52 +225,83 @@ def load_samples(path: Path, key: dict) -> dict[str, list[Sample]] | None:
     }
 
 
-def run_train_hrad(args) -> dict:
-    """Collect samples from the target's greedy answers to training prompts, train, evaluate by prompt
-    and on benchmark prompts, write weights + card."""
-    from tqdm import tqdm
+@dataclass(frozen=True)
+class HradSpec:
+    """What `python -m engine train-hrad` collects, trains and writes (the flags of the same names)."""
 
-    from engine.config import GenerationConfig
-    from engine.measure.datasets import DATA_DIR, benchmark_prompts
+    out: str  # the .safetensors to write (a .json goes beside it)
+    corpus: list[str] | None = None  # training prompts with the target's greedy answers (None: DEFAULT_CORPORA)
+    limit: int = 600  # training prompts to read
+    held_out_limit: int = 4  # benchmark prompts per dataset for accuracy
+    horizon: int = 4  # accepted run at which a block counts as all accepted
+    val_fraction: float = 0.2  # training prompts held out for validation
+    epochs: int = 30
+    proj_dim: int = 8  # PCA directions kept of the 5·H target features
+    hidden: int = 64  # MLP width
+    dropout: float = 0.2
+    weight_decay: float = 0.01
+    samples: str = "runs/hrad/samples.pt"  # collected samples, reused for the same weights and settings
+    seed: int = 0
+    max_new_tokens: int = 128  # the held-out prompts' greedy answers
 
-    corpora = [
-        Path(c)
-        for c in args.corpus
-        or [
-            DATA_DIR / "teacher_smollm2_135m.jsonl.gz",
-            DATA_DIR / "self_smollm2_135m.jsonl.gz",
-            DATA_DIR / "self2_smollm2_135m.jsonl.gz",
-        ]
-    ]
+
+DEFAULT_CORPORA = ("teacher_smollm2_135m.jsonl.gz", "self_smollm2_135m.jsonl.gz", "self2_smollm2_135m.jsonl.gz")
+
+
+def checked_rows(spec: HradSpec) -> tuple[list[Path], list[dict]]:
+    """(corpora, the training rows read from them), refused before any model loads where they cannot serve."""
+    from engine.measure.datasets import DATA_DIR
+
+    corpora = [Path(c) for c in spec.corpus or [DATA_DIR / name for name in DEFAULT_CORPORA]]
     for c in corpora:
         if not c.is_file():
             raise SpecBranchError(f"no corpus at {c}")
-    rows = training_rows(corpora, args.limit, args.seed) if args.limit > 0 else []
+    rows = training_rows(corpora, spec.limit, spec.seed) if spec.limit > 0 else []
     if len(rows) < 2:
         raise SpecBranchError(
             f"{len(rows)} usable rows (prompt_ids with a greedy response_ids) in "
-            f"{', '.join(map(str, corpora))} with --limit {args.limit}: H-RAD needs at least 2 "
+            f"{', '.join(map(str, corpora))} with --limit {spec.limit}: H-RAD needs at least 2 "
             "prompts to learn from and validate on"
         )
-    out = Path(args.out)
-    if out.suffix != ".safetensors":
-        raise SpecBranchError(f"--out must name a .safetensors file, got {out}")
-    engine = args.build_engine(args)
-    samples_path = Path(args.samples)
-    key = samples_key(
-        engine.pair,
-        {
-            "corpora": [str(c) for c in corpora],
-            "limit": args.limit,
-            "seed": args.seed,
-            "horizon": args.horizon,
-            "held_out_limit": args.held_out_limit,
-            "max_new_tokens": args.max_new_tokens,
-            "draft_matmul": engine.pair.draft.matmul,  # the draft's confidences depend on
-            "draft_lean": engine.pair.draft.lean,
-        },
-    )  # both (rounding)
-    # reuse what was collected for this pair and these settings (to try other classifier settings)
+    if Path(spec.out).suffix != ".safetensors":
+        raise SpecBranchError(f"--out must name a .safetensors file, got {Path(spec.out)}")
+    return corpora, rows
+
+
+def collect_samples(spec: HradSpec, engine, rows: list[dict]) -> dict[str, list[Sample]]:
+    """{"train": samples of the training rows, "held_out": of the target's greedy answers to benchmark prompts}."""
+    from tqdm import tqdm
+
+    from engine.measure.datasets import benchmark_prompts
+
+    train = [
+        s
+        for i, r in enumerate(tqdm(rows, desc="samples (training prompts)", unit="prompt"))
+        for s in forced_samples(engine.pair, r["prompt_ids"], r["response_ids"], spec.horizon, i)
+    ]
+    held_out = []
+    for j, p in enumerate(benchmark_prompts("all", spec.held_out_limit) if spec.held_out_limit > 0 else []):
+        ids = engine.encode(p.text, p.chat)
+        reply = engine.run(ids, GenerationConfig(method="ar", max_new_tokens=spec.max_new_tokens)).token_ids
+        held_out += forced_samples(engine.pair, ids, reply, spec.horizon, len(rows) + j)
+    return {"train": train, "held_out": held_out}
+
+
+def samples_for(spec: HradSpec, engine, corpora: list[Path], rows: list[dict]) -> dict[str, list[Sample]]:
+    """The samples saved for this pair and these settings (to try other classifier settings), else collected and
+    saved."""
+    samples_path = Path(spec.samples)
+    settings = {
+        "corpora": [str(c) for c in corpora],
+        "limit": spec.limit,
+        "seed": spec.seed,
+        "horizon": spec.horizon,
+        "held_out_limit": spec.held_out_limit,
+        "max_new_tokens": spec.max_new_tokens,
+        "draft_matmul": engine.pair.draft.matmul,  # the draft's confidences depend on both (rounding)
+        "draft_lean": engine.pair.draft.lean,
+    }
+    key = samples_key(engine.pair, settings)
     sets = load_samples(samples_path, key)
     if sets is None:
         if samples_path.exists():
@@ -288,48 +310,49 @@ def run_train_hrad(args) -> dict:
                 "collecting anew",
                 file=sys.stderr,
             )
-        train = [
-            s
-            for i, r in enumerate(tqdm(rows, desc="samples (training prompts)", unit="prompt"))
-            for s in forced_samples(engine.pair, r["prompt_ids"], r["response_ids"], args.horizon, i)
-        ]
-        held_out = []
-        for j, p in enumerate(benchmark_prompts("all", args.held_out_limit) if args.held_out_limit > 0 else []):
-            ids = engine.encode(p.text, p.chat)
-            reply = engine.run(ids, GenerationConfig(method="ar", max_new_tokens=args.max_new_tokens)).token_ids
-            held_out += forced_samples(engine.pair, ids, reply, args.horizon, len(rows) + j)
-        sets = {"train": train, "held_out": held_out}
+        sets = collect_samples(spec, engine, rows)
         save_samples(samples_path, sets, key)
+    return sets
+
+
+def run_train_hrad(spec: HradSpec, models: ModelSettings) -> dict:
+    """Collect samples from the target's greedy answers to training prompts, train, evaluate by prompt
+    and on benchmark prompts, write weights + card."""
+    from engine.load import load_engine
+
+    corpora, rows = checked_rows(spec)
+    engine = load_engine(models, need_draft=True)
+    sets = samples_for(spec, engine, corpora, rows)
     if len({s.prompt for s in sets["train"]}) < 2:
         raise SpecBranchError(
             f"{len(sets['train'])} labelled samples from {len(rows)} prompts: too few to train "
             "and validate by prompt (raise --limit)"
         )
-    train, val = split_by_prompt(sets["train"], args.val_fraction, args.seed)
+    train, val = split_by_prompt(sets["train"], spec.val_fraction, spec.seed, prompt_of=lambda s: s.prompt)
     model = train_classifier(
         train,
-        epochs=args.epochs,
-        seed=args.seed,
-        proj_dim=args.proj_dim,
-        hidden=args.hidden,
-        dropout=args.dropout,
-        weight_decay=args.weight_decay,
+        epochs=spec.epochs,
+        seed=spec.seed,
+        proj_dim=spec.proj_dim,
+        hidden=spec.hidden,
+        dropout=spec.dropout,
+        weight_decay=spec.weight_decay,
     )
     meta = {
         "pair": pair_signature(engine.pair),
-        "target": args.target,
-        "draft": args.draft,
-        "horizon": args.horizon,
+        "target": models.target,
+        "draft": models.draft,
+        "horizon": spec.horizon,
         "train_prompts": len(rows),
-        "epochs": args.epochs,
-        "dropout": args.dropout,
-        "weight_decay": args.weight_decay,
+        "epochs": spec.epochs,
+        "dropout": spec.dropout,
+        "weight_decay": spec.weight_decay,
         "train_source": f"the target's greedy answers in {', '.join(c.name for c in corpora)} (training split; "
-        f"validation holds out {args.val_fraction:.0%} of these prompts)",
-        "held_out_source": f"benchmark split, {args.held_out_limit} per dataset, the target's greedy answers "
-        f"of up to {args.max_new_tokens} tokens",
+        f"validation holds out {spec.val_fraction:.0%} of these prompts)",
+        "held_out_source": f"benchmark split, {spec.held_out_limit} per dataset, the target's greedy answers "
+        f"of up to {spec.max_new_tokens} tokens",
         **evaluate(model, train, {"validation_by_prompt": val, "held_out": sets["held_out"]}),
     }
-    save_hrad(model, out, meta)
+    save_hrad(model, Path(spec.out), meta)
     print(json.dumps(meta, indent=2))
     return meta

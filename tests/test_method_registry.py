@@ -1,0 +1,53 @@
+"""The method registry (engine/config.py REGISTRY) says what each method does, and a run on the tiny pair shows it:
+whether it needs a draft, whether the engine's own loop drives the draft, and whether the two models take turns."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import METHODS, REGISTRY, GenerationConfig, SpecBranchError
+from engine.engine import Engine
+from engine.events import BRANCH_DRAFT, DRAFT, DraftProposed, TimingSpan
+
+PROMPT = [2, 3, 4, 5]
+
+
+@pytest.fixture(scope="module")
+def target_only(tiny_dirs):
+    from engine.models.loading import load_pair
+
+    engine = Engine(load_pair(str(tiny_dirs["target"]), None, device="cpu"))
+    yield engine
+    engine.close()
+
+
+def test_every_method_has_one_entry():
+    assert tuple(REGISTRY) == METHODS
+    assert all(name == m.name for name, m in REGISTRY.items())
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_method_without_a_draft_runs_only_where_it_needs_none(target_only, method):
+    cfg = GenerationConfig(method=method, max_new_tokens=4)
+    if REGISTRY[method].needs_draft:
+        with pytest.raises(SpecBranchError, match="needs a draft model"):
+            target_only.run(PROMPT, cfg)
+    else:
+        assert len(target_only.run(PROMPT, cfg).token_ids) == 4
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_what_a_run_shows_matches_the_registry(tiny_engine, method):
+    kind = REGISTRY[method]
+    result = tiny_engine.run(PROMPT, GenerationConfig(method=method, max_new_tokens=8, gamma=3))
+    spans = [e for e in result.events if isinstance(e, TimingSpan)]
+    draft_steps = [s for s in spans if s.worker == "draft" and s.kind in (DRAFT, BRANCH_DRAFT)]
+    proposed = [e for e in result.events if isinstance(e, DraftProposed)]
+    # the engine's loop drives the draft on its worker, and shows what it drafted; hf-assisted's draft runs inside
+    # transformers' generate() on the target's worker, unseen (a draft's prefill runs for every method)
+    assert bool(draft_steps) == bool(proposed) == kind.drafts_here
+    assert any(s.kind == "assisted_generate" for s in spans) == (kind.decoder == "assisted")
+    # the spans themselves: an overlapped method's draft steps beside the target's passes; a serial one's (SD) never
+    # computes while the other does
+    overlap = result.metrics["overlap"]
+    assert (overlap > 0) == (kind.drafts_here and kind.overlapped)
