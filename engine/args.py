@@ -27,6 +27,18 @@ def thread_count(text: str) -> int:
     return value
 
 
+def layer_list(text: str) -> tuple[int, ...]:
+    """Hidden-state indices for argparse: "2,15,27" -> (2, 15, 27), each >= 0, no repeats (the target's depth is
+    checked once it is loaded)."""
+    try:
+        layers = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of layer indices: {text!r}") from None
+    if any(i < 0 for i in layers) or len(set(layers)) != len(layers):
+        raise argparse.ArgumentTypeError(f"layer indices must be >= 0 and distinct, got {text!r}")
+    return layers
+
+
 DRAFT_HELP = (
     "embedded | embedded-weak | embedded-head | self | self-skip:I,J,... | truncated:N | PATH.gguf | DIR | hub id "
     "(default: the fastest this machine supports, engine/presets.py default_draft: self, the target read in 4 bits, "

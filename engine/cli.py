@@ -10,7 +10,14 @@ import dataclasses
 import json
 import sys
 
-from engine.args import add_model_arguments, fill_model_defaults, model_settings, settings_from, thread_count
+from engine.args import (
+    add_model_arguments,
+    fill_model_defaults,
+    layer_list,
+    model_settings,
+    settings_from,
+    thread_count,
+)
 from engine.config import BASELINE, METHODS, REGISTRY, GenerationConfig, SpecBranchError, writable_file
 
 
@@ -160,11 +167,36 @@ def add_distill_arguments(p: argparse.ArgumentParser) -> None:
         "instead of starting from the target's first layers",
     )
     p.add_argument(
+        "--grow",
+        type=int,
+        default=0,
+        help="standalone, with --init: add N layers on top that start as no-ops (their output projections zero)",
+    )
+    p.add_argument(
         "--unroll",
         type=int,
         default=3,
         help="head: training-time-test steps (drafting depths trained on the head's own predictions)",
     )
+    p.add_argument(
+        "--feature-layers",
+        type=layer_list,
+        default=None,
+        help="head: fuse these of the target's hidden states (0 = embeddings, i = layer i's output, L = the "
+        "final-norm state), e.g. 2,15,27 for low, mid and high of 30 layers (EAGLE-3); default: the final-norm state",
+    )
+    p.add_argument(
+        "--hard-labels",
+        action="store_true",
+        help="standalone: train on the answers' own tokens (no target pass to label them); the held-out rows keep "
+        "the target's top-k",
+    )
+    p.add_argument(
+        "--held-out",
+        help="hold out these rows (a JSONL corpus; training rows with their prompts are dropped) instead of a "
+        "random split, so held-out figures stay comparable as corpora are added",
+    )
+    p.add_argument("--eval-every", type=int, default=0, help="held-out evaluation every N steps too")
     p.add_argument("--vocab", type=int, default=8192, help="reduced LM-head size (FR-Spec); >= vocab means full")
     p.add_argument("--epochs", type=float, default=3)
     p.add_argument("--lr", type=float, default=5e-4)

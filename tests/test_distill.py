@@ -277,3 +277,80 @@ def test_the_shipped_training_corpora_read_gzipped():
     assert len(rows) == 2360 and {"prompt_ids", "response_ids"} <= set(rows[0])
     plain = DATA_DIR / "tuning_prompts.jsonl"
     assert read_jsonl(plain) == [json.loads(line) for line in plain.read_text().splitlines() if line]
+
+
+def test_grown_draft_starts_as_the_draft_it_grew_from(tmp_path):
+    """--grow: the new layers add nothing until trained (the same logits, to float rounding), yet they are the
+    target's layers at that depth apart from their zeroed output projections, so their gradients flow at once."""
+    from engine.drafts.distilled import grown
+    from engine.models.loading import load_model
+
+    model, _ = load_model(str(make_tiny_model(tmp_path / "t", seed=3, layers=4)), torch.device("cpu"), torch.float32)
+    draft = draft_from_target(model, 2)
+    with torch.no_grad():
+        for p in draft.model.layers.parameters():
+            p.add_(0.1 * torch.randn_like(p))  # a trained draft: no longer the target's layers
+    bigger = grown(draft, model, 1)
+    ids = torch.tensor([[2, 5, 3, 7, 4, 4, 8]])
+    with torch.no_grad():
+        assert torch.allclose(bigger(ids).logits, draft(ids).logits, atol=1e-5)
+    assert bigger.config.num_hidden_layers == 3
+    assert torch.equal(bigger.model.layers[1].mlp.up_proj.weight, draft.model.layers[1].mlp.up_proj.weight)
+    assert torch.equal(bigger.model.layers[2].mlp.up_proj.weight, model.model.layers[2].mlp.up_proj.weight)
+    bigger(ids).logits.sum().backward()
+    assert bigger.model.layers[2].mlp.down_proj.weight.grad.abs().sum() > 0
+
+
+def test_distill_hard_labels_need_no_target_pass_over_training_rows(tmp_path):
+    """--hard-labels trains a standalone draft on the answers' own tokens: only the held-out rows (from --held-out)
+    are labelled by the target, and the draft still learns to agree with the target's argmax there."""
+    from engine.training.distill import hard_labels
+
+    rows = [{"prompt_ids": [2, 3], "response_ids": [4, 5, 6]}]
+    (label,) = hard_labels(rows)
+    assert label["ids"].tolist() == [[4], [5], [6]] and label["probs"].tolist() == [[1.0]] * 3
+    target = make_tiny_model(tmp_path / "target", seed=5, layers=3, init=0.3, context=128)
+    corpus, held_out = tmp_path / "corpus.jsonl", tmp_path / "held_out.jsonl"
+    model = load_pair(str(target), None, device="cpu").target.model
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        prompts = torch.randint(2, 10, (48, 4))
+        out = model.generate(prompts, do_sample=False, max_new_tokens=20, min_new_tokens=20)
+    lines = [
+        json.dumps({"prompt_ids": p.tolist(), "response_ids": o[4:].tolist()}) + "\n" for p, o in zip(prompts, out)
+    ]
+    corpus.write_text("".join(lines))
+    held_out.write_text("".join(lines[:6]))  # their prompts are dropped from training
+    argv = ["distill", "--target", str(target), "--corpus", str(corpus), "--held-out", str(held_out), "--hard-labels"]
+    argv += ["--layers", "1", "--vocab", "10", "--epochs", "6", "--lr", "3e-3", "--batch-size", "8", "--top-k", "4"]
+    code = main([*argv, "--work-dir", str(tmp_path / "work"), "--out", str(tmp_path / "d"), "--device", "cpu"])
+    assert code == 0
+    card = json.loads((tmp_path / "d" / "config.json").read_text())["specbranch_draft"]
+    assert card["hard_labels"] and card["held_out_rows"] == 6 and card["train_rows"] == 48 - 6
+    assert [p.name for p in (tmp_path / "work").glob("labels_*.pt")] == ["labels_top4_val_6_0.pt"]
+    log = [json.loads(x) for x in (tmp_path / "d" / "training_log.jsonl").read_text().splitlines()]
+    val = [r["val_agreement"] for r in log if "val_agreement" in r]
+    assert val[-1] > val[0] + 0.1  # from 0.55 (the target's first layer) to 0.68 when written
+
+
+def test_draft_training_resumes_where_it_stopped(tmp_path):
+    """A standalone run stopped at a step and rerun from its checkpoint ends with exactly the weights of a run that
+    never stopped (the same batches, optimiser state and schedule)."""
+    from engine.models.loading import load_model
+    from engine.training.distill import DraftSettings, hard_labels, train_draft
+
+    model, _ = load_model(str(make_tiny_model(tmp_path / "t", seed=3, layers=3)), torch.device("cpu"), torch.float32)
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        out = model.generate(torch.randint(2, 10, (24, 3)), do_sample=True, max_new_tokens=8, min_new_tokens=8)
+    rows = [{"prompt_ids": o[:3].tolist(), "response_ids": o[3:].tolist()} for o in out]
+    settings = DraftSettings(layers=1, vocab=12, epochs=3, lr=3e-3, batch_size=4, checkpoint_every=2)
+    args = (model, rows[:20], hard_labels(rows[:20]), rows[20:], hard_labels(rows[20:]))
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    straight, _, summary = train_draft(*args, settings, tmp_path / "a")
+    assert summary["steps"] == 15
+    assert train_draft(*args, DraftSettings(**{**settings.__dict__, "stop_at": 7}), tmp_path / "b")[2]["steps"] == 7
+    resumed, _, summary = train_draft(*args, settings, tmp_path / "b")
+    assert summary["steps"] == 15
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name

@@ -14,24 +14,41 @@ from engine.cli import main
 from engine.config import GenerationConfig, SpecBranchError
 from engine.drafts.head import FeatureHead, HeadLM, save_head
 from engine.engine import Engine
-from engine.models.loading import LM, load_model, load_pair
-from engine.training.head_distill import losses, unrolled_outputs
+from engine.models.loading import LM, load_model, load_pair, pair_of
+from engine.training.head_distill import (
+    FeatureStore,
+    HeadSettings,
+    Rows,
+    extract_features,
+    losses,
+    train_head,
+    unrolled_outputs,
+)
 
 from .conftest import make_tiny_model, seeded_schedule
 from .reference import PROMPT, chi_square, exact_joint, transformers_model
 
+FUSED = (0, 1, 2)  # the tiny 2-layer target's embeddings, first layer's output and final-norm state
 
-def random_head(target, seed=0, scale=0.3):
+
+def random_head(target, seed=0, scale=0.3, feature_layers=None):
     """A head whose weights are the target's last layer plus noise (so fc and the layer are not identities)."""
     torch.manual_seed(seed)
-    head = FeatureHead.from_target(target, 1)
+    head = FeatureHead.from_target(target, 1, feature_layers=feature_layers)
     with torch.no_grad():
         for p in head.parameters():
             p.add_(torch.randn_like(p) * scale * p.std().clamp_min(0.05))
     return head.eval()
 
 
-def quickly_trained_head(lm, steps=150):
+def side_by_side(model, ids, layers) -> torch.Tensor:
+    """The reference for what a fused head reads: transformers' own hidden states `layers`, concatenated [B, T, k H]."""
+    with torch.inference_mode():
+        hidden = model.base_model(input_ids=ids, output_hidden_states=True).hidden_states
+    return torch.cat([hidden[i] for i in layers], dim=-1)
+
+
+def quickly_trained_head(lm, steps=150, feature_layers=None):
     """A head trained for a few seconds on the target's own sampled text, so drafts are often accepted and
     the verification paths with accepted tokens run too."""
     torch.manual_seed(0)
@@ -39,12 +56,14 @@ def quickly_trained_head(lm, steps=150):
         ids = lm.model.generate(torch.randint(2, 10, (32, 3)), do_sample=True, max_new_tokens=29, min_new_tokens=29)
         feats = lm.model.base_model(input_ids=ids).last_hidden_state
         embeds = lm.model.get_input_embeddings()(ids)
-    head = FeatureHead.from_target(lm.model, 1).train()
+    raw = side_by_side(lm.model, ids, feature_layers) if feature_layers else feats
+    head = FeatureHead.from_target(lm.model, 1, feature_layers=feature_layers).train()
     opt = torch.optim.Adam(head.parameters(), lr=3e-3)
     mask = torch.ones(ids.shape, dtype=torch.bool)
     mask[:, -1] = False
+    reg = 0.0 if feature_layers else 0.5
     for _ in range(steps):
-        loss, _ = losses(unrolled_outputs(head, embeds, feats, 2), feats, mask, lm.model.lm_head.weight, 0.5)
+        loss, _ = losses(unrolled_outputs(head, embeds, raw, 2), feats, mask, lm.model.lm_head.weight, reg)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -73,6 +92,17 @@ def head_engine(tiny_target, tmp_path_factory):
     engine.close()
 
 
+@pytest.fixture(scope="module")
+def fused_engine(tiny_target, tmp_path_factory):
+    path, lm = tiny_target
+    out = tmp_path_factory.mktemp("head") / "fused"
+    head = quickly_trained_head(lm, feature_layers=FUSED)
+    save_head(head, out, torch.arange(lm.vocab_size), {"hidden_size": 32, "vocab_size": lm.vocab_size})
+    engine = Engine(load_pair(str(path), str(out), device="cpu"))
+    yield engine
+    engine.close()
+
+
 def test_training_unroll_is_drafting(tiny_target):
     """Unroll step j of training predicts position t exactly as the head does when drafting at depth j+1:
     the target's features known up to t-j-1, its own predictions after that."""
@@ -90,6 +120,50 @@ def test_training_unroll_is_drafting(tiny_target):
             hlm.forward(ids[:, : t + 1], cache)
             assert torch.allclose(cache.pred[0, t], outs[j][0, t], atol=1e-5), (j, t)
             assert cache.built_on_pred[t] == (j > 0)
+
+
+def test_fused_training_unroll_is_drafting(tiny_target):
+    """The same for a head fusing several of the target's layers (EAGLE-3): training reads them side by side and
+    fuses them; drafting is handed them by the target's own forward (LM.forward features=True, which gives exactly
+    transformers' hidden states side by side) and fuses them in its cache."""
+    _, lm = tiny_target
+    head = random_head(lm.model, feature_layers=FUSED)
+    ids = torch.tensor([[2, 5, 3, 7, 4, 4, 8, 2, 6, 3, 9, 5]])
+    raw = side_by_side(lm.model, ids, FUSED)  # [1, T, 3 H]
+    with torch.inference_mode():
+        outs = unrolled_outputs(head, lm.model.get_input_embeddings()(ids), raw, steps=3)
+    pair = pair_of(lm, "fused", head, lm.tokenizer, torch.arange(lm.vocab_size))
+    target, hlm = pair.target, pair.draft
+    assert target.feature_layers == FUSED and lm.feature_layers is None  # the pair's own view of the target
+    handed = target.forward(ids, target.new_cache(), features=True).features
+    assert torch.allclose(handed, raw, atol=1e-5) and handed.shape[-1] == 3 * lm.model.config.hidden_size
+    for j in range(3):
+        for t in range(j, ids.shape[1]):
+            cache = hlm.new_cache()
+            cache.set_target_features(0, handed[0, : t - j])
+            hlm.forward(ids[:, : t + 1], cache)
+            assert torch.allclose(cache.pred[0, t], outs[j][0, t], atol=1e-5), (j, t)
+            assert cache.built_on_pred[t] == (j > 0)
+
+
+@pytest.mark.parametrize("static", [True, False])
+def test_target_features_are_the_named_hidden_states(tiny_target, static):
+    """LM.forward(features=True) hands over the hidden states feature_layers names, side by side, on the static path
+    and on transformers' forward alike, in a prefill and in a later pass; without them, the final-norm state."""
+    path, lm = tiny_target
+    target = LM(str(path), lm.model, lm.tokenizer, lm.vocab_size, static=static)
+    assert target.static == static
+    ids = torch.tensor([[2, 5, 3, 7, 4, 4, 8]])
+    want = side_by_side(lm.model, ids, (1, 0, 2))
+    target.feature_layers = (1, 0, 2)
+    cache = target.new_cache()
+    first = target.forward(ids[:, :4], cache, features=True)
+    later = target.forward(ids[:, 4:], cache, features=True)
+    assert first.hidden_states is None  # computed for the features only
+    assert torch.allclose(torch.cat([first.features, later.features], 1), want, atol=1e-5)
+    target.feature_layers = None
+    plain = target.forward(ids, target.new_cache(), features=True).features
+    assert torch.allclose(plain, want[..., -32:], atol=1e-5)
 
 
 def test_head_cache_pointer_and_stale_rows(tiny_target):
@@ -127,6 +201,23 @@ def test_head_cache_pointer_and_stale_rows(tiny_target):
 def test_head_greedy_equals_target_to_context_end(head_engine, method, extra):
     want = head_engine.run(PROMPT, GenerationConfig(method="ar", max_new_tokens=200)).token_ids
     r = head_engine.run(PROMPT, GenerationConfig(method=method, max_new_tokens=200, **extra))
+    assert r.token_ids == want and r.finish_reason == "length"
+    assert r.metrics["drafted_tokens"] > 0 and r.metrics["accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize(
+    "method, extra",
+    [
+        ("sd", dict(gamma=3)),
+        ("pearl", dict(gamma=4)),
+        ("specbranch", dict(gamma=6, branches=2, epsilon=0.6, draft_stop=0.3)),
+    ],
+)
+def test_fused_head_greedy_equals_target_to_context_end(fused_engine, method, extra):
+    """A fused head, saved and loaded by its spec: the target hands it its layers, and the output stays the target's."""
+    assert fused_engine.pair.draft.feature_layers == FUSED and fused_engine.pair.target.feature_layers == FUSED
+    want = fused_engine.run(PROMPT, GenerationConfig(method="ar", max_new_tokens=200)).token_ids
+    r = fused_engine.run(PROMPT, GenerationConfig(method=method, max_new_tokens=200, **extra))
     assert r.token_ids == want and r.finish_reason == "length"
     assert r.metrics["drafted_tokens"] > 0 and r.metrics["accepted_tokens"] > 0
 
@@ -176,8 +267,16 @@ def test_head_for_another_target_is_refused(head_engine, tmp_path, tiny_target):
         head_engine.run(PROMPT, GenerationConfig(method="hf-assisted", max_new_tokens=4))
 
 
-def test_distill_head_tiny_end_to_end(tmp_path):
+@pytest.mark.parametrize("fused", [False, True])
+def test_distill_head_tiny_end_to_end(tmp_path, fused):
+    """distill --kind head trains a head that learns to agree, saves it, and it loads and drafts losslessly; fused:
+    over the target's hidden states 1, 2 and 3, held out on the rows of a file (none of which it trains on)."""
     target = make_tiny_model(tmp_path / "target", seed=5, layers=3, init=0.3, context=128)
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text(
+        "".join(json.dumps({"prompt_ids": [2 + i, 3, 4], "response_ids": [5, 6 + i, 7, 2, 3]}) + "\n" for i in range(4))
+    )
+    extra = ["--feature-layers", "1,2,3", "--held-out", str(held_out), "--eval-every", "5"] if fused else []
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(
         "".join(
@@ -219,6 +318,7 @@ def test_distill_head_tiny_end_to_end(tmp_path):
             str(out),
             "--device",
             "cpu",
+            *extra,
         ]
     )
     assert code == 0
@@ -227,8 +327,12 @@ def test_distill_head_tiny_end_to_end(tmp_path):
     assert len(val[-1]) == 2 and val[-1][0] > val[0][0] + 0.1  # it learns to agree with the target
     card = json.loads((out / "config.json").read_text())["specbranch_head"]
     assert card["kind"] == "head" and card["unroll"] == 2 and card["target_layers"] == 3
+    assert card["feature_layers"] == ([1, 2, 3] if fused else None)
+    assert (card["held_out_rows"], card["train_rows"]) == (4, 40) if fused else card["train_rows"] < 40
+    if fused:  # every 5 steps and at each epoch's end (5 steps an epoch here)
+        assert len(val) == 1 + 8
     engine = Engine(load_pair(str(target), str(out), device="cpu"))
-    assert isinstance(engine.pair.draft, HeadLM)
+    assert isinstance(engine.pair.draft, HeadLM) and engine.pair.target.feature_layers == ((1, 2, 3) if fused else None)
     want = engine.run([2, 3, 4], GenerationConfig(method="ar", max_new_tokens=40)).token_ids
     for method in ("sd", "specbranch"):
         r = engine.run([2, 3, 4], GenerationConfig(method=method, max_new_tokens=40, gamma=4))
@@ -264,3 +368,57 @@ def test_distill_head_bad_input_before_loading(tmp_path, capsys, argv, message):
     except SystemExit as exc:  # argparse refuses unknown choices itself
         code = exc.code
     assert code == 2 and message in capsys.readouterr().err
+
+
+def sampled_rows(lm, n=24, seed=0) -> list[dict]:
+    """(prompt, response) rows of the tiny target's own sampled text, of differing lengths."""
+    torch.manual_seed(seed)
+    rows = []
+    with torch.inference_mode():
+        for i in range(n):
+            prompt = torch.randint(2, 10, (1, 2 + i % 3))
+            out = lm.model.generate(prompt, do_sample=True, max_new_tokens=6 + i % 5, min_new_tokens=6 + i % 5)
+            rows.append({"prompt_ids": prompt[0].tolist(), "response_ids": out[0, prompt.shape[1] :].tolist()})
+    return rows
+
+
+def test_feature_store_holds_each_rows_layers_and_resumes(tiny_target, tmp_path, monkeypatch):
+    """Each row reads back as transformers' hidden states FUSED and the final-norm state, side by side (float16),
+    computed in padded batches and chunks; a second extraction finds every chunk on disk and runs no forward."""
+    _, lm = tiny_target
+    rows = sampled_rows(lm)
+    monkeypatch.setattr("engine.training.head_distill.CHUNK_ROWS", 10)  # 3 chunks, the last one short
+    store = extract_features(lm.model, rows, FeatureStore(tmp_path, rows, FUSED, 32), batch_size=4)
+    assert len(store.paths) == 3 and not store.missing()
+    for i, r in enumerate(rows):
+        ids = torch.tensor([r["prompt_ids"] + r["response_ids"]])
+        want = torch.cat([side_by_side(lm.model, ids, FUSED), side_by_side(lm.model, ids, (2,))], -1)[0]
+        assert store[i].dtype == torch.float16 and store[i].shape == want.shape
+        assert torch.allclose(store[i].float(), want, atol=2e-2, rtol=1e-2), i
+    calls = []
+    lm.model.model.register_forward_hook(lambda *a: calls.append(1))
+    again = extract_features(lm.model, rows, FeatureStore(tmp_path, rows, FUSED, 32), batch_size=4)
+    assert not calls and torch.equal(again[5], store[5])
+    assert FeatureStore(tmp_path, rows[:-1], FUSED, 32).missing() == [2]  # its first two chunks are these
+
+
+def test_head_training_resumes_where_it_stopped(tiny_target, tmp_path):
+    """A run stopped at a step and rerun from its checkpoint ends with exactly the weights of a run that never
+    stopped (same batches, optimiser state and schedule), fused or not."""
+    _, lm = tiny_target
+    rows = sampled_rows(lm, seed=1)
+    store = extract_features(lm.model, rows, FeatureStore(tmp_path, rows, FUSED, 32))
+    train, val = Rows(store, list(range(20))), Rows(store, list(range(20, 24)))
+    settings = HeadSettings(vocab=16, unroll=2, epochs=3, lr=3e-3, batch_size=4, feature_layers=FUSED, warmup=3)
+    args = (lm.model, rows[:20], train, rows[20:], val)
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    straight, _, summary = train_head(*args, settings, tmp_path / "a")
+    assert summary["steps"] == 15
+    _, _, half = train_head(*args, HeadSettings(**{**settings.__dict__, "stop_at": 7}), tmp_path / "b")
+    assert half["steps"] == 7
+    resumed, _, summary = train_head(*args, settings, tmp_path / "b")
+    assert summary["steps"] == 15
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+    log = [json.loads(x) for x in (tmp_path / "b" / "train_head_log.jsonl").read_text().splitlines()]
+    assert log[0]["step"] == 0 and [r["step"] for r in log if "val_agreement_by_depth" in r][-1] == 15

@@ -52,6 +52,23 @@ def draft_from_target(target, n_layers: int):
     return draft.eval()
 
 
+def grown(draft, target, extra: int):
+    """`draft` with `extra` decoder layers added on top (before its final norm), the same function at the start: each
+    new layer is a copy of the target's layer at that depth with its attention and MLP output projections zeroed, so it
+    adds nothing to the residual stream until trained (more capacity for a draft that has already learned)."""
+    n = draft.config.num_hidden_layers
+    if extra < 1 or n + extra >= target.config.num_hidden_layers:
+        raise SpecBranchError(f"a grown draft needs 1 <= its new layers and {n} + them < the target's depth")
+    bigger = draft_from_target(target, n + extra)
+    state = {k: v for k, v in draft.state_dict().items() if not k.startswith(SHARED_PREFIXES)}
+    bigger.load_state_dict(state, strict=False)  # its first n layers and final norm; the rest stay the target's
+    with torch.no_grad():
+        for layer in bigger.model.layers[n:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return bigger
+
+
 def twin_of(target, skip: tuple[int, ...] = ()):
     """The target's architecture over the target's own weight tensors (assigned, not copied), in modules of its
     own: a self-draft whose matmuls read those weights through another kernel (lm_head.fast_linears routes a

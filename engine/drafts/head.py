@@ -11,16 +11,24 @@ The draft is not a small LM. It reads what the target already computed:
 Row 0 has no previous feature (zeros), so row r consumes token x_r and predicts x_{r+1}, exactly as a
 standalone LM does: the engine feeds the head tokens, and the cache remembers which features go with them.
 
+A fused head (EAGLE-3) reads several of the target's layers instead of its last state alone: `feature_layers`
+names them as indices into the target's hidden states (0: the embeddings, i: layer i's output, L: the final-norm
+state), e.g. low, mid and high (2, 15, 27) of 30 layers. The target's forward then hands over [T, k H], and
+
+    f_{r-1} = fuse([norm_1(h_a) ; ... ; norm_k(h_c)])    at positions the target computed  (k H -> H)
+
+while beyond them the head's own output stands in for f_{r-1}, as for a last-state head. A head without the entry
+reads the final-norm state (L,) alone and has no fuse.
+
 `HeadCache` holds the layer's KV cache and two feature tables, both indexed by position:
   true_feats  what the target computed at committed positions (the engine pushes them after each verdict)
   pred        what the head predicted at each of its rows, per batch row (branches differ)
 Rollback is a length pointer over both. `stale_from` says where rows were built on a prediction that a
 true feature has since replaced, so the engine can re-feed them (EAGLE re-drafts from the verified prefix).
 
-On disk (`save_head`): config.json (the target's config with 1..n layers, plus a "specbranch_head" entry),
-model-NN.safetensors (fc, layers, norm; bfloat16, drafts/storage.py), vocab_subset.safetensors. The embeddings and the
-LM
-head rows are borrowed from the target at load time.
+On disk (`save_head`): config.json (the target's config with 1..n layers, plus a "specbranch_head" entry naming
+the feature layers), model-NN.safetensors (fuse, fc, layers, norm; int8 matrices, drafts/storage.py),
+vocab_subset.safetensors. The embeddings and the LM head rows are borrowed from the target at load time.
 """
 
 from __future__ import annotations
@@ -54,22 +62,37 @@ def head_config(target_config, n_layers: int):
 class FeatureHead(torch.nn.Module):
     """fc(2H -> H) + n decoder layers of the target's own class + the target's final norm (trainable copy)."""
 
-    def __init__(self, config, layer_cls, rotary_cls, norm_cls):
+    def __init__(self, config, layer_cls, rotary_cls, norm_cls, feature_layers: tuple[int, ...] | None = None):
         super().__init__()
         h = config.hidden_size
         self.config = config
+        self.feature_layers = tuple(feature_layers) if feature_layers else None  # None: the final-norm state alone
+        if self.feature_layers:  # fused: each layer's state normalised (their scales differ), then k H -> H
+            self.fuse_norms = torch.nn.ModuleList([norm_cls(h, eps=config.rms_norm_eps) for _ in self.feature_layers])
+            self.fuse = torch.nn.Linear(len(self.feature_layers) * h, h, bias=False)
         self.fc = torch.nn.Linear(2 * h, h, bias=True)
         self.layers = torch.nn.ModuleList([layer_cls(config, i) for i in range(config.num_hidden_layers)])
         self.norm = norm_cls(h, eps=config.rms_norm_eps)
         self.rotary_emb = rotary_cls(config=config)
 
+    def fused(self, raw: torch.Tensor) -> torch.Tensor:
+        """The target's features as the head reads them: raw [..., k H] (the feature layers side by side) ->
+        [..., H]; a last-state head reads them as they are."""
+        if not self.feature_layers:
+            return raw
+        parts = raw.split(self.config.hidden_size, dim=-1)
+        return self.fuse(torch.cat([norm(x) for norm, x in zip(self.fuse_norms, parts)], dim=-1))
+
     @classmethod
-    def from_target(cls, target, n_layers: int = 1, init_from_last: bool = True) -> FeatureHead:
+    def from_target(
+        cls, target, n_layers: int = 1, init_from_last: bool = True, feature_layers: tuple[int, ...] | None = None
+    ) -> FeatureHead:
         """A head for `target` (a transformers CausalLM); its layers start as copies of the target's last ones
-        (they already map a late residual stream to the next feature), its fc as [0 ; I] (pass f through)."""
+        (they already map a late residual stream to the next feature), its fc as [0 ; I] (pass f through). A fused
+        head's fuse starts as the mean of its normalised layers."""
         inner = target.model
         config = head_config(target.config, n_layers)
-        head = cls(config, type(inner.layers[-1]), type(inner.rotary_emb), type(inner.norm))
+        head = cls(config, type(inner.layers[-1]), type(inner.rotary_emb), type(inner.norm), feature_layers)
         cast_model(head, dtype=next(target.parameters()).dtype)  # its rotary table stays float32
         if init_from_last:
             for mine, theirs in zip(head.layers, inner.layers[-n_layers:]):
@@ -81,6 +104,9 @@ class FeatureHead(torch.nn.Module):
                 head.fc.bias.zero_()
                 head.fc.weight[:, h:] = torch.eye(h)
                 head.fc.weight[:, :h] = 0.1 * torch.eye(h)
+                if head.feature_layers:
+                    k = len(head.feature_layers)
+                    head.fuse.weight.copy_(torch.eye(h).repeat(1, k) / k)
         return head
 
     def forward(
@@ -119,10 +145,11 @@ class HeadCache:
     """The head's KV cache plus the features that go with each position. Looks like a transformers cache
     to engine.models.cache (get_seq_length, crop, batch_repeat_interleave, batch_select_indices)."""
 
-    def __init__(self, config, capacity: int, device, dtype):
+    def __init__(self, config, capacity: int, device, dtype, fuse=None):
         self.kv = DynamicCache(config=config)
         h = config.hidden_size
-        self.true_feats = torch.zeros(capacity, h, device=device, dtype=dtype)
+        self.fuse = fuse  # the head's FeatureHead.fused: the target's raw features [n, k H] -> [n, H]
+        self.true_feats = torch.zeros(capacity, h, device=device, dtype=dtype)  # fused, where the head fuses
         self.n_true = 0  # positions [0, n_true) hold the target's own features
         self.pred = torch.zeros(1, capacity, h, device=device, dtype=dtype)  # the head's output per row
         self.built_on_pred: list[bool] = []  # per row r: was its input f_{r-1} a prediction?
@@ -135,7 +162,11 @@ class HeadCache:
         if start > self.n_true:
             raise ValueError(f"target features must arrive in order: have {self.n_true}, got a start of {start}")
         end = start + feats.shape[0]
-        self.true_feats[start:end] = feats.to(self.true_feats.dtype)
+        feats = feats.to(self.true_feats.dtype)
+        if self.fuse is not None:
+            with torch.inference_mode():
+                feats = self.fuse(feats)
+        self.true_feats[start:end] = feats
         self.n_true = max(self.n_true, end)
 
     def stale_from(self) -> int:
@@ -223,8 +254,14 @@ class HeadLM:
         """(state, why) as models.LM.compile_status has it: always "off", a head's steps are not compiled."""
         return "off", ""
 
+    @property
+    def feature_layers(self) -> tuple[int, ...] | None:
+        """Which of the target's hidden states the head reads, side by side (None: the final-norm state)."""
+        return self.model.feature_layers
+
     def new_cache(self) -> HeadCache:
-        return HeadCache(self.model.config, self.context_length + 1, self.device, self.dtype)
+        fuse = self.model.fused if self.model.feature_layers else None
+        return HeadCache(self.model.config, self.context_length + 1, self.device, self.dtype, fuse)
 
     @torch.inference_mode()
     def forward(
@@ -279,6 +316,7 @@ def save_head(head: FeatureHead, out: Path, vocab_subset: torch.Tensor, meta: di
         "vocab_size": head.config.vocab_size,
         "target_layers": meta.get("target_layers"),
         **meta,
+        "feature_layers": list(head.feature_layers) if head.feature_layers else None,
     }
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     save_weights({k: v for k, v in head.state_dict().items() if "rotary_emb" not in k}, out)
@@ -302,10 +340,16 @@ def load_head_dir(path: Path, target_model, dtype: torch.dtype, device) -> tuple
                 f"draft head {path} was trained for another target: its {field} is {info[field]}, "
                 f"the target's is {theirs}"
             )
+    layers = info.get("feature_layers")
+    if layers and not all(isinstance(i, int) and 0 <= i <= tc.num_hidden_layers for i in layers):
+        raise SpecBranchError(
+            f"draft head {path}: its feature_layers {layers} name hidden states the target does not have "
+            f"(0..{tc.num_hidden_layers})"
+        )
     config = AutoConfig.for_model(**raw)
     config._attn_implementation = target_model.config._attn_implementation  # as the target's layers run
     inner = target_model.model
-    head = FeatureHead(config, type(inner.layers[-1]), type(inner.rotary_emb), type(inner.norm))
+    head = FeatureHead(config, type(inner.layers[-1]), type(inner.rotary_emb), type(inner.norm), layers)
     missing, unexpected = head.load_state_dict(load_weights(path, torch.float32), strict=False)
     missing = [k for k in missing if "rotary_emb" not in k]
     if missing or unexpected:

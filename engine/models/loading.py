@@ -17,6 +17,7 @@ A model spec is one of:
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib.util
 import os
@@ -205,6 +206,8 @@ class LM:
     layouts: bool = True  # False: no fast layouts, only the weights (a draft's child process never runs its target)
     kernels: str | None = None  # the lean and static paths' kernels: "cpu" or "generic" (lean.GenericDecoder: any
     # device, static shapes for CUDA graphs); None: by the model's device (lean.default_kernels)
+    feature_layers: tuple[int, ...] | None = None  # what features=True hands over: these hidden states side by side
+    # ([B, T, k H]; 0 = the embeddings, L = the final-norm state), for a fused draft head; None: the final-norm state
 
     def __post_init__(self):
         if self.layouts:
@@ -314,18 +317,19 @@ class LM:
         tree: how the T new tokens hang together where they are not one line (llama.TokenTree; the static path only:
         `trees` says whether this LM takes one)."""
         input_ids = input_ids.to(self.device, non_blocking=True)  # from pinned memory on CUDA (Worker.run)
+        states = hidden_states or bool(features and self.feature_layers)  # a fused head's layers come from them
         if tree is not None and not tree.is_line:
             if not (self.trees and isinstance(cache, KVBuffer)):
                 raise ValueError(f"{self.name}: only the static forward verifies a token tree in one pass")
-            last, hidden = self._static(input_ids, cache, hidden_states, tree)
-            return self._logits(last, hidden, features, last_only)
+            last, hidden = self._static(input_ids, cache, states, tree)
+            return self._logits(last, hidden, features, last_only, hidden_states)
         if self._lean is not None:
-            if hidden_states:
+            if states:
                 raise ValueError("a draft on the lean path keeps no per-layer hidden states")
             return self._logits(self._lean(input_ids, cache), None, features, last_only)
         if self._static is not None and isinstance(cache, KVBuffer):  # a cache from new_cache
-            last, hidden = self._static(input_ids, cache, hidden_states)
-            return self._logits(last, hidden, features, last_only)
+            last, hidden = self._static(input_ids, cache, states)
+            return self._logits(last, hidden, features, last_only, hidden_states)
         if self._head is None:  # a model whose logits are more than a matmul of its last state (or unknown)
             keep = {"logits_to_keep": 1} if last_only else {}  # transformers' CausalLMs take it (generate passes it)
             out = self.model(
@@ -335,18 +339,25 @@ class LM:
             logits = logits[..., : self.vocab_size].float()
             return Out(logits, out.hidden_states if hidden_states else None) if hidden_states or features else logits
         out = self.model.base_model(
-            input_ids=input_ids, past_key_values=cache, use_cache=True, output_hidden_states=hidden_states
+            input_ids=input_ids, past_key_values=cache, use_cache=True, output_hidden_states=states
         )
-        return self._logits(out.last_hidden_state, out.hidden_states if hidden_states else None, features, last_only)
+        return self._logits(out.last_hidden_state, out.hidden_states, features, last_only, hidden_states)
 
     @property
     def last_row(self) -> LastRow:
         """This LM as a caller that reads only the last row of a pass's logits sees it (a prefill)."""
         return LastRow(self)
 
-    def _logits(self, last: torch.Tensor, hidden: tuple | None, features: bool, last_only: bool = False):
+    def _logits(
+        self, last: torch.Tensor, hidden: tuple | None, features: bool, last_only: bool = False, keep: bool = True
+    ):
         """The head over the final-norm states [B, T, H] (what the CausalLM computes after its base model); with
-        last_only over the last position's only (the features stay [B, T, H])."""
+        last_only over the last position's only (the features stay [B, T, H], or [B, T, k H] side by side for
+        feature_layers). keep: hand the per-layer states back (False: they were computed for the features only)."""
+        feats = last
+        if features and self.feature_layers:
+            feats = torch.cat([hidden[i] for i in self.feature_layers], dim=-1)  # [B, T, k H]
+        hidden = hidden if keep else None
         rows = last[:, -1:] if last_only else last
         if self.head_ids is None:
             logits = self._head(rows)[..., : self.vocab_size].float()
@@ -355,7 +366,7 @@ class LM:
             logits = sub.new_full((*sub.shape[:2], self.vocab_size), float("-inf"))
             logits[..., self.head_ids] = sub
         if hidden is not None or features:
-            return Out(logits, hidden, last if features else None)
+            return Out(logits, hidden, feats if features else None)
         return logits
 
 
@@ -619,6 +630,9 @@ def pair_of(
                 f"hidden state ({', '.join(sorted(PLAIN_HEAD))}); {type(target.model).__name__} "
                 f"is not one"
             )
+        if draft_model.feature_layers:  # the target's passes hand this pair's head the layers it fuses
+            target = copy.copy(target)  # the same model and fast paths; only what features=True returns differs
+            target.feature_layers = draft_model.feature_layers
         return ModelPair(target, HeadLM(draft_name, draft_model, target, head_ids, target.tokenizer, matmul))
     if draft_model is target.model and matmul != "float32":  # route a twin's modules, never the target's
         draft_model = twin_of(target.model)

@@ -1,18 +1,18 @@
 """What the training tools share: `distill`'s settings, reading corpora, batching (prompt, response) rows, splitting
 them by prompt, capping a corpus at a token budget, the frequent-token vocabulary of a reduced head, the optimiser and
-its schedule, and a training run's progress and log."""
+its schedule, and a training run's checkpoint (what a rerun resumes from)."""
 
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import math
 import random
-import time
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO, TypeVar
+from typing import TypeVar
 
 import torch
 
@@ -39,7 +39,12 @@ class DistillSpec:
     kind: str = "standalone"  # standalone: the target's first layers; head: a feature-conditioned head
     layers: int = 4
     init: str | None = None  # standalone: go on training this saved draft
+    grow: int = 0  # standalone, with init: add N layers on top that start as no-ops
     unroll: int = 3  # head: training-time-test steps
+    feature_layers: tuple[int, ...] | None = None  # head: fuse these of the target's hidden states (EAGLE-3)
+    hard_labels: bool = False  # standalone: train on the answers' own tokens (no target pass labels them)
+    held_out: str | None = None  # JSONL rows held out instead of a random split (their prompts leave training)
+    eval_every: int = 0  # held-out evaluation every N steps too (0: at each epoch's end only)
     vocab: int = 8192  # reduced LM-head size (FR-Spec)
     epochs: float = 3
     lr: float = 5e-4
@@ -48,7 +53,7 @@ class DistillSpec:
     top_k: int = 32  # teacher probabilities kept per position
     val_fraction: float = 0.03
     seed: int = 0
-    max_minutes: float | None = None  # stop training after this long
+    max_minutes: float | None = None  # stop training after this long (wall clock, this run; a rerun resumes)
     threads: int = 0  # torch threads (0: torch's default)
     device: str | None = None
     work_dir: str = "runs/distill"
@@ -119,6 +124,16 @@ def split_by_prompt(
     return [x for x in items if key(x) not in held], [x for x in items if key(x) in held]
 
 
+def held_out_split(rows: list[dict], held_out: str | None, val_fraction: float, seed: int):
+    """(training rows, held-out rows): the rows of the file `held_out` (training rows with their prompts left out),
+    else a seeded split by prompt."""
+    if not held_out:
+        return split_by_prompt(rows, val_fraction, seed)
+    val = [{"prompt_ids": r["prompt_ids"], "response_ids": r["response_ids"]} for r in read_jsonl(Path(held_out))]
+    keys = {tuple(r["prompt_ids"]) for r in val}
+    return [r for r in rows if tuple(r["prompt_ids"]) not in keys], val
+
+
 def capped_rows(rows: list[dict], max_tokens: int, seed: int) -> list[int]:
     """Indices of a seeded random subset of rows holding about `max_tokens` response tokens (whole rows)."""
     order = list(range(len(rows)))
@@ -158,42 +173,31 @@ class Optimiser:
         return self.sched.get_last_lr()[0]
 
 
-@dataclass
-class Progress:
-    """A training run's steps against its budget (total steps, minutes), its progress bar and its JSON-lines log."""
+class Checkpoint:
+    """A training run's state on disk (`state_dict`s by name, the step reached and the CPU seconds spent), written
+    every `every` steps under a temporary name and renamed, so a rerun of the same command resumes exactly (the
+    batches are a function of the seed and the epoch, so the rerun skips those already taken). The file is named by
+    a hash of the run's settings and training rows: another run in the same work dir starts afresh."""
 
-    log: TextIO
-    total_steps: int
-    per_epoch: int  # steps an epoch
-    max_minutes: float | None
-    step: int = 0
-    start: float = field(default_factory=time.time)
-    bar: Any = None  # tqdm's, once open_bar is called
+    def __init__(self, work: Path, kind: str, settings, rows: list[dict], every: int):
+        fields = {k: str(v) for k, v in sorted(vars(settings).items()) if k not in ("max_minutes", "stop_at")}
+        tokens = [r["prompt_ids"] + r["response_ids"] for r in rows]
+        key = hashlib.sha1(json.dumps([fields, tokens]).encode()).hexdigest()[:16]
+        self.path, self.every = work / f"{kind}_checkpoint_{key}.pt", every
 
-    def open_bar(self, desc: str) -> None:
-        from tqdm import tqdm
+    def restore(self, parts: dict) -> tuple[int, float]:
+        """Load `parts` (name -> module, optimiser or schedule) from the file where there is one: (step, CPU s)."""
+        if not self.path.exists():
+            return 0, 0.0
+        state = torch.load(self.path)
+        for name, part in parts.items():
+            part.load_state_dict(state[name])
+        return state["step"], state["cpu_s"]
 
-        self.bar = tqdm(total=self.total_steps, desc=desc, unit="step")
+    def save(self, parts: dict, step: int, cpu_s: float) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        torch.save({**{name: part.state_dict() for name, part in parts.items()}, "step": step, "cpu_s": cpu_s}, tmp)
+        tmp.rename(self.path)
 
-    def advance(self, **postfix) -> None:
-        """One step taken."""
-        self.step += 1
-        self.bar.update(1)
-        self.bar.set_postfix(**postfix)
-
-    def write(self, **fields) -> None:
-        print(json.dumps(fields), file=self.log, flush=True)
-
-    @property
-    def epoch(self) -> float:
-        return round(self.step / self.per_epoch, 3)
-
-    @property
-    def minutes(self) -> float:
-        return round((time.time() - self.start) / 60, 2)
-
-    def spent(self) -> bool:
-        """Whether the run has taken its steps, or its minutes."""
-        return self.step >= self.total_steps or bool(
-            self.max_minutes and time.time() - self.start > 60 * self.max_minutes
-        )
+    def due(self, step: int) -> bool:
+        return bool(self.every) and step % self.every == 0

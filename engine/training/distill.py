@@ -14,22 +14,24 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from engine.config import SpecBranchError, writable_dir
-from engine.drafts.distilled import draft_from_target, is_specbranch_draft, load_draft_dir, save_draft
+from engine.drafts.distilled import draft_from_target, grown, is_specbranch_draft, load_draft_dir, save_draft
 from engine.training.common import (
+    Checkpoint,
     DistillSpec,
     Optimiser,
-    Progress,
     batches,
     capped_rows,
     frequent_vocab,
+    held_out_split,
     read_jsonl,
-    split_by_prompt,
 )
 
 
@@ -233,72 +235,131 @@ def reduced_head(target, rows: list[dict], vocab: int) -> tuple[torch.Tensor, to
     return subset, remap, head
 
 
-def train_epoch(draft, rows, labels, head, remap, optimiser: Optimiser, progress: Progress, batch_size, seed) -> tuple:
-    """One epoch's steps, fewer where the budget runs out: (the steps' losses, whether it ran out)."""
-    losses = []
-    for chunk, ids, mask in batches(rows, batch_size, shuffle=True, seed=seed):
-        loss, agree, total = kl_loss(draft_logits(draft, ids, mask, head), rows, chunk, labels, remap)
-        losses.append(loss.item())
-        optimiser.step(loss)
-        progress.advance(loss=f"{loss.item():.3f}", agree=f"{agree / max(total, 1):.3f}")
-        if progress.step % 25 == 0 or progress.step == progress.total_steps:
-            progress.write(
-                step=progress.step,
-                epoch=progress.epoch,
-                loss=round(loss.item(), 4),
-                train_agreement=round(agree / max(total, 1), 4),
-                lr=optimiser.lr,
-                minutes=progress.minutes,
-            )
-        if progress.spent():
-            return losses, True
-    return losses, False
+@dataclass(frozen=True)
+class DraftSettings:
+    """How a standalone draft is trained (distill's flags)."""
+
+    layers: int = 4
+    vocab: int = 8192
+    epochs: float = 3
+    lr: float = 5e-4
+    batch_size: int = 16
+    seed: int = 0
+    max_minutes: float | None = None  # stop after this long (wall clock, this run)
+    init: Path | None = None
+    grow: int = 0
+    eval_every: int = 0  # steps between held-out evaluations besides each epoch's end (0: at epoch ends only)
+    checkpoint_every: int = 100  # steps between checkpoints a rerun resumes from (0: none)
+    stop_at: int = 0  # stop (checkpointed) at this step, for a rerun to go on from (0: run to the end)
+
+    @classmethod
+    def from_spec(cls, spec: DistillSpec) -> DraftSettings:
+        return cls(
+            layers=spec.layers,
+            vocab=spec.vocab,
+            epochs=spec.epochs,
+            lr=spec.lr,
+            batch_size=spec.batch_size,
+            seed=spec.seed,
+            max_minutes=spec.max_minutes,
+            init=Path(spec.init) if spec.init else None,
+            grow=spec.grow,
+            eval_every=spec.eval_every,
+        )
+
+    def out_of_time(self, start: float, step: int) -> bool:
+        return bool(
+            (self.stop_at and step >= self.stop_at)
+            or (self.max_minutes and time.time() - start > 60 * self.max_minutes)
+        )
 
 
-def train_draft(target, rows: list[dict], labels: list[dict], val_rows, val_labels, spec: DistillSpec, log_path: Path):
-    """A standalone draft trained on the teacher's labels of `rows` (spec: its layers, vocabulary, epochs, learning
-    rate, batch size, seed, time budget and the draft it goes on from): (draft, its vocabulary subset, a summary)."""
-    epochs, batch_size, seed = spec.epochs, spec.batch_size, spec.seed
-    torch.manual_seed(seed)
-    draft = initial_draft(target, spec.layers, Path(spec.init) if spec.init else None).train()
-    for module in (draft.model.embed_tokens, draft.lm_head):  # shared with the target: frozen
-        module.requires_grad_(False)
-    subset, remap, head = reduced_head(target, rows, spec.vocab)
-    per_epoch = math.ceil(len(rows) / batch_size)
-    total_steps = max(1, int(epochs * per_epoch))
-    params = [p for p in draft.parameters() if p.requires_grad]
-    optimiser = Optimiser.warm_cosine(params, spec.lr, total_steps, warmup=20)
-    with open(log_path, "w") as log:  # one log per training run (generation and labels are what resume)
-        progress = Progress(log, total_steps, per_epoch, spec.max_minutes)
-        val = evaluate(draft, val_rows, val_labels, head, remap, batch_size)
-        progress.write(step=0, val_agreement=round(val, 4))
-        progress.open_bar("train")
-        for epoch in range(math.ceil(epochs)):
-            losses, stopped = train_epoch(
-                draft, rows, labels, head, remap, optimiser, progress, batch_size, seed + epoch
-            )
-            val = evaluate(draft, val_rows, val_labels, head, remap, batch_size)
-            progress.write(
-                step=progress.step,
-                epoch=progress.epoch,
-                val_agreement=round(val, 4),
-                epoch_loss=round(sum(losses) / len(losses), 4),
-            )
-            tqdm.write(f"epoch {epoch + 1}: held-out greedy agreement {val:.4f}")
-            if stopped:
-                break
-        progress.bar.close()
-    draft.eval()
-    return draft, subset, {"val_agreement": round(val, 4), "steps": progress.step, "minutes": progress.minutes}
+class DraftRun:
+    """A standalone draft's training state: the draft, its reduced head, optimiser, schedule and the step reached,
+    checkpointed (common.Checkpoint) so that a rerun of the same command resumes where it stopped."""
+
+    def __init__(self, target, rows: list[dict], s: DraftSettings, work: Path):
+        torch.manual_seed(s.seed)
+        self.settings = s
+        self.draft = initial_draft(target, s.layers, s.init, s.grow).train()
+        for module in (self.draft.model.embed_tokens, self.draft.lm_head):  # shared with the target: frozen
+            module.requires_grad_(False)
+        self.subset, self.remap, self.head = reduced_head(target, rows, s.vocab)
+        self.per_epoch = math.ceil(len(rows) / s.batch_size)
+        self.total = max(1, int(s.epochs * self.per_epoch))
+        params = [p for p in self.draft.parameters() if p.requires_grad]
+        self.optimiser = Optimiser.warm_cosine(params, s.lr, self.total, warmup=20)
+        self.ckpt = Checkpoint(work, "draft", s, rows, s.checkpoint_every)
+        self.step, cpu_s = self.ckpt.restore(self.parts())
+        self.cpu0 = time.process_time() - cpu_s
+
+    def parts(self) -> dict:
+        return {"draft": self.draft, "opt": self.optimiser.opt, "sched": self.optimiser.sched}
+
+    def save(self) -> None:
+        self.ckpt.save(self.parts(), self.step, time.process_time() - self.cpu0)
+
+    def cpu_minutes(self) -> float:
+        return round((time.process_time() - self.cpu0) / 60, 2)
+
+    def train_step(self, rows, labels, chunk, ids, mask) -> tuple[float, float]:
+        loss, agree, total = kl_loss(draft_logits(self.draft, ids, mask, self.head), rows, chunk, labels, self.remap)
+        self.optimiser.step(loss)
+        self.step += 1
+        if self.ckpt.due(self.step):
+            self.save()
+        return loss.item(), agree / max(total, 1)
+
+    def log(self, log, **fields) -> None:
+        line = {"step": self.step, "epoch": round(self.step / self.per_epoch, 3), **fields}
+        print(json.dumps({**line, "cpu_minutes": self.cpu_minutes()}), file=log, flush=True)
 
 
-def initial_draft(target, layers: int, init: Path | None):
-    """The target's first `layers` layers, or (init) a saved draft to go on training (more data, more epochs)."""
+def train_draft(target, rows, labels, val_rows, val_labels, settings: DraftSettings, work: Path):
+    """Train (or resume) a standalone draft on the teacher's labels of `rows`: (draft, its vocabulary subset, a
+    summary). Logs to work/train_log.jsonl (appended to on a resume)."""
+    s = settings
+    run = DraftRun(target, rows, s, work)
+    held_out = lambda: round(evaluate(run.draft, val_rows, val_labels, run.head, run.remap, s.batch_size), 4)  # noqa: E731
+    with open(work / "train_log.jsonl", "a" if run.step else "w") as log:
+        if not run.step:
+            run.log(log, val_agreement=held_out())
+        start, val = time.time(), None
+        bar = tqdm(total=run.total, initial=run.step, desc="train", unit="step")
+        while run.step < run.total and not s.out_of_time(start, run.step):
+            epoch, skip = divmod(run.step, run.per_epoch)
+            epoch_losses = []  # this run's part of the epoch
+            for k, (chunk, ids, mask) in enumerate(batches(rows, s.batch_size, shuffle=True, seed=s.seed + epoch)):
+                if k < skip:
+                    continue  # taken before a resume
+                loss, agree = run.train_step(rows, labels, chunk, ids, mask)
+                epoch_losses.append(loss)
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.3f}", agree=f"{agree:.3f}")
+                if run.step % 25 == 0 or run.step == run.total:
+                    run.log(log, loss=round(loss, 4), train_agreement=round(agree, 4), lr=run.optimiser.lr)
+                end = run.step >= run.total or s.out_of_time(start, run.step) or run.step % run.per_epoch == 0
+                if end or (s.eval_every and run.step % s.eval_every == 0):
+                    val = held_out()
+                    mean = round(sum(epoch_losses) / len(epoch_losses), 4)
+                    run.log(log, val_agreement=val, **({"epoch_loss": mean} if run.step % run.per_epoch == 0 else {}))
+                    tqdm.write(f"step {run.step}: held-out greedy agreement {val:.4f}")
+                if end:
+                    break
+        bar.close()
+    run.save()
+    val = val if val is not None else held_out()
+    return run.draft.eval(), run.subset, {"val_agreement": val, "steps": run.step, "cpu_minutes": run.cpu_minutes()}
+
+
+def initial_draft(target, layers: int, init: Path | None, grow: int = 0):
+    """The target's first `layers` layers, or (init) a saved draft to go on training (more data, more epochs), with
+    `grow` layers added on top that start as no-ops (drafts.distilled.grown)."""
     device = next(target.parameters()).device
     if init is None:
         return draft_from_target(target, layers).to(device)
     draft, _ = load_draft_dir(init, target, torch.float32, device)  # its vocab subset is re-chosen from the rows
-    return draft
+    return grown(draft, target, grow).to(device) if grow else draft
 
 
 def check_inputs(spec: DistillSpec) -> None:
@@ -310,8 +371,16 @@ def check_inputs(spec: DistillSpec) -> None:
             raise SpecBranchError(f"{path} holds no rows (the file is empty)")
     if spec.kind == "head" and spec.unroll < 1:
         raise SpecBranchError(f"--unroll must be >= 1, got {spec.unroll}")
+    if spec.kind != "head" and spec.feature_layers:
+        raise SpecBranchError("--feature-layers is for --kind head")
+    if spec.kind == "head" and spec.hard_labels:
+        raise SpecBranchError("--hard-labels is for a standalone draft (a head's labels come with its features)")
+    if spec.held_out and not Path(spec.held_out).is_file():
+        raise SpecBranchError(f"file not found: {spec.held_out}")
     if spec.init and spec.kind == "head":
         raise SpecBranchError("--init continues a standalone draft; a head starts from the target's last layer")
+    if spec.grow and not spec.init:
+        raise SpecBranchError("--grow adds layers to the draft --init names")
     if spec.init and not is_specbranch_draft(Path(spec.init)):
         raise SpecBranchError(
             f"--init {spec.init}: not a draft directory (no config.json with a specbranch_draft entry)"
@@ -374,39 +443,60 @@ def run_distill(spec: DistillSpec) -> dict:
     if spec.kind == "head":
         from engine.training.head_distill import run_head_distill
 
+        deepest = target.config.num_hidden_layers
+        if spec.feature_layers and max(spec.feature_layers) > deepest:
+            raise SpecBranchError(f"--feature-layers: the target has hidden states 0..{deepest}")
+
         return run_head_distill(spec, target, rows, work)
     return distill_standalone(spec, target, rows, work)
 
 
+def hard_labels(rows: list[dict]) -> list[dict]:
+    """Each response token as a label of probability 1, in label_topk's form: the target's own answers are its
+    greedy (or sampled) tokens, so no target pass is needed (a sampled token is an unbiased draw of p)."""
+    return [
+        {
+            "ids": torch.tensor(r["response_ids"], dtype=torch.int32)[:, None],
+            "probs": torch.ones(len(r["response_ids"]), 1, dtype=torch.float16),
+        }
+        for r in rows
+    ]
+
+
+def draft_labels(spec: DistillSpec, target, train_rows, val_rows, work: Path) -> tuple[list[dict], list[dict]]:
+    """(training labels, held-out labels): the target's top-k at every response position, or with --hard-labels the
+    answers' own tokens for training (the held-out rows keep the target's top-k: agreement is with its argmax)."""
+    if spec.hard_labels:
+        path = work / f"labels_top{spec.top_k}_val_{len(val_rows)}_{spec.seed}.pt"
+        return hard_labels(train_rows), label_topk(target, val_rows, path, spec.top_k, spec.label_batch_size)
+    path = work / f"labels_top{spec.top_k}_{len(train_rows) + len(val_rows)}_{spec.seed}.pt"
+    labels = label_topk(target, train_rows + val_rows, path, spec.top_k, spec.label_batch_size)
+    return labels[: len(train_rows)], labels[len(train_rows) :]
+
+
 def distill_standalone(spec: DistillSpec, target, rows: list[dict], work: Path) -> dict:
     """Stages label and train for a standalone draft; saves it to spec.out with its card's facts."""
-    train_rows, val_rows = split_by_prompt(rows, spec.val_fraction, spec.seed)
-    labels = label_topk(
-        target,
-        train_rows + val_rows,
-        work / f"labels_top{spec.top_k}_{len(rows)}_{spec.seed}.pt",
-        spec.top_k,
-        spec.label_batch_size,
-    )
-    train_labels, val_labels = labels[: len(train_rows)], labels[len(train_rows) :]
+    train_rows, val_rows = held_out_split(rows, spec.held_out, spec.val_fraction, spec.seed)
+    train_labels, val_labels = draft_labels(spec, target, train_rows, val_rows, work)
     if spec.max_tokens:  # a data-size curve: fewer training rows, the same held-out rows and labels
         kept = capped_rows(train_rows, spec.max_tokens, spec.seed)
         train_rows, train_labels = [train_rows[i] for i in kept], [train_labels[i] for i in kept]
     n_tokens = sum(len(r["response_ids"]) for r in train_rows)
     print(f"distill: {len(train_rows)} training rows ({n_tokens} response tokens), {len(val_rows)} held-out rows")
-    draft, subset, summary = train_draft(
-        target, train_rows, train_labels, val_rows, val_labels, spec, work / "train_log.jsonl"
-    )
+    settings = DraftSettings.from_spec(spec)
+    draft, subset, summary = train_draft(target, train_rows, train_labels, val_rows, val_labels, settings, work)
     meta = {
         "target": spec.target,
         "layers": draft.config.num_hidden_layers,
         "init": spec.init,
+        "grow": spec.grow,
         "vocab_subset_size": int(len(subset)),
         "train_rows": len(train_rows),
         "train_response_tokens": n_tokens,
         "held_out_rows": len(val_rows),
         **spec.training_meta(),
         "top_k_labels": spec.top_k,
+        "hard_labels": spec.hard_labels,
         **summary,
     }
     use_subset = spec.vocab < target.get_output_embeddings().weight.shape[0]
