@@ -60,6 +60,13 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
 def add_specbranch_arguments(p: argparse.ArgumentParser) -> None:
     """SpecBranch's own settings (its ablations read them too)."""
     p.add_argument("--branches", type=int, default=3, help="specbranch: most candidates at a branch point")
+    p.add_argument(
+        "--tree-tokens",
+        type=int,
+        default=None,
+        help="specbranch: branch tokens a target pass may verify beside a path of γ, as one token tree "
+        "(0 = only in the room a shorter path leaves)",
+    )
     p.add_argument("--epsilon", type=float, default=None, help="specbranch: confidence threshold for branching, [0, 1]")
     p.add_argument(
         "--hrad",
@@ -161,6 +168,25 @@ def add_distill_arguments(p: argparse.ArgumentParser) -> None:
         "draft head over the target's last hidden state (EAGLE-style)",
     )
     p.add_argument("--layers", type=int, default=4, help="decoder layers (standalone draft or head)")
+    add_draft_shape_arguments(p)
+    p.add_argument("--vocab", type=int, default=8192, help="reduced LM-head size (FR-Spec); >= vocab means full")
+    p.add_argument("--epochs", type=float, default=3)
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--label-batch-size", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=32, help="teacher probabilities kept per position")
+    p.add_argument("--val-fraction", type=float, default=0.03)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-minutes", type=float, default=None, help="stop training after this long")
+    p.add_argument("--threads", type=thread_count, default=0)
+    p.add_argument("--device", default=None)
+    p.add_argument("--work-dir", default="runs/distill")
+    p.add_argument("--out", required=True, help="directory to write the draft to")
+
+
+def add_draft_shape_arguments(p: argparse.ArgumentParser) -> None:
+    """`distill`'s arguments for what the draft starts from and learns: --init, --grow, --unroll, the fused feature
+    layers, hard labels, the held-out rows."""
     p.add_argument(
         "--init",
         help="standalone: go on training this saved draft (its layers; --layers is ignored) "
@@ -197,19 +223,6 @@ def add_distill_arguments(p: argparse.ArgumentParser) -> None:
         "random split, so held-out figures stay comparable as corpora are added",
     )
     p.add_argument("--eval-every", type=int, default=0, help="held-out evaluation every N steps too")
-    p.add_argument("--vocab", type=int, default=8192, help="reduced LM-head size (FR-Spec); >= vocab means full")
-    p.add_argument("--epochs", type=float, default=3)
-    p.add_argument("--lr", type=float, default=5e-4)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--label-batch-size", type=int, default=8)
-    p.add_argument("--top-k", type=int, default=32, help="teacher probabilities kept per position")
-    p.add_argument("--val-fraction", type=float, default=0.03)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-minutes", type=float, default=None, help="stop training after this long")
-    p.add_argument("--threads", type=thread_count, default=0)
-    p.add_argument("--device", default=None)
-    p.add_argument("--work-dir", default="runs/distill")
-    p.add_argument("--out", required=True, help="directory to write the draft to")
 
 
 def add_hrad_arguments(p: argparse.ArgumentParser) -> None:

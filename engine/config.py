@@ -145,6 +145,8 @@ class GenerationConfig:
     head_start: float = 0.0  # pearl, specbranch: before a pass on a block shorter than γ, the draft steps first while
     # its odds that the whole block is accepted stay at least this (0 = off: the target starts at once, as in PEARL)
     branches: int = 3  # specbranch: most candidates at a branch point (k_max)
+    tree_tokens: int = 0  # specbranch: branch tokens a target pass may verify beside a path of γ, as a token tree
+    # (0: a fork's branches are fed only in the room a shorter path leaves under γ)
     epsilon: float = 0.5  # specbranch: branch at the first draft token with confidence below this
     hrad: bool = False  # specbranch: let the H-RAD classifier place branch points (off by default: docs/methods.md)
     branch_costs: bool = False  # specbranch: fork only where the measured costs say it pays (else the paper's k rule)
@@ -181,6 +183,8 @@ class GenerationConfig:
             raise SpecBranchError(f"gamma (draft length) must be an integer >= 1, got {self.gamma!r}")
         if not isinstance(self.branches, int) or self.branches < 1:
             raise SpecBranchError(f"branches must be an integer >= 1, got {self.branches!r}")
+        if not isinstance(self.tree_tokens, int) or isinstance(self.tree_tokens, bool) or self.tree_tokens < 0:
+            raise SpecBranchError(f"tree-tokens must be an integer >= 0 (0 = within γ), got {self.tree_tokens!r}")
         if not (0.0 <= self.draft_stop <= 1.0):
             raise SpecBranchError(f"draft-stop must be in [0, 1] (0 = off), got {self.draft_stop!r}")
         if not (0.0 <= self.feed_stop <= 1.0):

@@ -210,3 +210,28 @@ def test_rescues_save_target_passes(bigram_pair, monkeypatch):
         assert passes["specbranch"] < passes["pearl"], passes
     finally:
         engine.close()
+
+
+def test_tree_tokens_verify_branches_beside_a_full_path(bigram_pair, monkeypatch):
+    """γ 3, so the path often fills γ before the draft forks at a trap: with no room left under γ, the branches wait
+    for the next pass (tree_tokens 0); with tree_tokens 3 the target verifies them beside the full path in the same
+    pass, a wider tree. Same output as AR; fewer target passes, and passes wider than any without it."""
+    from engine.engine import Engine
+
+    schedule_draft(monkeypatch, lambda state: 3)
+    engine = Engine(bigram_pair)
+    try:
+        prompt, new = [2, 3], 60
+        want = engine.run(prompt, GenerationConfig(method="ar", max_new_tokens=new)).token_ids
+        passes, widest = {}, {}
+        for extra in (0, 3):
+            cfg = GenerationConfig(
+                method="specbranch", max_new_tokens=new, gamma=3, epsilon=0.6, head_start=1e-9, tree_tokens=extra
+            )
+            r = engine.run(prompt, cfg)
+            assert r.token_ids == want
+            spans = [e.tokens for e in r.events if isinstance(e, TimingSpan) and e.kind == "verify"]
+            passes[extra], widest[extra] = len(spans), max(spans)
+        assert passes[3] < passes[0] and widest[3] > widest[0], (passes, widest)
+    finally:
+        engine.close()

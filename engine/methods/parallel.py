@@ -60,12 +60,15 @@ def parallel_decode(state: RunState, policy: Policy):
 def plan_feed(state: RunState, spec: Speculation, policy: Policy) -> Feed:
     """What the target verifies this round: at most γ drafted tokens (never past the token budget) of the path,
     cut where the draft's odds that all of it is accepted fall below cfg.feed_stop; where the whole path fits and a
-    fork hangs off it, the most likely tokens of its branches with the room left, where the target verifies a tree."""
+    fork hangs off it, the most likely tokens of its branches, where the target verifies a tree: in the room left
+    under γ, plus cfg.tree_tokens (a pass over a few more tokens costs little more than one over γ)."""
     room = min(state.cfg.gamma, max(state.remaining - 1, 0))
     odds = [policy.token_odds(d) for d in spec.path]
     n = min(len(spec.path), room, feed_limit(odds, state.cfg.feed_stop))
     committed = tuple(state.tokens[len(state.target_seq) :])
-    if spec.fork is None or n < len(spec.path) or room == n:
+    # branch tokens sit past the path: never beyond the token budget, where an accepted one could not be kept
+    branch_room = min(room - n + state.cfg.tree_tokens, max(state.remaining - 1, 0) - n)
+    if spec.fork is None or n < len(spec.path) or branch_room <= 0:
         return Feed(committed, n)
     line = 1.0
     for a in odds:
@@ -73,7 +76,7 @@ def plan_feed(state: RunState, spec: Speculation, policy: Policy) -> Feed:
     branch_odds = policy.branch_odds(spec)
     if not state.pair.target.trees:  # a target without trees verifies the first branch's line only
         branch_odds = branch_odds[:1]
-    return Feed(committed, n, plan_branches(line, branch_odds, room - n, state.cfg.feed_stop))
+    return Feed(committed, n, plan_branches(line, branch_odds, branch_room, state.cfg.feed_stop))
 
 
 async def verify_pass(state: RunState, spec: Speculation, feed: Feed, policy: Policy, events: list[Event]):
