@@ -25,6 +25,7 @@ import contextlib
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -400,6 +401,9 @@ def wait_until_serving(url: str, app: subprocess.Popen, timeout: float) -> None:
 
 
 def stop_app(app: subprocess.Popen) -> None:
+    """Stop the app; started in a session of its own (Popen(start_new_session=True)), also every process it left,
+    such as a ZeroGPU worker that `spaces` forked from it."""
+    group = app.pid if app.poll() is None and os.getpgid(app.pid) == app.pid else None
     if app.poll() is None:
         app.terminate()
         try:
@@ -407,6 +411,11 @@ def stop_app(app: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             app.kill()
             app.wait(timeout=30)
+    if group is not None:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except ProcessLookupError:  # the group had ended with its leader
+            pass
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -70,7 +70,12 @@ def space(tiny_dirs, tmp_path_factory):
         env = {**os.environ, "SPACES_ZERO_GPU": "true", "SPACES_ZERO_DEVICE_API_URL": api.url, LOG_ENV: str(log)}
         env.update(GRADIO_ANALYTICS_ENABLED="False", PYTHONUNBUFFERED="1")
         app = subprocess.Popen(
-            [sys.executable, "-m", "tests.zerogpu_space", *argv], cwd=ROOT, env=env, stdout=out, stderr=out
+            [sys.executable, "-m", "tests.zerogpu_space", *argv],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=out,
+            start_new_session=True,  # so stop_app ends the GPU worker that spaces forks from it too
         )
         try:
             url = f"http://127.0.0.1:{port}/"
@@ -90,6 +95,15 @@ def space(tiny_dirs, tmp_path_factory):
     return api.calls, log.read_text().split(), app.pid, stored, answers, (tmp / "app.log").read_text()
 
 
+def running(pid: int) -> bool:
+    """Whether process `pid` still runs (a zombie, ended but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def test_two_chats_stream_to_the_end_on_one_gpu_worker(space):
     calls, engines, app_pid, stored, answers, app_log = space
     assert [path for path, _ in calls] == [
@@ -102,6 +116,7 @@ def test_two_chats_stream_to_the_end_on_one_gpu_worker(space):
     ], app_log[-3000:]
     worker = int(calls[2][1]["pid"])
     assert worker != app_pid and all(q["fail"] == "false" for p, q in calls if p == "/release")
+    assert not running(worker)  # stopping the app ended the worker spaces forked from it
     asked = [int(q["durationSeconds"]) for p, q in calls if p == "/schedule"]
     assert asked == [int(BASE_GPU_S + GPU_S_PER_TOKEN * NEW)] * 2
     assert engines == ["engine", str(worker)]  # loaded once, in the worker; the second chat reuses it
