@@ -37,12 +37,13 @@ lint: install
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
+# every core (pytest-xdist): a test file runs on one worker, so its module's loaded models are shared
 test: lint browser
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadfile
 
 # the suite without the tests marked slow (pytest.ini), for development; `make test` (and the CI) runs every test
 test-fast: lint
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -n auto --dist loadfile -m "not slow"
 
 # the README's headline: every method with the default draft and its preset, on the benchmark split, at T=0 and T=1
 bench: install
