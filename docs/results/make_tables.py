@@ -92,6 +92,8 @@ WEAK_OFF = [f"holdbranches-recheck-off-s{s}" for s in range(3)]
 # `specbranch` ran the shipped code (confidence only)
 HRAD_RAN = {"ablation-0e-t0", "ablation-0e-t1"}
 
+AVX2_RUN = "2026-11-27, current engine, one run, AVX2 CPU"  # the regime runs' machine (the README's section)
+
 # (draft, T, sources, settings, when measured)
 SPEED = [
     ("`self`, no flag (the defaults)", 0, [HEADLINE_T0], "A", "2026-11-26, current engine, one run"),
@@ -101,6 +103,15 @@ SPEED = [
     ("`self-skip:4,5`", 0, ["skip4-5-t0"], "B, hold 0.5", "2026-11-24, older engine"),
     ("`self-skip:4,5`", 1, ["skip4-5-t1"], "B, hold 0.5", "2026-11-24, older engine"),
     ("`self-skip:3,4,5,25`", 0, ["skip3-4-5-25-t0"], "B, hold 0.5", "2026-11-24, older engine"),
+    ("`embedded`, its preset", 0, ["regime-embedded-t0"], "B, hold 0.5", AVX2_RUN),
+    ("`embedded`, its preset", 1, ["regime-embedded-t1"], "B, hold 0.5", AVX2_RUN),
+    (
+        "`embedded`, `--tree-tokens 3`",
+        0,
+        ["regime-embedded-t0-tree3"],
+        "B, hold 0.5, tree tokens 3",
+        "2026-11-27, current engine, one run, AVX2 CPU, 9 prompts",
+    ),
     ("`embedded`", 0, ["ablation-0e-t0"], "B", "2026-11-23, older engine"),
     ("`embedded`", 1, ["ablation-0e-t1"], "B", "2026-11-23, older engine"),
     ("`embedded-head`", 0, ["bench-cpu-head-t0"], "C", "2026-11-22, older engine, one run"),
@@ -331,6 +342,7 @@ COSTS = [
     ("`self`", "4-bit, lean, eager", "compiled-costs-lean", "2026-11-25"),
     ("`self`", "4-bit, lean, compiled", "compiled-costs-lean-compiled", "2026-11-25"),
     ("`self-skip:3,4,5,25`", "4-bit, lean, eager, shared-prefix branches", "branchkv-costs-B-self-skip", "2026-11-24"),
+    ("`embedded`", "float32, lean, compiled; AVX2 CPU", "regime-embedded-costs", "2026-11-27"),
     ("`embedded`", "bfloat16 matmuls, transformers' forward", "costs-cpu-draft-0e", "2026-11-23"),
     ("`embedded-head`", "float32, 1 layer on the target's features", "costs-cpu-head", "2026-11-22"),
 ]
@@ -454,6 +466,8 @@ COSTS_COMMANDS = {
     "--json docs/results/json/costs-cpu-draft-0e.json",
     "costs-cpu-head": "python -m engine costs --draft embedded-head --reps 30 "
     "--bench docs/results/json/bench-cpu-head-t0.json",
+    "regime-embedded-costs": "python -m engine costs --draft embedded "
+    "--bench docs/results/json/regime-embedded-t0.json --json docs/results/json/regime-embedded-costs.json",
 }
 
 
