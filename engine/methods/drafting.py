@@ -182,19 +182,23 @@ def hold_here(
         return False
     q = row.q if row.q is not None else state.probs(logits)  # the row the target's token there is measured against
     ds.held = Drafted(row.token, q, row.conf, row.top[0], alts)  # the token its draw would pick, not drafted
-    events.append(
-        DraftProposed(
-            step=state.step,
-            tokens=[],
-            pieces=[],
-            q=[],
-            parent_position=position,
-            kind="held",
-            confidence=row.top[0],
-            odds=odds,
-        )
-    )
+    events.append(held_event(state, position, row.top[0], odds))
     return True
+
+
+def held_event(state: RunState, position: int, confidence: float, odds: float, branch: int = 0) -> DraftProposed:
+    """A hold, as the UI and the store see it: no token at `position` (on the path; branch 1: the fork's branches)."""
+    return DraftProposed(
+        step=state.step,
+        tokens=[],
+        pieces=[],
+        q=[],
+        branch=branch,
+        parent_position=position,
+        kind="held",
+        confidence=confidence,
+        odds=odds,
+    )
 
 
 def fork_here(
@@ -311,19 +315,7 @@ def branches_hold(
         return False
     kv.rollback(state.draft_cache, len(ds.rows[0]))  # undo what the step fed
     spec.fork.held = True
-    events.append(
-        DraftProposed(
-            step=state.step,
-            tokens=[],
-            pieces=[],
-            q=[],
-            branch=1,
-            parent_position=len(ds.rows[0]) + 1,
-            kind="held",
-            confidence=top,
-            odds=odds,
-        )
-    )
+    events.append(held_event(state, len(ds.rows[0]) + 1, top, odds, branch=1))
     return True
 
 
