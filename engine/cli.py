@@ -397,6 +397,8 @@ def cmd_distill(args) -> None:
 def cmd_gpu_check(args) -> None:
     from pathlib import Path
 
+    import torch
+
     from engine.measure.gpu_check import SECTIONS, run_check
 
     sections = tuple(s.strip() for s in args.sections.split(",") if s.strip())
@@ -405,6 +407,8 @@ def cmd_gpu_check(args) -> None:
         raise SpecBranchError(
             f"--sections: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(SECTIONS)}"
         )
+    if not args.dry_run and not torch.cuda.is_available():
+        raise SpecBranchError("gpu-check needs a CUDA device; on a CPU, --dry-run runs every section with tiny shapes")
     out = Path(args.out)
     writable_file(str(out / "results.json"), "the device check's results")
     results = run_check(out, args.dry_run, sections)

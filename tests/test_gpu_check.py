@@ -76,6 +76,17 @@ def test_unknown_sections_are_refused(tmp_path, capsys):
     assert "unknown bogus" in capsys.readouterr().err
 
 
+def test_the_full_check_without_a_gpu_is_refused_at_once(tmp_path, capsys):
+    """Without CUDA only the dry run makes sense: the full check would load the real pair onto the CPU for minutes."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the full check would run")  # the refusal is for machines without one
+    code = main(["gpu-check", "--out", str(tmp_path)])
+    assert code == 2 and "needs a CUDA device" in capsys.readouterr().err
+    assert not (tmp_path / "results.json").exists()
+
+
 def test_a_sections_result_is_on_disk_as_soon_as_each_part_is_done(tmp_path):
     """What a section stopped at its cap leaves: each part it finished (the driver keeps it as `kept`)."""
     out = gpu_check.Saved(tmp_path / "bench.json")
