@@ -449,7 +449,7 @@ def test_head_distill_tensors_are_made_on_the_given_device(tiny_dirs):
     assert torch.equal(ttt_mask(5, 2, cpu), ttt_mask(5, 2))
     target = load_pair(str(tiny_dirs["target"]), None, device="cpu").target.model
     head = FeatureHead.from_target(target, 1)
-    ids, f, _ = batches[0]
+    ids, f, _, _ = batches[0]  # ids, the head's input features, the labels' features, the loss mask
     outs = unrolled_outputs(head, target.get_input_embeddings()(ids).float(), f, 2)
     assert len(outs) == 2 and all(o.shape == f.shape and o.device == cpu for o in outs)
 

@@ -4,6 +4,7 @@ whether it needs a draft, whether the engine's own loop drives the draft, and wh
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -38,20 +39,27 @@ def test_a_method_without_a_draft_runs_only_where_it_needs_none(target_only, met
         assert len(target_only.run(PROMPT, cfg).token_ids) == 4
 
 
-def beside_the_draft(pair, monkeypatch, wait_s: float = 5.0) -> None:
-    """A target forward over several tokens (a verify pass) finishes only once a draft forward has started since
-    the last one (or after wait_s: a serial method never drafts beside it): on a busy machine a tiny pair's 1 ms
-    passes could otherwise run before the draft's thread is scheduled at all, and show no overlap by chance."""
-    started, target_forward, draft_forward = threading.Event(), pair.target.forward, pair.draft.forward
+def beside_the_draft(pair, monkeypatch, wait_s: float = 3.0) -> None:
+    """A target forward over several tokens (a verify pass, or the prefill) returns only once a draft forward has
+    started since it began (or after wait_s: a serial method never drafts beside it). On a busy machine a tiny pair's
+    1 ms pass could otherwise end before the draft's thread is scheduled at all, and show no overlap by chance; this
+    way a draft step asked for beside a pass always starts within its span. A rule, not a sleep: it waits on the
+    draft's start, never on time alone."""
+    starts, started = [], threading.Condition()
+    target_forward, draft_forward = pair.target.forward, pair.draft.forward
 
     def draft(*args, **kwargs):
-        started.set()
+        with started:
+            starts.append(time.perf_counter())
+            started.notify_all()
         return draft_forward(*args, **kwargs)
 
     def target(input_ids, *args, **kwargs):
+        began = time.perf_counter()
         out = target_forward(input_ids, *args, **kwargs)
-        if input_ids.shape[-1] > 1 and started.wait(wait_s):
-            started.clear()
+        if input_ids.shape[-1] > 1:
+            with started:
+                started.wait_for(lambda: bool(starts) and starts[-1] >= began, timeout=wait_s)
         return out
 
     monkeypatch.setattr(pair.draft, "forward", draft)
