@@ -103,6 +103,18 @@ def fused_engine(tiny_target, tmp_path_factory):
     engine.close()
 
 
+def assert_drafting_matches(hlm, ids: torch.Tensor, feats: torch.Tensor, outs: list[torch.Tensor]) -> None:
+    """At each depth j+1 and position t, the head drafting with the target's features known up to t-j-1 predicts
+    what training's unroll step j predicted there, built on its own predictions past them."""
+    for j in range(len(outs)):
+        for t in range(j, ids.shape[1]):
+            cache = hlm.new_cache()
+            cache.set_target_features(0, feats[0, : t - j])
+            hlm.forward(ids[:, : t + 1], cache)
+            assert torch.allclose(cache.pred[0, t], outs[j][0, t], atol=1e-5), (j, t)
+            assert cache.built_on_pred[t] == (j > 0)
+
+
 def test_training_unroll_is_drafting(tiny_target):
     """Unroll step j of training predicts position t exactly as the head does when drafting at depth j+1:
     the target's features known up to t-j-1, its own predictions after that."""
@@ -113,13 +125,7 @@ def test_training_unroll_is_drafting(tiny_target):
         feats = lm.model.base_model(input_ids=ids).last_hidden_state
         outs = unrolled_outputs(head, lm.model.get_input_embeddings()(ids), feats, steps=3)
     hlm = HeadLM("h", head, lm, torch.arange(lm.vocab_size), lm.tokenizer)
-    for j in range(3):
-        for t in range(j, ids.shape[1]):
-            cache = hlm.new_cache()
-            cache.set_target_features(0, feats[0, : t - j])
-            hlm.forward(ids[:, : t + 1], cache)
-            assert torch.allclose(cache.pred[0, t], outs[j][0, t], atol=1e-5), (j, t)
-            assert cache.built_on_pred[t] == (j > 0)
+    assert_drafting_matches(hlm, ids, feats, outs)
 
 
 def test_fused_training_unroll_is_drafting(tiny_target):
@@ -137,13 +143,7 @@ def test_fused_training_unroll_is_drafting(tiny_target):
     assert target.feature_layers == FUSED and lm.feature_layers is None  # the pair's own view of the target
     handed = target.forward(ids, target.new_cache(), features=True).features
     assert torch.allclose(handed, raw, atol=1e-5) and handed.shape[-1] == 3 * lm.model.config.hidden_size
-    for j in range(3):
-        for t in range(j, ids.shape[1]):
-            cache = hlm.new_cache()
-            cache.set_target_features(0, handed[0, : t - j])
-            hlm.forward(ids[:, : t + 1], cache)
-            assert torch.allclose(cache.pred[0, t], outs[j][0, t], atol=1e-5), (j, t)
-            assert cache.built_on_pred[t] == (j > 0)
+    assert_drafting_matches(hlm, ids, handed, outs)
 
 
 @pytest.mark.parametrize("static", [True, False])
