@@ -40,19 +40,21 @@ def test_a_method_without_a_draft_runs_only_where_it_needs_none(target_only, met
 
 
 def beside_the_draft(pair, monkeypatch, wait_s: float = 3.0) -> None:
-    """A target forward over several tokens (a verify pass, or the prefill) returns only once a draft forward has
-    started since it began (or after wait_s: a serial method never drafts beside it). On a busy machine a tiny pair's
-    1 ms pass could otherwise end before the draft's thread is scheduled at all, and show no overlap by chance; this
-    way a draft step asked for beside a pass always starts within its span. A rule, not a sleep: it waits on the
-    draft's start, never on time alone."""
+    """A target forward over several tokens (a verify pass, or the prefill) returns only once a draft forward that
+    started after it began has ended (or after wait_s: a serial method never drafts beside it). On a busy machine a
+    tiny pair's 1 ms pass could otherwise end before the draft's thread is scheduled at all, and show no overlap by
+    chance; this way a draft step asked for beside a pass lies wholly within its span. A rule, not a sleep: it waits
+    on the draft's step, never on time alone."""
     starts, started = [], threading.Condition()
     target_forward, draft_forward = pair.target.forward, pair.draft.forward
 
     def draft(*args, **kwargs):
-        with started:
-            starts.append(time.perf_counter())
+        began = time.perf_counter()
+        out = draft_forward(*args, **kwargs)
+        with started:  # a whole draft forward inside the pass, so the overlap is a step, not microseconds
+            starts.append(began)
             started.notify_all()
-        return draft_forward(*args, **kwargs)
+        return out
 
     def target(input_ids, *args, **kwargs):
         began = time.perf_counter()
