@@ -10,6 +10,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -229,10 +230,18 @@ def how_drafts_ran(entries: list[Entry]) -> dict:
     }
 
 
+def command_line() -> str:
+    """How this run was started, as a reader would type it: `python -m engine ...` (sys.argv[0] is the absolute path
+    of engine/__main__.py there, which names nothing on another machine); other entries as given."""
+    first = Path(sys.argv[0])
+    head = "python -m engine" if first.parts[-2:] == ("engine", "__main__.py") else first.name
+    return " ".join([head, *sys.argv[1:]])
+
+
 def bench_report(entries: list[Entry], spec: BenchSpec, results: dict, outputs_match: dict, prompts: int) -> dict:
     engine = entries[0][1]
     return {
-        "command": " ".join(sys.argv),
+        "command": command_line(),
         "when": time.strftime("%Y-%m-%d %H:%M:%S"),
         "machine": {
             "platform": platform.platform(),
