@@ -112,6 +112,14 @@ SPEED = [
         "B, hold 0.5, tree tokens 3",
         "2026-11-27, current engine, one run, AVX2 CPU, 9 prompts",
     ),
+    ("`embedded`, its preset, panel kernel", 0, ["panel-embedded-t0"], "B, hold 0.5", AVX2_RUN),
+    (
+        "`embedded`, its preset, panel kernel, `--draft-matmul int4`",
+        0,
+        ["panel-embedded-int4-t0"],
+        "B, hold 0.5",
+        AVX2_RUN,
+    ),
     ("`embedded`", 0, ["ablation-0e-t0"], "B", "2026-11-23, older engine"),
     ("`embedded`", 1, ["ablation-0e-t1"], "B", "2026-11-23, older engine"),
     ("`embedded-head`", 0, ["bench-cpu-head-t0"], "C", "2026-11-22, older engine, one run"),
@@ -343,6 +351,8 @@ COSTS = [
     ("`self`", "4-bit, lean, compiled", "compiled-costs-lean-compiled", "2026-11-25"),
     ("`self-skip:3,4,5,25`", "4-bit, lean, eager, shared-prefix branches", "branchkv-costs-B-self-skip", "2026-11-24"),
     ("`embedded`", "float32, lean, compiled; AVX2 CPU", "regime-embedded-costs", "2026-11-27"),
+    ("`embedded`", "float32, lean, compiled; AVX2 CPU, panel kernel", "panel-embedded-costs", "2026-11-27"),
+    ("`embedded`", "4-bit, lean, compiled; AVX2 CPU, panel kernel", "panel-embedded-int4-costs", "2026-11-27"),
     ("`embedded`", "bfloat16 matmuls, transformers' forward", "costs-cpu-draft-0e", "2026-11-23"),
     ("`embedded-head`", "float32, 1 layer on the target's features", "costs-cpu-head", "2026-11-22"),
 ]
@@ -468,6 +478,11 @@ COSTS_COMMANDS = {
     "--bench docs/results/json/bench-cpu-head-t0.json",
     "regime-embedded-costs": "python -m engine costs --draft embedded "
     "--bench docs/results/json/regime-embedded-t0.json --json docs/results/json/regime-embedded-costs.json",
+    "panel-embedded-costs": "python -m engine costs --draft embedded "
+    "--json docs/results/json/panel-embedded-costs.json",
+    "panel-embedded-int4-costs": "python -m engine costs --draft embedded --draft-matmul int4 "
+    "--json docs/results/json/panel-embedded-int4-costs.json",
+    "few-rows": "python docs/results/scripts/few_rows.py --json docs/results/json/few-rows.json",
 }
 
 

@@ -6,13 +6,14 @@ is fast for one row only: 2-3 rows cost 1.5-2x one. oneDNN with the weight packe
 (torch.ops.mkldnn, what torch.compile's CPU freezing uses) costs about what one row costs up to ~6 rows, and less
 than F.linear for a whole prefill. Its rows do not depend on how many rows are fed (bit for bit), so 2-3 rows are
 padded to 4, the cheaper kernel, without changing them. Whole forward of the embedded target on a 200-token
-cache, 1 thread, interleaved medians (docs/models.md):
+cache, 1 thread, interleaved medians, on an AVX-512 CPU (docs/models.md):
   tokens                       1      2      3      4      5      6      8
   without the packed copies  59.3   87.0  100.3   91.2  112.4  112.9  115.3 ms
   with them                  58.1   67.0   63.9   62.2   62.5   64.3   75.6 ms
 One row keeps x @ Wᵀ with Wᵀ stored contiguous (a matrix-vector product that streams the weight once), which
-beats both. The product is the same up to float rounding (the summation order differs between kernels, as it
-already does between F.linear's own).
+beats both. On an AVX2 CPU oneDNN's packed kernel costs ~1.8x one row already at 2 rows; there 2-6 rows go through
+kernels/panel.py, which streams the weight once for them all. The product is the same up to float rounding (the
+summation order differs between kernels, as it already does between F.linear's own).
 
 A draft may go further (fast_linears(kind=...)): its weights streamed in bfloat16 (Bf16Matmul), half the bytes, or
 in 4 bits a weight (Int4Matmul), an eighth. That is lossless for the output, since only the target decides what is
@@ -28,6 +29,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from engine.kernels import panel
 
 PACK_ROWS = 4  # oneDNN packs each weight for this many rows; fewer rows are padded to it
 LAYER_MAX_ROWS = 3  # without oneDNN: (W @ xᵀ)ᵀ up to this many rows, F.linear from there
@@ -168,14 +171,24 @@ def draft_matmul(kind: str, weight: torch.Tensor, head: bool = False, keep_weigh
 
 class HeadMatmul:
     """out = x @ Wᵀ for x [..., H] and W [V, H] (no bias), in the fast layout for the number of rows. A gradient
-    to track goes through F.linear. `one_row=False` skips the transposed copy the one-row layout needs, and
+    to track goes through F.linear. `one_row=False` skips the transposed copy the one-row layout needs, `panels=False`
+    the few-rows copy of the panel kernel (kernels/panel.py: 2-6 rows, on an AVX2 CPU where it builds), and
     `packed=False` the oneDNN copy (each falls back to F.linear / (W @ xᵀ)ᵀ); `max_rows` caps (W @ xᵀ)ᵀ."""
 
-    def __init__(self, weight: torch.Tensor, max_rows: int | None = None, one_row: bool = True, packed: bool = True):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        max_rows: int | None = None,
+        one_row: bool = True,
+        packed: bool = True,
+        panels: bool = True,
+    ):
         self.w = weight.detach()  # [V, H]
         self.cpu = self.w.device.type == "cpu"
         self.max_rows = max_rows
         self.wt = self.w.t().contiguous() if self.cpu and one_row else None  # [H, V]: the one-row layout (a copy)
+        # [V / 16, H, 16]: the 2-6 rows layout (a copy), or None
+        self.panels = panel.pack(self.w) if panels and panel.fits(self.w) and panel.available() else None
         self.packed = packed_weight(self.w) if packed else None  # the few-rows layout (a copy), or None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -187,6 +200,8 @@ class HeadMatmul:
             out = F.linear(flat, self.w)
         elif rows == 1 and self.wt is not None:
             out = flat @ self.wt
+        elif 1 < rows <= panel.MAX_ROWS and self.panels is not None and not torch.compiler.is_compiling():
+            out = panel.matmul(flat, self.panels)
         elif rows > 1 and self.packed is not None:
             out = packed_matmul(flat, self.packed)
         elif rows == 1 or (self.max_rows is not None and rows > self.max_rows):
@@ -199,8 +214,8 @@ class HeadMatmul:
 def fast_linears(model: torch.nn.Module, kind: str = "float32") -> int:
     """Route the bias-free linear layers of a float32 model on the CPU through HeadMatmul (a decode step's one
     row and a verify pass's few rows each in their fast layout), or for a draft (kind "bfloat16" or "int4", see
-    models.draft_matmul_kind) through draft_matmul; the LM head is left to the caller. Adds a packed and a
-    transposed copy of each weight (a draft: one smaller copy) while they fit in COPY_BUDGET bytes. Idempotent: a
+    models.draft_matmul_kind) through draft_matmul; the LM head is left to the caller. Adds a panel, a packed
+    and a transposed copy of each weight (a draft: one smaller copy) while they fit in COPY_BUDGET bytes. Idempotent: a
     model routed once keeps its first routing. Returns how many layers were routed."""
     layers = [
         m
@@ -221,10 +236,12 @@ def fast_linears(model: torch.nn.Module, kind: str = "float32") -> int:
                 m.forward = draft_matmul(kind, m.weight)
             m._fast_layout = True
             continue
-        packed = size <= room  # the few-rows copy first: verify passes gain most from it
+        few = size <= room and panel.fits(m.weight) and panel.available()  # the 2-6 rows copy first: verify passes
+        room -= size * few
+        packed = size <= room  # then the oneDNN copy, for more rows (a prefill, a long block)
         room -= size * packed
         one_row = size <= room
         room -= size * one_row
-        m.forward = HeadMatmul(m.weight, LAYER_MAX_ROWS, one_row, packed)
+        m.forward = HeadMatmul(m.weight, LAYER_MAX_ROWS, one_row, packed, few)
         m._fast_layout = True
     return len(layers)

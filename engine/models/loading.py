@@ -225,7 +225,7 @@ class LM:
             self._head = (
                 draft_matmul(self.matmul, head.weight, head=True)
                 if self.layouts
-                else HeadMatmul(head.weight, one_row=False, packed=False)
+                else HeadMatmul(head.weight, one_row=False, packed=False, panels=False)
             )  # F.linear: no copies
         # the static path returns the final-norm states: only a plain head turns them into the model's logits; and it
         # runs only where it gives transformers' bits on this machine (StaticLlama.agrees)

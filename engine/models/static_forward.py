@@ -68,14 +68,15 @@ def fuse(linears: list, room: int):
     separate = (lambda x: torch.cat([r(x) for r in routed], -1)), 0
     if (
         not all(isinstance(r, HeadMatmul) and r.cpu for r in routed)
-        or len({(r.wt is None, r.packed is None) for r in routed}) > 1
+        or len({(r.wt is None, r.packed is None, r.panels is None) for r in routed}) > 1
     ):
         return separate
-    one_row, packed = routed[0].wt is not None, routed[0].packed is not None
-    size = sum(m.weight.numel() * m.weight.element_size() for m in linears) * (1 + one_row + packed)
+    one_row, packed, panels = (x is not None for x in (routed[0].wt, routed[0].packed, routed[0].panels))
+    size = sum(m.weight.numel() * m.weight.element_size() for m in linears) * (1 + one_row + packed + panels)
     if size > room:
         return separate
-    return HeadMatmul(torch.cat([m.weight for m in linears]).detach(), LAYER_MAX_ROWS, one_row, packed), size
+    weight = torch.cat([m.weight for m in linears]).detach()
+    return HeadMatmul(weight, LAYER_MAX_ROWS, one_row, packed, panels), size
 
 
 def static_llama(model, kernels: str | None = None) -> StaticLlama | None:

@@ -1,0 +1,50 @@
+/* out[M, N] = x[M, K] @ W^T for a few rows M, with W stored in panels of 16 columns: wp[p][k][j] = W[16 p + j][k].
+ *
+ * Why: a verify pass feeds the target a few rows, and on an AVX2 CPU the BLAS kernels for 2-6 rows cost 1.5-2x one
+ * row, though the pass is bound by streaming the weights once (engine/kernels/panel.py). Here the weights stream
+ * once, in order, for up to ROWS rows at a time, each output kept in a register for the whole sum.
+ *
+ * Each output is one float32 sum over k = 0 .. K-1 in order (one fused multiply-add a step), whatever M is and
+ * whichever rows are fed beside it: a row's result does not depend on how many rows a call has (bit for bit). */
+#include <immintrin.h>
+#include <stdint.h>
+
+#define ROWS 6 /* 12 accumulators + 2 weight registers + 1 broadcast: the 16 ymm registers of AVX2 */
+
+#define PANEL_KERNEL(MC)                                                                                  \
+  static void rows_##MC(const float *x, const float *wp, float *out, int64_t k_len, int64_t n_len) {      \
+    for (int64_t p = 0; p < n_len / 16; p++) {                                                            \
+      const float *w = wp + p * k_len * 16;                                                               \
+      __m256 acc[MC][2];                                                                                  \
+      for (int m = 0; m < MC; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();                           \
+      for (int64_t k = 0; k < k_len; k++) {                                                               \
+        __m256 w0 = _mm256_loadu_ps(w + 16 * k), w1 = _mm256_loadu_ps(w + 16 * k + 8);                    \
+        for (int m = 0; m < MC; m++) {                                                                    \
+          __m256 b = _mm256_broadcast_ss(x + m * k_len + k);                                              \
+          acc[m][0] = _mm256_fmadd_ps(b, w0, acc[m][0]);                                                  \
+          acc[m][1] = _mm256_fmadd_ps(b, w1, acc[m][1]);                                                  \
+        }                                                                                                 \
+      }                                                                                                   \
+      for (int m = 0; m < MC; m++) {                                                                      \
+        _mm256_storeu_ps(out + m * n_len + 16 * p, acc[m][0]);                                            \
+        _mm256_storeu_ps(out + m * n_len + 16 * p + 8, acc[m][1]);                                        \
+      }                                                                                                   \
+    }                                                                                                     \
+  }
+
+PANEL_KERNEL(1)
+PANEL_KERNEL(2)
+PANEL_KERNEL(3)
+PANEL_KERNEL(4)
+PANEL_KERNEL(5)
+PANEL_KERNEL(6)
+
+/* x [m_len, k_len] and out [m_len, n_len] row-major float32; n_len a multiple of 16. Rows go ROWS at a time. */
+void panel_matmul(const float *x, const float *wp, float *out, int64_t m_len, int64_t k_len, int64_t n_len) {
+  static void (*const kernels[ROWS])(const float *, const float *, float *, int64_t, int64_t) = {
+      rows_1, rows_2, rows_3, rows_4, rows_5, rows_6};
+  for (int64_t m0 = 0; m0 < m_len; m0 += ROWS) {
+    int64_t rows = m_len - m0 < ROWS ? m_len - m0 : ROWS;
+    kernels[rows - 1](x + m0 * k_len, wp, out + m0 * n_len, k_len, n_len);
+  }
+}

@@ -1,0 +1,120 @@
+"""A float32 matmul for a few rows that streams the weights once: panel.c, built with the system's C compiler on
+first use and called through ctypes (which lets go of the GIL for the call, so the two models' workers still
+compute at once).
+
+Why a kernel of our own: a target pass is bound by streaming its weights from memory, so a pass over 2-6 tokens
+should cost about what one token does. On an AVX2 CPU the library kernels do not get there: MKL's x @ Wᵀ costs
+1.5-2.5x one row for 2-4 rows, and oneDNN's packed weight (lm_head.packed_weight) about 1.8x one row already at 2.
+panel.c reads each weight once for up to 6 rows, in 16-column panels laid out as the loop reads them (docs/models.md
+"Few-row matmuls" has the figures). It runs on AVX2 CPUs only (available()): it was measured on no other, and on the
+AVX-512 CPU where lm_head.py's figures were taken oneDNN's packed kernel already cost ~1.06x one row for 2-4 rows.
+
+Each output is one float32 sum over k in order, whatever the number of rows: a token's logits in a verify pass are
+bit for bit those of a one-token step (tests/test_panel.py). Against the library's kernels they differ by float
+rounding, as the library's kernels already differ among themselves.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("panel.c")
+PANEL = 16  # columns a panel holds: the two 8-float registers each row's accumulators fill
+MAX_ROWS = 6  # rows a call takes at this cost: ROWS in panel.c (more go 6 at a time, each batch a new weight pass)
+FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC")
+CPU_KINDS = ("AVX2",)  # torch.backends.cpu.get_cpu_capability() values where the kernel beats the library's
+
+_lock = threading.Lock()
+_state: dict = {}  # "fn": the loaded function, or "why": why there is none
+
+
+def cache_dir() -> Path:
+    """Where the built library is kept between runs: the user's cache (XDG_CACHE_HOME, else ~/.cache)."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "specbranch"
+
+
+def build(source: Path = SOURCE, out_dir: Path | None = None) -> Path:
+    """Compile `source` into a shared library named by its content's hash (so an edit builds anew); returns its path.
+    Built under a temporary name and renamed into place, so processes building at once never load half a file.
+    Raises RuntimeError with the compiler's message where it fails."""
+    text = source.read_bytes()
+    out_dir = out_dir or cache_dir()
+    target = out_dir / f"panel-{hashlib.sha256(text + ' '.join(FLAGS).encode()).hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *FLAGS, str(source), "-o", tmp], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[:300]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _load():
+    """The kernel's function, built and loaded once a process; None where it cannot run here (_state["why"])."""
+    with _lock:
+        if not _state:
+            try:
+                if torch.backends.cpu.get_cpu_capability() not in CPU_KINDS:
+                    raise RuntimeError(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, not AVX2")
+                fn = ctypes.CDLL(str(build())).panel_matmul
+                fn.restype = None
+                fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+                _state["fn"] = fn
+            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+                _state["why"] = f"{type(exc).__name__}: {exc}"[:300]
+        return _state.get("fn")
+
+
+def available() -> bool:
+    """The kernel runs on this machine (built, loaded, an AVX2 CPU without AVX-512)."""
+    return _load() is not None
+
+
+def why_not() -> str:
+    """Why the kernel is off here ("" where it is on)."""
+    _load()
+    return _state.get("why", "")
+
+
+def fits(weight: torch.Tensor) -> bool:
+    """A float32 CPU weight [N, K] with N a multiple of PANEL."""
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.shape[0] % PANEL == 0
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """W [N, K] -> panels [N / PANEL, K, PANEL]: a copy, each panel's K rows of 16 columns contiguous."""
+    n, k = weight.shape
+    return weight.detach().reshape(n // PANEL, PANEL, k).transpose(1, 2).contiguous()
+
+
+def matmul(flat: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
+    """flat [R, K] float32 @ Wᵀ -> [R, N], with W's panels from pack()."""
+    fn = _load()
+    flat = flat.contiguous()
+    rows, k = flat.shape
+    n = panels.shape[0] * PANEL
+    if panels.shape[1] != k:
+        raise ValueError(f"input of {k} features for a weight of {panels.shape[1]}")
+    out = torch.empty(rows, n, dtype=torch.float32)
+    fn(flat.data_ptr(), panels.data_ptr(), out.data_ptr(), rows, k, n)
+    return out
