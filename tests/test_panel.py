@@ -19,7 +19,7 @@ def test_the_kernel_builds_on_an_avx2_cpu():
 
 
 def test_products_match_a_float64_reference():
-    """Every row count the kernel takes at once, and more (batches of 6), odd K, wide N: each product within float32
+    """Every row count the kernel takes at once, and more (batches of 12), odd K, wide N: each product within float32
     rounding of the float64 product, and no closer to a wrong one (W's rows shifted by one panel column)."""
     if not ON_HERE:
         assert not panel.available()
@@ -28,7 +28,7 @@ def test_products_match_a_float64_reference():
     for n, k in ((32, 40), (96, 37), (1536, 576)):
         w = torch.randn(n, k, generator=g)
         panels = panel.pack(w)
-        for rows in (1, 2, 3, 5, 6, 7, 13):
+        for rows in (1, 2, 3, 5, 6, 7, 9, 12, 13, 25):
             x = torch.randn(rows, k, generator=g)
             exact = x.double() @ w.double().t()
             out = panel.matmul(x, panels)
@@ -46,16 +46,16 @@ def test_a_rows_bits_do_not_depend_on_the_rows_beside_it():
     g = torch.Generator().manual_seed(1)
     w = torch.randn(192, 64, generator=g)
     panels = panel.pack(w)
-    x = torch.randn(8, 64, generator=g)
-    alone = torch.cat([panel.matmul(x[i : i + 1], panels) for i in range(8)])
-    for rows in range(2, 9):
+    x = torch.randn(14, 64, generator=g)
+    alone = torch.cat([panel.matmul(x[i : i + 1], panels) for i in range(14)])
+    for rows in range(2, 15):
         assert torch.equal(panel.matmul(x[:rows], panels), alone[:rows])
     assert torch.equal(panel.matmul(x.flip(0), panels), alone.flip(0))
 
 
 def test_head_matmul_takes_the_panels_for_two_to_six_rows(monkeypatch):
-    """HeadMatmul routes 2-6 rows through the panels (seen: the kernel's function is called) and gives F.linear's
-    product; one row and 7+ rows take the other layouts."""
+    """HeadMatmul routes 2-12 rows through the panels (seen: the kernel's function is called) and gives F.linear's
+    product; one row and 13+ rows take the other layouts."""
     if not ON_HERE:
         assert HeadMatmul(torch.randn(32, 16)).panels is None
         return
@@ -66,10 +66,10 @@ def test_head_matmul_takes_the_panels_for_two_to_six_rows(monkeypatch):
     real = panel.matmul
     monkeypatch.setattr(panel, "matmul", lambda flat, p: calls.append(flat.shape[0]) or real(flat, p))
     with torch.inference_mode():
-        for rows in (1, 2, 4, 6, 7, 9):
+        for rows in (1, 2, 4, 6, 7, 9, 12, 13):
             x = torch.randn(1, rows, 48)
             torch.testing.assert_close(mm(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
-    assert calls == [2, 4, 6]
+    assert calls == [2, 4, 6, 7, 9, 12]
     assert HeadMatmul(w, panels=False).panels is None
     assert HeadMatmul(torch.randn(40, 48)).panels is None  # 40 rows: no whole panels
 

@@ -478,7 +478,7 @@ COSTS_COMMANDS = {
     "--bench docs/results/json/bench-cpu-head-t0.json",
     "regime-embedded-costs": "python -m engine costs --draft embedded "
     "--bench docs/results/json/regime-embedded-t0.json --json docs/results/json/regime-embedded-costs.json",
-    "panel-embedded-costs": "python -m engine costs --draft embedded "
+    "panel-embedded-costs": "python -m engine costs --draft embedded --max-tokens 10 "
     "--json docs/results/json/panel-embedded-costs.json",
     "panel-embedded-int4-costs": "python -m engine costs --draft embedded --draft-matmul int4 "
     "--json docs/results/json/panel-embedded-int4-costs.json",

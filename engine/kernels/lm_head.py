@@ -11,7 +11,7 @@ cache, 1 thread, interleaved medians, on an AVX-512 CPU (docs/models.md):
   without the packed copies  59.3   87.0  100.3   91.2  112.4  112.9  115.3 ms
   with them                  58.1   67.0   63.9   62.2   62.5   64.3   75.6 ms
 One row keeps x @ Wᵀ with Wᵀ stored contiguous (a matrix-vector product that streams the weight once), which
-beats both. On an AVX2 CPU oneDNN's packed kernel costs ~1.8x one row already at 2 rows; there 2-6 rows go through
+beats both. On an AVX2 CPU oneDNN's packed kernel costs ~1.8x one row already at 2 rows; there 2-12 rows go through
 kernels/panel.py, which streams the weight once for them all. The product is the same up to float rounding (the
 summation order differs between kernels, as it already does between F.linear's own).
 
@@ -172,7 +172,7 @@ def draft_matmul(kind: str, weight: torch.Tensor, head: bool = False, keep_weigh
 class HeadMatmul:
     """out = x @ Wᵀ for x [..., H] and W [V, H] (no bias), in the fast layout for the number of rows. A gradient
     to track goes through F.linear. `one_row=False` skips the transposed copy the one-row layout needs, `panels=False`
-    the few-rows copy of the panel kernel (kernels/panel.py: 2-6 rows, on an AVX2 CPU where it builds), and
+    the few-rows copy of the panel kernel (kernels/panel.py: 2-12 rows, on an AVX2 CPU where it builds), and
     `packed=False` the oneDNN copy (each falls back to F.linear / (W @ xᵀ)ᵀ); `max_rows` caps (W @ xᵀ)ᵀ."""
 
     def __init__(
@@ -187,7 +187,7 @@ class HeadMatmul:
         self.cpu = self.w.device.type == "cpu"
         self.max_rows = max_rows
         self.wt = self.w.t().contiguous() if self.cpu and one_row else None  # [H, V]: the one-row layout (a copy)
-        # [V / 16, H, 16]: the 2-6 rows layout (a copy), or None
+        # [V / 16, H, 16]: the 2-12 rows layout (a copy), or None
         self.panels = panel.pack(self.w) if panels and panel.fits(self.w) and panel.available() else None
         self.packed = packed_weight(self.w) if packed else None  # the few-rows layout (a copy), or None
 
@@ -236,7 +236,7 @@ def fast_linears(model: torch.nn.Module, kind: str = "float32") -> int:
                 m.forward = draft_matmul(kind, m.weight)
             m._fast_layout = True
             continue
-        few = size <= room and panel.fits(m.weight) and panel.available()  # the 2-6 rows copy first: verify passes
+        few = size <= room and panel.fits(m.weight) and panel.available()  # the 2-12 rows copy first: verify passes
         room -= size * few
         packed = size <= room  # then the oneDNN copy, for more rows (a prefill, a long block)
         room -= size * packed

@@ -1,15 +1,15 @@
 /* out[M, N] = x[M, K] @ W^T for a few rows M, with W stored in panels of 16 columns: wp[p][k][j] = W[16 p + j][k].
  *
- * Why: a verify pass feeds the target a few rows, and on an AVX2 CPU the BLAS kernels for 2-6 rows cost 1.5-2x one
+ * Why: a verify pass feeds the target a few rows, and on an AVX2 CPU the BLAS kernels for 2-12 rows cost 1.5-2.5x one
  * row, though the pass is bound by streaming the weights once (engine/kernels/panel.py). Here the weights stream
- * once, in order, for up to ROWS rows at a time, each output kept in a register for the whole sum.
+ * once, in order, for up to 12 rows at a time, each output kept in a register for the whole sum.
  *
  * Each output is one float32 sum over k = 0 .. K-1 in order (one fused multiply-add a step), whatever M is and
  * whichever rows are fed beside it: a row's result does not depend on how many rows a call has (bit for bit). */
 #include <immintrin.h>
 #include <stdint.h>
 
-#define ROWS 6 /* 12 accumulators + 2 weight registers + 1 broadcast: the 16 ymm registers of AVX2 */
+/* 1 to 6 rows: two accumulators a row (12 + 2 weight registers + 1 broadcast: the 16 ymm registers of AVX2) */
 
 #define PANEL_KERNEL(MC)                                                                                  \
   static void rows_##MC(const float *x, const float *wp, float *out, int64_t k_len, int64_t n_len) {      \
@@ -39,12 +39,41 @@ PANEL_KERNEL(4)
 PANEL_KERNEL(5)
 PANEL_KERNEL(6)
 
-/* x [m_len, k_len] and out [m_len, n_len] row-major float32; n_len a multiple of 16. Rows go ROWS at a time. */
+/* 7 to 12 rows: each panel in two halves of 8 columns, one accumulator a row (12 + 1 weight + 1 broadcast
+ * registers). The second half reads the panel again from the cache (K * 64 bytes: 36 KiB for K = 576), so the
+ * weights still stream from memory once. Each output is the same sum in the same order as above. */
+#define HALF_KERNEL(MC)                                                                                   \
+  static void rows_##MC(const float *x, const float *wp, float *out, int64_t k_len, int64_t n_len) {      \
+    for (int64_t p = 0; p < n_len / 16; p++) {                                                            \
+      for (int h = 0; h < 2; h++) {                                                                       \
+        const float *w = wp + p * k_len * 16 + 8 * h;                                                     \
+        __m256 acc[MC];                                                                                   \
+        for (int m = 0; m < MC; m++) acc[m] = _mm256_setzero_ps();                                        \
+        for (int64_t k = 0; k < k_len; k++) {                                                             \
+          __m256 wv = _mm256_loadu_ps(w + 16 * k);                                                        \
+          for (int m = 0; m < MC; m++)                                                                    \
+            acc[m] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + m * k_len + k), wv, acc[m]);                 \
+        }                                                                                                 \
+        for (int m = 0; m < MC; m++) _mm256_storeu_ps(out + m * n_len + 16 * p + 8 * h, acc[m]);          \
+      }                                                                                                   \
+    }                                                                                                     \
+  }
+
+HALF_KERNEL(7)
+HALF_KERNEL(8)
+HALF_KERNEL(9)
+HALF_KERNEL(10)
+HALF_KERNEL(11)
+HALF_KERNEL(12)
+
+#define MAX_ROWS 12
+
+/* x [m_len, k_len] and out [m_len, n_len] row-major float32; n_len a multiple of 16. Rows go MAX_ROWS at a time. */
 void panel_matmul(const float *x, const float *wp, float *out, int64_t m_len, int64_t k_len, int64_t n_len) {
-  static void (*const kernels[ROWS])(const float *, const float *, float *, int64_t, int64_t) = {
-      rows_1, rows_2, rows_3, rows_4, rows_5, rows_6};
-  for (int64_t m0 = 0; m0 < m_len; m0 += ROWS) {
-    int64_t rows = m_len - m0 < ROWS ? m_len - m0 : ROWS;
+  static void (*const kernels[MAX_ROWS])(const float *, const float *, float *, int64_t, int64_t) = {
+      rows_1, rows_2, rows_3, rows_4, rows_5, rows_6, rows_7, rows_8, rows_9, rows_10, rows_11, rows_12};
+  for (int64_t m0 = 0; m0 < m_len; m0 += MAX_ROWS) {
+    int64_t rows = m_len - m0 < MAX_ROWS ? m_len - m0 : MAX_ROWS;
     kernels[rows - 1](x + m0 * k_len, wp, out + m0 * n_len, k_len, n_len);
   }
 }

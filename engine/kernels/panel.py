@@ -2,12 +2,13 @@
 first use and called through ctypes (which lets go of the GIL for the call, so the two models' workers still
 compute at once).
 
-Why a kernel of our own: a target pass is bound by streaming its weights from memory, so a pass over 2-6 tokens
+Why a kernel of our own: a target pass is bound by streaming its weights from memory, so a pass over a few tokens
 should cost about what one token does. On an AVX2 CPU the library kernels do not get there: MKL's x @ Wᵀ costs
 1.5-2.5x one row for 2-4 rows, and oneDNN's packed weight (lm_head.packed_weight) about 1.8x one row already at 2.
-panel.c reads each weight once for up to 6 rows, in 16-column panels laid out as the loop reads them (docs/models.md
-"Few-row matmuls" has the figures). It runs on AVX2 CPUs only (available()): it was measured on no other, and on the
-AVX-512 CPU where lm_head.py's figures were taken oneDNN's packed kernel already cost ~1.06x one row for 2-4 rows.
+panel.c reads each weight from memory once for up to 12 rows, in 16-column panels laid out as the loop reads them
+(docs/models.md "Few-row matmuls" has the figures). It runs on AVX2 CPUs only (available()): it was measured on no
+other, and on the AVX-512 CPU where lm_head.py's figures were taken oneDNN's packed kernel already cost ~1.06x one
+row for 2-4 rows.
 
 Each output is one float32 sum over k in order, whatever the number of rows: a row's bits do not depend on the rows
 fed beside it (tests/test_panel.py). Against the library's kernels (a one-token step keeps MKL's one-row product)
@@ -29,7 +30,7 @@ import torch
 
 SOURCE = Path(__file__).with_name("panel.c")
 PANEL = 16  # columns a panel holds: the two 8-float registers each row's accumulators fill
-MAX_ROWS = 6  # rows a call takes at this cost: ROWS in panel.c (more go 6 at a time, each batch a new weight pass)
+MAX_ROWS = 12  # rows one pass over the weights takes: MAX_ROWS in panel.c (more go 12 at a time)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC")
 CPU_KINDS = ("AVX2",)  # torch.backends.cpu.get_cpu_capability() values where the kernel beats the library's
 

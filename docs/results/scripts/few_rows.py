@@ -27,7 +27,7 @@ from engine.kernels import panel  # noqa: E402
 from engine.kernels.lm_head import packed_matmul, packed_weight  # noqa: E402
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "head": (49152, 576)}
-ROWS = (1, 2, 3, 4, 5, 6, 8)
+ROWS = (1, 2, 3, 4, 5, 6, 8, 9, 12)
 
 
 def median_us(fn, weights, rows: int, k: int) -> float:
