@@ -113,6 +113,7 @@ SPEED = [
         "2026-11-27, current engine, one run, AVX2 CPU, 9 prompts",
     ),
     ("`embedded`, its preset, panel kernel", 0, ["panel-embedded-t0"], "B, hold 0.5", AVX2_RUN),
+    ("`embedded`, its preset, panel kernel", 1, ["panel-embedded-t1"], "B, hold 0.5", AVX2_RUN),
     (
         "`embedded`, its preset, panel kernel, `--draft-matmul int4`",
         0,
