@@ -16,6 +16,7 @@ from engine.events import (
     Verified,
     from_dict,
 )
+from engine.kernels import panel
 from engine.kernels.lm_head import bf16_supported
 from engine.measure.metrics import compute_metrics
 
@@ -103,6 +104,8 @@ def test_bench_writes_speedups(capsys, tiny_dirs, tmp_path):
     assert report["draft_matmul"] == {"ar": None, "sd": "bfloat16" if bf16_supported() else "float32"}  # auto
     assert report["draft_forward"] == {"ar": None, "sd": "lean"}  # the default for a Llama draft on the CPU
     assert report["draft_worker"] == {"ar": None, "sd": "process"}  # the CLI's default, where the draft fits it
+    # whether the few-row kernel ran, or why not: a reader comparing machines needs it
+    assert report["machine"]["few_row_kernel"] == ("on" if panel.available() else panel.why_not())
     assert report["branch_costs"] == {}  # measured only for --branch-costs
     assert (
         main(

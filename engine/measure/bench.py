@@ -16,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 from engine.config import BASELINE, GenerationConfig, SpecBranchError, method_of, writable_file, write_json
+from engine.kernels import panel
 from engine.measure.datasets import benchmark_prompts
 from sessions.recording import SessionLog
 
@@ -248,6 +249,7 @@ def bench_report(entries: list[Entry], spec: BenchSpec, results: dict, outputs_m
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
             "device": str(engine.pair.target.device),
+            "few_row_kernel": panel.why_not() or "on",  # kernels/panel.py: on, or why the library's kernels ran
         },
         "pair": {"target": engine.pair.target.name, "draft": engine.pair.draft.name if engine.pair.draft else None},
         **how_drafts_ran(entries),
