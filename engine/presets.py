@@ -98,7 +98,7 @@ class Scenario:
     summary: str  # one line: what to watch, and the measured speed against ar
 
 
-# The scenarios' settings and figures: docs/results/scripts/tune_scenarios.py on the tuning prompts (128 tokens, T=0,
+# The scenarios' settings and figures: docs/results/tools/tune_scenarios.py on the tuning prompts (128 tokens, T=0,
 # each run right after an ar run of the same prompt), docs/app.md "How the scenarios were chosen". "rescue": of the
 # self-skip candidates that forked in at least half the steps and rescued on every prompt, the fastest by the median
 # of its per-prompt ratios (docs/results/json/scenarios-tuning-2.json); while other work loads the 2-core machine a

@@ -32,7 +32,7 @@ OUTPUT_FLAGS = re.compile(r"(?:--json|--out|--work-dir|--samples|>)\s*$")
 # (file, path) pairs that name no file of this tree on purpose, each with the reason
 NOT_OURS = {
     # a folder of an old commit, read with `git archive 75303b3 engine/drafts/smollm2-135m-draft`
-    ("docs/results/scripts/run_drafts.sh", "engine/drafts/smollm2-135m-draft"),
+    ("docs/results/tools/run_drafts.sh", "engine/drafts/smollm2-135m-draft"),
     # files of the throwaway repository the test builds
     ("tests/test_device_carry.py", "weights/d/README.md"),
 }

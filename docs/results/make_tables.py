@@ -466,7 +466,7 @@ def headline() -> str:
 
 # the costs reports (and the drafts' memory) do not record their command line; these are the commands that wrote them
 COSTS_COMMANDS = {
-    "draft-memory": "python docs/results/scripts/draft_memory.py > docs/results/json/draft-memory.json (last line)",
+    "draft-memory": "python docs/results/tools/draft_memory.py > docs/results/json/draft-memory.json (last line)",
     "compiled-costs-lean": "python -m engine costs --draft self --draft-forward lean --draft-worker thread "
     "--max-rows 3 --max-tokens 1 --reps 30",
     "compiled-costs-lean-compiled": "python -m engine costs --draft self --draft-forward lean-compiled "
@@ -483,7 +483,7 @@ COSTS_COMMANDS = {
     "--json docs/results/json/panel-embedded-costs.json",
     "panel-embedded-int4-costs": "python -m engine costs --draft embedded --draft-matmul int4 "
     "--json docs/results/json/panel-embedded-int4-costs.json",
-    "few-rows": "python docs/results/scripts/few_rows.py --json docs/results/json/few-rows.json",
+    "few-rows": "python docs/results/tools/few_rows.py --json docs/results/json/few-rows.json",
 }
 
 

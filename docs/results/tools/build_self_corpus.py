@@ -1,7 +1,7 @@
 """Gather the target's answers to questions it wrote itself (distill --self-prompts ... --generate-only, one work dir
 per seed) into one training corpus, and write the fixed held-out rows the drafts are scored on.
 
-  python docs/results/scripts/build_self_corpus.py --out data/self3_smollm2_135m.jsonl.gz \\
+  python docs/results/tools/build_self_corpus.py --out data/self3_smollm2_135m.jsonl.gz \\
       --held-out runs/held_out.jsonl runs/self-s2 runs/self-s3 ...
 
 Row i of a work dir's self_generated.jsonl answers its self_prompts.jsonl row i. A row is dropped when its question

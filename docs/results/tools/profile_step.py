@@ -1,7 +1,7 @@
 """Where a step's host time goes: each method's runs under cProfile, on the event loop's thread only (the thread that
 runs the engine's Python between and beside the forwards; the workers' threads run the forwards themselves).
 
-    python docs/results/scripts/profile_step.py --draft embedded --json docs/results/json/profile-embedded.json
+    python docs/results/tools/profile_step.py --draft embedded --json docs/results/json/profile-embedded.json
 
 For each method: the bench's host overhead (ms a step with neither model computing), and the functions that take the
 most of the loop thread's time a step (own time, and time with what they call), from the tuning prompts

@@ -11,8 +11,8 @@ scored on the same held-out rows (the 258 rows `distill` holds out of the three 
   standalone8-grown    the shipped draft with 2 more layers that start as no-ops (drafts.distilled.grown)
 
 Stages (each resumable; the target's features are stored once, memory-mapped, under --work):
-  python docs/results/scripts/compare_drafts.py features --work DIR [--tokens 150000] [--rows FILE.jsonl]
-  python docs/results/scripts/compare_drafts.py train CANDIDATE --work DIR --cpu-minutes 20
+  python docs/results/tools/compare_drafts.py features --work DIR [--tokens 150000] [--rows FILE.jsonl]
+  python docs/results/tools/compare_drafts.py train CANDIDATE --work DIR --cpu-minutes 20
 Each train run logs JSON lines (CPU minutes, tokens seen, held-out agreement by depth) to DIR/CANDIDATE.jsonl.
 """
 

@@ -1,5 +1,5 @@
 """What watching costs: the first chat's speed through the API (gradio_client, no browser) and in Chromium, each
-against an AR chat of the same prompt: `python docs/results/scripts/app_speed.py --json
+against an AR chat of the same prompt: `python docs/results/tools/app_speed.py --json
 docs/results/json/app-speed.json`.
 
 Serves app.py as `make run` does (every setting its default: the embedded target, the 4-bit self-draft in a process of

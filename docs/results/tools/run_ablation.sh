@@ -8,8 +8,8 @@
 #   DRAFT=self    the draft of steps 1, 4 and 5-7 (default embedded)
 # The results' speed table (docs/results/README.md), the app's pair and settings:
 #   STEPS="1" DRAFT=self V=-0z EXTRA="--gamma 8 --draft-stop 0 --head-start 0.02 --epsilon 0.1 --hold 0
-#     --draft-forward lean-compiled" bash docs/results/scripts/run_ablation.sh
-# The distilled draft's ablation there: STEPS="1" V=-0e EXTRA="--head-start 0.3" bash docs/results/scripts/run_ablation.sh
+#     --draft-forward lean-compiled" bash docs/results/tools/run_ablation.sh
+# The distilled draft's ablation there: STEPS="1" V=-0e EXTRA="--head-start 0.3" bash docs/results/tools/run_ablation.sh
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
 N=${N:-2}        # prompts per dataset (MT-Bench, GSM8K, HumanEval benchmark split)

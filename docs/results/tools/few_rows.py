@@ -1,7 +1,7 @@
 """What a float32 matmul of a few rows costs on this CPU, per kernel: the embedded target's weight shapes, each
 weight distinct (60 of them, more than the last-level cache holds), 1 thread, medians of 7 rounds.
 
-    python docs/results/scripts/few_rows.py --json docs/results/json/few-rows.json
+    python docs/results/tools/few_rows.py --json docs/results/json/few-rows.json
 
 Kernels: x @ Wᵀ with Wᵀ stored contiguous (MKL), oneDNN's packed weight (lm_head.packed_matmul) and the panel kernel
 (engine/kernels/panel.py, where it runs). Figures are µs a matmul; each row count's ratio to one row is what a verify

@@ -1,4 +1,4 @@
-"""python docs/results/scripts/draft_memory.py > docs/results/json/draft-memory.json (last line): RSS of each embedded
+"""python docs/results/tools/draft_memory.py > docs/results/json/draft-memory.json (last line): RSS of each embedded
 draft's process, and of the app's own process, as app.py loads them (draft in a process,
 lean forward: what the app runs, minus the background compile)."""
 
