@@ -7,7 +7,6 @@ import json
 import os
 import sys
 import time
-from types import SimpleNamespace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, ROOT)
@@ -19,14 +18,9 @@ torch.set_num_threads(1)
 spec = importlib.util.spec_from_file_location("app_main_script", os.path.join(ROOT, "app.py"))
 appmod = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(appmod)
-args = SimpleNamespace(
-    target="embedded",
-    device=None,
-    draft_matmul="auto",
-    draft_forward="lean",
-    draft_worker="process",
-    target_forward="static",
-)
+from engine.config import ModelSettings  # noqa: E402
+
+args = ModelSettings(target="embedded", draft_forward="lean", draft_worker="process")
 me = psutil.Process()
 mb = lambda b: round(b / 2**20)
 out = {"before_mb": mb(me.memory_info().rss)}
