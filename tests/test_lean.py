@@ -16,6 +16,8 @@ from engine.measure.bench import draft_forward_kind
 from engine.models.lean import KVBuffer, LeanLlama, fits
 from engine.models.loading import LM, draft_matmul_kind, lean_draft
 
+from .conftest import bfloat16_refused_here
+
 
 def tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
     """Grouped-query attention (3 query heads per KV head) and rotary scaling, so both code paths are exercised."""
@@ -308,21 +310,21 @@ def test_a_draft_in_its_process_compiles_in_another_and_decodes_exactly_meanwhil
         engine.close()
 
 
-@pytest.mark.skipif(not bf16_supported(), reason="this CPU runs no bfloat16 matmul natively")
 def test_a_bfloat16_draft_in_its_process_is_refused_at_once_without_a_second_process(tiny_dirs):
     """inductor cannot lower a bfloat16 draft's packed matmuls: asked to compile later, the draft says so at once and
     starts no second process; its runs carry no notice (nothing is on its way) and give the target's output."""
     from engine.models.loading import load_pair
 
-    pair = load_pair(
-        str(tiny_dirs["target"]),
-        str(tiny_dirs["draft"]),
-        device="cpu",
-        draft_matmul="bfloat16",
+    load = dict(
+        target=str(tiny_dirs["target"]),
+        draft=str(tiny_dirs["draft"]),
         draft_forward="lean-compiled",
         draft_worker="process",
         compile_later=True,
     )
+    if bfloat16_refused_here(**load):  # nothing to start on a CPU without native bfloat16
+        return
+    pair = load_pair(**load, device="cpu", draft_matmul="bfloat16")
     engine, messages = Engine(pair), []
     try:
         assert pair.draft_worker == "process", pair.draft_worker_why

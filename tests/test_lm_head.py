@@ -32,6 +32,8 @@ from engine.kernels.lm_head import (
 )
 from engine.models.loading import draft_matmul_kind, load_pair
 
+from .conftest import bfloat16_refused_here
+
 
 def test_every_row_count_gives_the_linear_product():
     torch.manual_seed(0)
@@ -122,11 +124,12 @@ def test_engine_greedy_equals_ar_with_routed_layers(tiny_engine, tiny_reference)
             assert r.token_ids == want, method
 
 
-needs_bf16 = pytest.mark.skipif(not bf16_supported(), reason="this CPU runs no bfloat16 matmul natively")
-
-
-@needs_bf16
 def test_bf16_matmul_is_the_product_to_bfloat16_rounding():
+    """Where the CPU runs bfloat16 natively; elsewhere no Bf16Matmul is ever built: the choice is refused."""
+    if not bf16_supported():
+        with pytest.raises(SpecBranchError, match="runs bfloat16 natively"):
+            draft_matmul_kind("bfloat16", torch.device("cpu"), torch.float32)
+        return
     torch.manual_seed(2)
     w = torch.randn(96, 40)
     mm = Bf16Matmul(w)
@@ -265,7 +268,7 @@ def assert_speculation_equals_ar(pair) -> None:
 @pytest.mark.parametrize(
     "matmul, layer, head",
     [
-        pytest.param("bfloat16", "Bf16Matmul", Bf16Matmul, marks=needs_bf16),
+        ("bfloat16", "Bf16Matmul", Bf16Matmul),  # or its refusal, on a CPU without native bfloat16
         # int4's head is a ShortlistHead where the kernel fits the vocabulary; the tiny one of 10 ids keeps float32
         pytest.param("int4", "Int4Matmul", HeadMatmul, marks=needs_int4),
     ],
@@ -276,13 +279,14 @@ def test_low_precision_draft_leaves_the_target_exact(tiny_dirs, matmul, layer, h
     """A bfloat16 or 4-bit draft streams fewer bytes; the target keeps its float32 layouts, also when it is its own
     draft: the draft is then a twin, modules of its own over the target's weight tensors (no copy), and greedy output
     stays the target's, through either forward of the draft (engine/models/lean.py or transformers')."""
-    pair = load_pair(
-        str(tiny_dirs["target"]),
-        "self" if draft == "self" else str(tiny_dirs[draft]),
-        device="cpu",
-        draft_matmul=matmul,
+    load = dict(
+        target=str(tiny_dirs["target"]),
+        draft="self" if draft == "self" else str(tiny_dirs[draft]),
         draft_forward=forward,
     )
+    if matmul == "bfloat16" and bfloat16_refused_here(**load):
+        return
+    pair = load_pair(**load, device="cpu", draft_matmul=matmul)
     kinds = lambda m: {type(vars(x).get("forward")).__name__ for x in m.modules() if getattr(x, "_fast_layout", 0)}
     assert kinds(pair.draft.model) == {layer} and type(pair.draft._head) is head and pair.draft.matmul == matmul
     assert pair.draft.lean == (forward == "lean") and not pair.target.lean

@@ -314,6 +314,7 @@ class Runs:
     bonus: int = 0  # bonus tokens
     holds: Counter = field(default_factory=Counter)  # holds (DraftProposed "held"), by branch: 0 the path, 1 a fork's
     head_start: int = 0  # tokens drafted in head starts (counted by count_head_starts)
+    feed_stops: int = 0  # lines the target was fed only in part, the draft's odds under feed_stop (count_head_starts)
 
 
 def check_provenance(prompt: list[int], events) -> None:
@@ -335,7 +336,8 @@ def check_provenance(prompt: list[int], events) -> None:
 
 
 def count_head_starts(monkeypatch, runs: Runs) -> None:
-    """Count the tokens the draft drafts in head starts (parallel.head_start, wrapping whatever is patched there)."""
+    """Count the tokens the draft drafts in head starts (parallel.head_start, wrapping whatever is patched there), and
+    the lines fed to the target only in part (parallel.feed_limit)."""
     real = parallel.head_start
 
     async def head_start(state, spec, ds, policy, events):
@@ -344,6 +346,14 @@ def count_head_starts(monkeypatch, runs: Runs) -> None:
         runs.head_start += max(len(spec.line()) - before, 0)
 
     monkeypatch.setattr(parallel, "head_start", head_start)
+    real_limit = parallel.feed_limit
+
+    def feed_limit(acceptance: list[float], stop: float) -> int:
+        n = real_limit(acceptance, stop)
+        runs.feed_stops += n < len(acceptance)
+        return n
+
+    monkeypatch.setattr(parallel, "feed_limit", feed_limit)
 
 
 def run_many(engine: Engine, cfg: GenerationConfig, n: int, runs: Runs | None = None) -> Runs:
@@ -571,12 +581,15 @@ SHIPPED = {  # name: (method, the draft spec whose preset it runs, where its dra
     ),
     "specbranch-distilled-process": ("specbranch", "embedded", "process", {"holds", "head starts", "forks"}),
     "specbranch-self-int4": ("specbranch", "self", "int4", {"head starts"}),  # forks only where very unsure: none here
+    # no preset stops feeding the target (feed_stop 0), but the flag exists: the often-wrong preset with it
+    "specbranch-feed-stop": ("specbranch", "embedded-weak", "thread", {"holds", "branch holds", "forks", "feed stops"}),
 }
+GIVEN = {"specbranch-feed-stop": dict(feed_stop=0.8)}  # flags given over a case's preset
 
 
 def shipped_config(name: str) -> GenerationConfig:
     method, draft, _, _ = SHIPPED[name]
-    return config_for(method, draft, dict(max_new_tokens=NEW, temperature=1.0))
+    return config_for(method, draft, dict(max_new_tokens=NEW, temperature=1.0, **GIVEN.get(name, {})))
 
 
 def shipped_pair(name: str, pair, dirs):
@@ -601,7 +614,7 @@ def test_shipped_settings_follow_the_target(pair, dirs, reference, name, monkeyp
     p, ps, runs = monte_carlo(run_pair, reference, cfg, monkeypatch)
     print(
         f"{name}: p = {p:.3g} {ps} chains {dict(sorted(runs.chains.items()))} eos {runs.eos} forks {dict(runs.forks)} "
-        f"rescues {runs.rescues} holds {dict(runs.holds)} head start {runs.head_start}"
+        f"rescues {runs.rescues} holds {dict(runs.holds)} head start {runs.head_start} feed stops {runs.feed_stops}"
     )
     assert runs.chains[2] >= N / 50 and N / 10 <= runs.eos <= N - N / 10, runs.chains
     happened = {
@@ -609,6 +622,7 @@ def test_shipped_settings_follow_the_target(pair, dirs, reference, name, monkeyp
         "branch holds": runs.holds[1] >= N / 20,
         "head starts": runs.head_start >= N / 10,
         "forks": sum(runs.forks.values()) >= N / 10 and runs.rescues >= N / 20,
+        "feed stops": runs.feed_stops >= N / 10,
     }
     assert {what for what in SHIPPED[name][3] if not happened[what]} == set(), (runs.holds, runs.forks)
     assert p > ALPHA, ps

@@ -4,12 +4,8 @@ SpecBranch with them stays lossless."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 
-from engine.cli import main
 from engine.config import GenerationConfig
 from engine.events import Notice
 from engine.measure.datasets import benchmark_prompts
@@ -90,35 +86,3 @@ def test_hrad_weights_load_and_specbranch_matches_ar(embedded_target):
     r = engine.run(ids, GenerationConfig(method="specbranch", max_new_tokens=64, gamma=6, hrad=True))
     assert r.token_ids == want
     assert not any(isinstance(e, Notice) and "H-RAD off" in e.message for e in r.events)
-
-
-def readme_drafts() -> list[str]:
-    """The draft specs the README's Drafts table lists, a pattern's own example filled in (self-skip:I,J,... as
-    self-skip:3,4,5,25, truncated:N as truncated:2); the row of paths and Hub ids names no draft of ours."""
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    table = text.split("## Drafts", 1)[1].split("\n## ", 1)[0]
-    specs = []
-    for line in table.splitlines():
-        first = line.split("|")[1].strip() if line.startswith("| `") else ""
-        spec = first.split("`")[1] if first.count("`") == 2 else ""  # one spec in the cell, not a list of forms
-        if spec:
-            specs.append({"self-skip:I,J,...": "self-skip:3,4,5,25", "truncated:N": "truncated:2"}.get(spec, spec))
-    return specs
-
-
-def test_readme_lists_the_drafts_tested_below():
-    assert {"self", "embedded", "embedded-weak", "embedded-head"} <= set(readme_drafts())
-
-
-@pytest.mark.parametrize("spec", readme_drafts())
-def test_every_readme_draft_runs_through_generate(spec, capsys, embedded_target):
-    """`python -m engine generate --draft SPEC` as a new user types it, for every draft the README lists: it runs to
-    the end and its greedy tokens are the target's own (the target loaded once by the embedded_target fixture; the
-    CLI loads its own)."""
-    prompt = "What is the capital of France?"
-    code = main(["generate", "--draft", spec, "--max-new-tokens", "8", "--prompt", prompt, "--chat", "--json"])
-    out = json.loads(capsys.readouterr().out.strip())
-    assert code == 0 and len(out["token_ids"]) == 8
-    engine = engine_with_draft(embedded_target, "embedded")
-    want = engine.run(engine.encode(prompt, True), GenerationConfig(method="ar", max_new_tokens=8)).token_ids
-    assert out["token_ids"] == want
