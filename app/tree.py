@@ -662,6 +662,6 @@ def tree_html(events: list[Event], step: int | None) -> str:
     caption = step_caption(mine, step, step_events(events, step - 1))
     return (
         f'<div class="tree-view" data-step="{int(step)}">{step_headline(mine)}<div class="tree-caption">'
-        f'{html.escape(caption)}</div><div class="tree-legend">{TREE_LEGEND}</div>'
-        f'<div class="tree-scroll">{tree_svg(mine, prefix_before(events, step))}</div></div>'
+        f'{html.escape(caption)}</div><div class="tree-scroll">{tree_svg(mine, prefix_before(events, step))}</div>'
+        f'<div class="tree-legend">{TREE_LEGEND}</div></div>'
     )

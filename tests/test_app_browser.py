@@ -167,6 +167,35 @@ def test_live_view_in_chromium(page, live_run):
     assert (ARTIFACTS / "app_live.png").stat().st_size > 10_000
 
 
+def test_a_projectors_first_screen_holds_the_prompt_the_glance_line_and_the_tree(page, live_run):
+    """At 1280x720, the page as it opens (scrolled to the top): the prompt, its Generate button, the glance line and
+    the step's tree all start on the first screen, beside the settings (app/tabs/live.py)."""
+    page.get_by_role("tab", name="Live").click()
+    page.set_viewport_size({"width": 1280, "height": 720})
+    try:
+        page.evaluate("window.scrollTo(0, 0)")
+        page.wait_for_selector("#tree-view svg.branch-tree", timeout=30_000)
+        boxes = {
+            name: page.locator(selector).first.bounding_box()
+            for name, selector in {
+                "prompt": "#prompt textarea",
+                "generate": "#generate",
+                "glance": "#glance .glance",
+                "tree": "#tree-view svg.branch-tree",
+                "method": "#live-method",
+            }.items()
+        }
+        page.screenshot(path=str(ARTIFACTS / "app_live_1280x720.png"))
+        assert all(box is not None for box in boxes.values()), boxes
+        assert boxes["prompt"]["y"] + boxes["prompt"]["height"] <= 720, boxes
+        assert boxes["generate"]["y"] + boxes["generate"]["height"] <= 720, boxes
+        assert boxes["glance"]["y"] + boxes["glance"]["height"] <= 720, boxes
+        assert boxes["tree"]["y"] + min(boxes["tree"]["height"], 120) <= 720, boxes  # the tree's first 120 px
+        assert boxes["method"]["x"] + boxes["method"]["width"] <= boxes["tree"]["x"], boxes  # settings beside it
+    finally:
+        page.set_viewport_size({"width": 1400, "height": 2200})
+
+
 def test_tree_and_step_navigator_in_chromium(page, app_store, live_run):
     page.get_by_role("tab", name="Live").click()
     events = app_store.load_run_events(app_store.get_session(live_run)["runs"][0]["id"])

@@ -20,6 +20,8 @@ def test_each_draft_kind_has_its_preset():
     assert preset_for(None) is DISTILLED
     assert set(SCENARIOS) == {"fastest", "rescue", "weak"}
     assert SCENARIOS["fastest"].draft == "self" and SCENARIOS["weak"].draft == "embedded-weak"
+    # branches rescue in the paper's regime: the distilled draft, whose preset the scenario keeps
+    assert (SCENARIOS["rescue"].draft, SCENARIOS["rescue"].preset) == ("embedded", preset_for("embedded"))
 
 
 def test_the_default_draft_is_the_fastest_this_machine_supports():

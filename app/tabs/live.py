@@ -191,18 +191,29 @@ class LiveTab:
 
     # ------------------------------------------------------------------ UI
     def create_ui(self) -> None:
-        """Laid out to be projected: the controls and the chat side by side, then the answer's tokens under the
-        glance line, then the branch tree of a step with its navigator, the measured figures and the metric panel."""
+        """Laid out to be projected: a 1280x720 first screen holds the controls (the settings folded) at the left and
+        the prompt, the glance line and the step's tree with its navigator at the right; the chat, the answer's
+        tokens, the measured figures and the metric panel follow below."""
         with gr.Tab("Live"):
             with gr.Row():
-                with gr.Column(scale=1, min_width=320) as left:
+                with gr.Column(scale=1, min_width=300) as left:
                     self.create_controls()
-                with gr.Column(scale=2):
-                    self.create_chat()
+                with gr.Column(scale=3, elem_id="live-main"):
+                    self.create_prompt()
+                    self.notices = gr.HTML(elem_id="notices")
+                    self.glance = gr.HTML(elem_id="glance")
+                    gr.Markdown(
+                        "**Branch tree of a step** · pick one with the buttons and the slider under it, or a marker "
+                        "under the timeline; the timeline's shading follows",
+                        elem_classes="tree-title",
+                    )
+                    self.tree = gr.HTML(elem_id="tree-view")
+                    self.nav = build_navigator("step")
+                    self.chatbot = gr.Chatbot(
+                        label="Chat (the answer text)", height=220, sanitize_html=True, elem_id="chatbot"
+                    )
             with left:  # under the controls, now that the prompt they fill exists
                 gr.Examples(examples(), [self.prompt, self.chat], label="Example prompts (benchmark split)")
-            self.notices = gr.HTML(elem_id="notices")
-            self.glance = gr.HTML(elem_id="glance")
             with gr.Row(equal_height=True):
                 gr.HTML(LEGEND)
                 self.show_rollbacks = gr.Checkbox(
@@ -212,14 +223,7 @@ class LiveTab:
                     scale=0,
                     min_width=300,
                 )
-            self.tokens = gr.HTML(elem_id="token-view")  # scrolls past a few lines: the tree stays near (app.css)
-            gr.Markdown(
-                "**Branch tree of a step** · pick one with the buttons and the slider under it, or a marker "
-                "under the timeline; the timeline's shading follows",
-                elem_classes="tree-title",
-            )
-            self.tree = gr.HTML(elem_id="tree-view")  # right under its title: on a projected screen with the glance
-            self.nav = build_navigator("step")
+            self.tokens = gr.HTML(elem_id="token-view")  # scrolls past a few lines (app.css)
             self.timeline = gr.Plot(label="Bubble timeline", elem_id="timeline-plot")
             self.nav.add_strip()
             with gr.Row():
@@ -294,12 +298,15 @@ class LiveTab:
         )
         self.scenario_note = gr.HTML(scenario_note(start), elem_id="scenario-note")
 
-    def create_chat(self) -> None:
-        self.chatbot = gr.Chatbot(label="Chat (the answer text)", height=260, sanitize_html=True, elem_id="chatbot")
-        self.prompt = gr.Textbox(label="Prompt", lines=2, placeholder="Ask something…", elem_id="prompt")
-        with gr.Row():
-            self.send = gr.Button("Generate", variant="primary", elem_id="generate")
-            self.stop = gr.Button("Stop", variant="stop", elem_id="stop")
+    def create_prompt(self) -> None:
+        """The prompt with its buttons beside it: one line of the first screen."""
+        with gr.Row(equal_height=True):
+            self.prompt = gr.Textbox(
+                label="Prompt", lines=2, placeholder="Ask something…", elem_id="prompt", scale=6, min_width=300
+            )
+            with gr.Column(scale=1, min_width=120):
+                self.send = gr.Button("Generate", variant="primary", elem_id="generate")
+                self.stop = gr.Button("Stop", variant="stop", elem_id="stop")
 
     # ------------------------------------------------------------------ events
     def create_event_handlers(self) -> None:

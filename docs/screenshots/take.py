@@ -4,8 +4,8 @@
 Serves app.py on a private port with a throw-away session store, drives it with Debian's chromium
 (Playwright), and writes palette PNGs (each well under 400 KB) next to this file.
 
-The scenarios: one 1280x720 page each, as a projector shows it, scrolled to the glance line, with the tree of a
-forking step (a rescue where there is one) under it. Each scenario's draft first makes a short warm-up run, so that it
+The scenarios: one 1280x720 page each, as a projector shows it: the first screen, with the tree of a forking step
+(a rescue where there is one) under the glance line. Each scenario's draft first makes a short warm-up run, so that it
 is loaded and its compiled step has landed (the app compiles it in the background), then answers PROMPT. "Fastest"
 is a first chat: its glance line compares with the target's one-token step; the other two run `ar` on the prompt
 first, so theirs is the measured comparison with AR."""
@@ -140,7 +140,8 @@ def pick_forking_step(page) -> None:
 
 
 def scenarios(browser) -> None:
-    """One 1280x720 screenshot per scenario, as projected: the glance line at the top, the tree under it."""
+    """One 1280x720 screenshot per scenario, as projected: the page's first screen (the prompt, the glance line and
+    the step's tree beside the settings)."""
     from engine.presets import SCENARIOS
 
     page = browser.new_page(viewport={"width": 1280, "height": 720})
@@ -150,9 +151,8 @@ def scenarios(browser) -> None:
         if key != "fastest":  # a stored AR run of the prompt: the glance then shows the measured comparison
             generate(page, "ar", SCENARIO_PROMPT, SCENARIO_MAX_NEW, scenario=key)
         generate(page, "specbranch", SCENARIO_PROMPT, SCENARIO_MAX_NEW, scenario=key)
-        pick_forking_step(page)
-        page.locator("#glance").scroll_into_view_if_needed()
-        page.evaluate("document.querySelector('#glance').scrollIntoView({block: 'start'})")
+        pick_forking_step(page)  # (its marker is under the timeline: the click scrolls there)
+        page.evaluate("window.scrollTo(0, 0)")  # the first screen, as the page opens
         time.sleep(1)
         save(page, f"scenario_{key}", full_page=False)
     page.close()

@@ -1,5 +1,7 @@
 """The Live tab's scenarios (engine/presets.py SCENARIOS), measured on the TUNING prompts, never the benchmark split:
-`python docs/results/tools/tune_scenarios.py --json docs/results/json/scenarios-tuning.json`.
+`python docs/results/tools/tune_scenarios.py --json docs/results/json/scenarios-tuning.json`. (It chose "fastest",
+"weak" and the earlier, layer-skipping "rescue"; the app's "rescue" is now the distilled draft's, from bench runs:
+docs/app.md "How the scenarios were chosen".)
 
 Loads the embedded target once, as app.py does (each draft in a process of its own, its one-token step compiled:
 the script waits for the compile before timing anything), and runs every prompt of data/tuning_prompts.jsonl at the
