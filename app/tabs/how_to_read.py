@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import html
+
 import gradio as gr
+
+from ..regime import load_map, regime_figure, regime_table
 
 TEACHING = """
 ### How to read this
@@ -48,11 +52,11 @@ step runs beside that pass instead of before it, and the step's caption says the
 from stores them so; docs/models.md). A draft step then costs about a third of a target step, and the
 draft agrees with the target on over 99 % of tokens, so speculation pays, but there is little to reject, roll back
 or branch. To watch those, pick another draft in the Draft menu: `embedded` (a distilled 6-layer draft, right about
-half the time) or `embedded-weak`. To watch forks rescue, `self-skip:3,4,5,25` (the target without 4 of its 30
-layers, right about 70 % of the time): where it is unsure, its runners-up often hold the target's token and about a
-quarter of its forks rescue. Over the benchmark prompts it ran about as fast as plain decoding (1.02–1.09× over 3
-seeds, docs/models.md); one short run can be slower. A draft loads on first use (seconds), and picking one sets
-the sliders to the settings the bench chose for its kind.
+half the time, about 5 times cheaper than the target: the paper's regime, and the *Watch branches rescue* scenario,
+where a fork that rescues a rejection saves a target pass) or `embedded-weak`. `self-skip:3,4,5,25` (the target
+without 4 of its 30 layers, right about 70 % of the time) forks often too, and about a quarter of its forks rescue.
+The regime map below shows, for every draft, where speculation and branches pay. A draft loads on first use
+(seconds), and picking one sets the sliders to the settings the bench chose for its kind.
 
 **The charts.** *Branch tree*: one step, left to right: the committed prefix, the drafted path, the fork
 with its k candidates and each branch. Green accepted, purple rescued, red rejected, orange the target's
@@ -67,6 +71,18 @@ slower beside the other: in one bench run a target pass cost 66 ms in SD and 87 
 """
 
 
+REGIME = """
+### Which draft, which method: the regime map
+Each marker is one method with one draft, from one bench run on the benchmark prompts: its speed against `ar` at the
+draft's acceptance α. Each faint line is the same method's limit if only the two models' forward passes took time,
+with that run's forward costs and every drafted token accepted with probability α (docs/results/README.md, "The
+regime map"). c is how many of the draft's steps one target step costs. A draft that is cheap (large c) but often
+wrong is where the target sets the pace and a fork that rescues a rejection saves a target pass: there SpecBranch's
+markers can stand above PEARL's. A draft that is right almost always leaves nothing to rescue, and with a small c
+the draft sets the pace, so no branch policy can add much.
+"""
+
+
 class HowToReadTab:
     def __init__(self, ctx=None):
         self.ctx = ctx
@@ -74,6 +90,14 @@ class HowToReadTab:
     def create_ui(self) -> None:
         with gr.Tab("How to read this"):
             gr.Markdown(TEACHING)
+            gr.Markdown(REGIME)
+            data, why = load_map()
+            if data is None:
+                gr.Markdown(html.escape(why), elem_id="regime-missing")
+                return
+            gr.Plot(regime_figure(data), elem_id="regime-map", label="Regime map")
+            when = f" Measured {html.escape(data['when'])}." if data["when"] else ""
+            gr.Markdown(regime_table(data) + "\n\n" + when, elem_id="regime-table")
 
     def create_event_handlers(self) -> None:
         """Nothing to wire: the tab is text."""

@@ -464,6 +464,19 @@ def headline() -> str:
     )
 
 
+def regime() -> str:
+    """The regime map's drafts (docs/results/tools/regime_map.py): c, α and each method's speed against `ar`, all
+    from one bench run, with the forwards-only model's limit beside the measured speed."""
+    data = load("regime-map")
+    rows = []
+    for draft, e in data["drafts"].items():
+        m = e["methods"]
+        cell = lambda k: f"{m[k]['measured']:.2f} ({m[k]['modelled']:.2f})"  # noqa: E731
+        rows.append([f"`{draft}`", f"{e['c']:.2f}", f"{e['alpha']:.3f}", cell("sd"), cell("pearl"), cell("specbranch")])
+    head = ["draft", "c", "α (SD)", "sd × `ar` (model)", "pearl × `ar` (model)", "specbranch × `ar` (model)"]
+    return table(head, rows) + f"\nJSON: {link(['regime-map', 'regime-map-bench'])}.\n"
+
+
 # the costs reports (and the drafts' memory) do not record their command line; these are the commands that wrote them
 COSTS_COMMANDS = {
     "draft-memory": "python docs/results/tools/draft_memory.py > docs/results/json/draft-memory.json (last line)",
@@ -484,6 +497,8 @@ COSTS_COMMANDS = {
     "panel-embedded-int4-costs": "python -m engine costs --draft embedded --draft-matmul int4 "
     "--json docs/results/json/panel-embedded-int4-costs.json",
     "few-rows": "python docs/results/tools/few_rows.py --json docs/results/json/few-rows.json",
+    "regime-map": "python docs/results/tools/regime_map.py --bench docs/results/json/regime-map-bench.json "
+    "--json docs/results/json/regime-map.json",
 }
 
 
@@ -529,6 +544,7 @@ TABLES = {
     "model": model,
     "sources": sources,
     "headline": headline,
+    "regime": regime,
 }
 
 
