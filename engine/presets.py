@@ -100,9 +100,9 @@ class Scenario:
 
 # The scenarios' settings and figures, on the tuning prompts (T=0), docs/app.md "How the scenarios were chosen".
 # "fastest" and "weak": docs/results/tools/tune_scenarios.py (128 tokens, each run right after an ar run of the same
-# prompt). "rescue" is the paper's regime, the distilled draft (the target sets the pace): one bench run each of four
+# prompt). "rescue" is the paper's regime, the distilled draft (the target sets the pace): one bench run each of six
 # settings against ar and pearl (96 tokens, docs/results/json/scenarios-embedded-*.json); its preset was the fastest
-# SpecBranch of the four.
+# SpecBranch of the four with the draft in its process, as the app runs it.
 SCENARIOS: dict[str, Scenario] = {
     s.key: s
     for s in (
