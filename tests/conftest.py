@@ -204,21 +204,38 @@ def embedded_reference_model():
 
 
 @pytest.fixture(scope="session")
-def greedy_references(embedded_target, embedded_reference_model):
+def greedy_references(embedded_target, request, tmp_path_factory):
     """[(prompt ids, the embedded target's own greedy generate() of GREEDY_NEW tokens)] for GREEDY_PROMPTS, from
-    transformers' model loaded apart from the engine's (embedded_reference_model)."""
+    transformers' model loaded apart from the engine's (embedded_reference_model). Under xdist, once a run: the first
+    worker to need them writes them to the run's own temporary folder, under a lock, and the others read them."""
+    import json
+
+    from filelock import FileLock
+
     from engine.engine import Engine
 
     from .reference import greedy_generate
 
-    model = embedded_reference_model
-    assert model is not embedded_target.target.model
     engine = Engine(embedded_target)  # its tokenizer and chat template only
     try:
         prompts = [engine.encode(text, chat) for text, chat in GREEDY_PROMPTS]
     finally:
         engine.close()
-    return [(ids, greedy_generate(model, ids, GREEDY_NEW)) for ids in prompts]
+
+    def compute() -> list[list[int]]:
+        model = request.getfixturevalue("embedded_reference_model")
+        assert model is not embedded_target.target.model
+        return [greedy_generate(model, ids, GREEDY_NEW) for ids in prompts]
+
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:  # one process: nothing to share
+        return list(zip(prompts, compute()))
+    shared = tmp_path_factory.getbasetemp().parent / f"greedy-references-{GREEDY_NEW}.json"  # this run's folder
+    with FileLock(f"{shared}.lock"):
+        if not shared.exists():
+            shared.write_text(json.dumps({"prompts": prompts, "wants": compute()}))
+        saved = json.loads(shared.read_text())
+    assert saved["prompts"] == prompts
+    return list(zip(prompts, saved["wants"]))
 
 
 @pytest.fixture(scope="session")

@@ -112,8 +112,7 @@ def rounds_led_by_the_draft(events) -> int:
 
 @pytest.mark.parametrize(
     "method, extra",
-    [
-        ("pearl", dict(gamma=4)),
+    [  # (plain PEARL on this target: every round below where the draft does not lead; test_greedy_equivalence.py)
         ("specbranch", dict(gamma=4, branches=3, epsilon=0.9)),
         ("specbranch", dict(gamma=4, branches=3, epsilon=0.9, feed_stop=0.4, hold=0.3)),  # and a hold
         ("specbranch", dict(gamma=4, branches=3, epsilon=0.9, hold=0.3, hold_branches=True)),  # on the branches too
