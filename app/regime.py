@@ -98,13 +98,16 @@ def regime_table(data: dict) -> str:
         methods = entry.get("methods") if isinstance(entry, dict) else None
         if not isinstance(methods, dict):
             continue
-        cell = lambda v: "–" if number(v) is None else f"{number(v):.2f}"  # noqa: E731
-        speeds = [
-            cell(methods.get(m, {}).get("measured") if isinstance(methods.get(m), dict) else None) for m in METHODS
-        ]
+        speeds = [cell(m.get("measured") if isinstance(m := methods.get(method), dict) else None) for method in METHODS]
         rows.append(
             f"| `{html.escape(str(draft))}` | {cell(entry.get('c'))} | {cell(entry.get('alpha'))} | "
             + " | ".join(speeds)
             + " |"
         )
     return "\n".join(rows)
+
+
+def cell(value) -> str:
+    """A number from the file to two decimals, or a dash where it holds none."""
+    v = number(value)
+    return "–" if v is None else f"{v:.2f}"

@@ -133,6 +133,12 @@ def measure(engine, context: int = 200, max_tokens: int = 8, max_rows: int = 4, 
     return result
 
 
+def draft_ms_a_round(agg: dict) -> float:
+    """d · D of one method's pooled bench figures: its draft steps per target pass times the mean draft step."""
+    rounds = max(agg["target_forwards"] - agg["prompts"], 1)  # the prefill is no round
+    return agg["draft_forwards"] / rounds * (agg.get("draft_forward_ms") or 0.0)
+
+
 def modelled(report: dict, dataset: str = "all") -> dict[str, dict]:
     """Measured and modelled speedup per method of a bench report (see the module's docstring)."""
     res = report["results"]
@@ -151,9 +157,7 @@ def modelled(report: dict, dataset: str = "all") -> dict[str, dict]:
         if label == BASELINE:
             model = no_waste = 1.0
         elif tau and t_v:  # hf-assisted's forwards are not visible to us
-            rounds = max(agg["target_forwards"] - agg["prompts"], 1)  # the prefill is no round
-            drafting = agg["draft_forwards"] / rounds * (agg.get("draft_forward_ms") or 0.0)  # d · D
-            serial = is_serial(method)
+            drafting, serial = draft_ms_a_round(agg), is_serial(method)
             model = tau * t_ar / round_ms(t_v, drafting, serial)
             pace, headroom = round_pace(t_v, drafting, agg.get("wasted_draft_rate"), serial)
             no_waste = model * (headroom or 1.0)

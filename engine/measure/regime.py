@@ -16,7 +16,7 @@ The bench run names each method's draft with METHOD@DRAFT (report["drafts"]), so
 from __future__ import annotations
 
 from engine.config import BASELINE
-from engine.measure.costs import modelled
+from engine.measure.costs import draft_ms_a_round, modelled
 from engine.measure.metrics import is_serial, round_ms
 
 ALPHAS = [round(0.02 * i, 2) for i in range(1, 50)]  # 0.02 … 0.98: where the curves are drawn
@@ -34,9 +34,7 @@ def curve(agg: dict, t_ar: float, method: str, gamma: int) -> list[float] | None
     t_v = agg.get("target_forward_ms")
     if not t_v or not agg.get("target_forwards"):
         return None
-    rounds = max(agg["target_forwards"] - agg["prompts"], 1)  # the prefill is no round
-    drafting = agg["draft_forwards"] / rounds * (agg.get("draft_forward_ms") or 0.0)  # d · D
-    length = round_ms(t_v, drafting, is_serial(method))
+    length = round_ms(t_v, draft_ms_a_round(agg), is_serial(method))
     return [round(tokens_a_pass(a, gamma) * t_ar / length, 3) for a in ALPHAS]
 
 
