@@ -572,6 +572,25 @@ def test_hold_weighs_the_whole_path_and_the_forks_rescues():
     assert policy.reads_rescues and not Policy(max_branches=3, rescues=rescues).reads_rescues
 
 
+def test_sure_enough_is_where_the_next_path_step_neither_forks_nor_holds():
+    """The least largest probability at which the draft's next path step drafts its token as it is (a draft in its
+    own process steps ahead only there): ε where only forks decide; the hold's bar over the path's odds where that
+    is higher; every row forks where the table measured every token wrong; none for PEARL."""
+    assert Policy().sure_enough(Speculation()) is None  # PEARL: never forks or holds
+    assert Policy(max_branches=3, fixed_at=2).sure_enough(Speculation()) is None  # forks by position, not confidence
+    fork_only = Policy(max_branches=3, epsilon=0.5).sure_enough(Speculation())
+    assert 0.5 <= fork_only <= 0.5 + 2**-10
+    spec = Speculation(drafted([4, 5], [0.8, 0.8]))
+    for epsilon, want in ((0.5, 0.5), (0.2, 0.3 / 0.64)):  # hold 0.3 over a path of odds 0.8 * 0.8
+        got = Policy(max_branches=3, epsilon=epsilon, hold=0.3).sure_enough(spec)
+        assert want <= got <= want + 2**-10, (epsilon, got)
+    wrong = AcceptanceCalibration()
+    for b in range(20):
+        for _ in range(200):
+            wrong.record(b / 20 + 0.01, False)
+    assert Policy(max_branches=3, epsilon=0.5, calibration=wrong).sure_enough(Speculation()) == 1.0
+
+
 def test_held_positions_are_left_to_the_target_and_still_measured(tiny_dirs, monkeypatch):
     """Hold 1: the draft proposes nothing (its odds are always below 1), every position is the target's own
     token, output equals AR's, and the calibration still learns at every held position the target reached. How many

@@ -113,6 +113,33 @@ def test_the_child_steps_ahead_on_the_token_a_sampled_draw_picks(process_engine)
     assert remote.steps_taken_ahead == taken + 4
 
 
+def test_the_child_steps_ahead_only_on_a_row_as_sure_as_asked(process_engine):
+    """Where the engine would most likely fork or hold (a row less sure than Policy.sure_enough), the child takes no
+    step ahead, so the fork's step is not kept waiting on one to undo; on a row that sure it does. The answers are
+    the local draft's bits either way."""
+    remote = process_engine.pair.draft
+    caches = [remote.local.new_cache(), remote.new_cache()]
+
+    def step(x, sure):  # one greedy draft step, locally and in the child; returns the argmax and its probability
+        local = remote.local.forward(x, caches[0])
+        there = remote.forward(x, caches[1], ahead=1, sure=sure)
+        assert torch.equal(local, there)
+        top = there[0, -1].softmax(-1).max(-1)
+        return top.indices.view(1, 1), float(top.values)
+
+    nxt, top = step(torch.tensor([PROMPT]), 1.0)  # a prefill whose row is less sure than 1: no step ahead
+    assert top < 1.0
+    taken = remote.steps_taken_ahead
+    nxt, top = step(nxt, 0.0)  # not taken ahead; every row is at least 0 sure: the child steps ahead
+    assert remote.steps_taken_ahead == taken and top < 1.0
+    nxt, top = step(nxt, 1.0)  # served from the step taken ahead; below 1 sure: none taken after it
+    assert remote.steps_taken_ahead == taken + 1 and top < 1.0
+    nxt, _ = step(nxt, None)  # not taken ahead; None: the child steps ahead whatever the row
+    assert remote.steps_taken_ahead == taken + 1
+    step(nxt, None)  # served from it
+    assert remote.steps_taken_ahead == taken + 2
+
+
 def test_a_step_taken_ahead_is_timed_when_the_child_computed_it(process_engine):
     """A draft's span in its own process is when the child computed, on its clock, which is this one's: a step taken
     ahead ran while the engine was busy elsewhere (the child takes it as soon as it has answered, before it reads the

@@ -45,19 +45,19 @@ def serve(conn) -> None:
                 answer(conn, taken[2], True, taken[3])  # the step asked for is the one taken ahead: at once
                 if arg[2]:
                     threads = on_threads(threads, arg[2])
-                    ahead = step_ahead(lm, caches, cid, taken[2], arg[3])
+                    ahead = step_ahead(lm, caches, cid, taken[2], arg[3], arg[4])
                 continue
             caches[taken[0]].crop(-1)  # another request: undo the step taken ahead first
         try:
             if op == "forward":
                 if failed is None:
-                    ids, n, go_on, draws = arg
+                    ids, n, go_on, draws, sure = arg
                     threads = on_threads(threads, n)
                     logits, times = timed_forward(lm, ids, caches[cid])
                     answer(conn, logits, False, times)
                     if go_on:
                         threads = on_threads(threads, go_on)
-                        ahead = step_ahead(lm, caches, cid, logits, draws)
+                        ahead = step_ahead(lm, caches, cid, logits, draws, sure)
                     continue
             else:
                 cache_op(conn, lm, caches, op, cid, arg)
@@ -121,11 +121,15 @@ def on_threads(current: int, n: int) -> int:
     return n
 
 
-def step_ahead(lm, caches: dict, cid: int, logits: torch.Tensor, draws: list | None):
+def step_ahead(lm, caches: dict, cid: int, logits: torch.Tensor, draws: list | None, sure: float | None = None):
     """While the parent reads an answer, take the step it most likely asks for next: on the token each row's draw picks
     (sampling.NextDraw: the parent drew its uniform before asking; None: the argmax, as greedy drafting feeds). Its
-    logits wait for a request with those ids; any other request (a fork, a hold, a rejection) undoes it first."""
+    logits wait for a request with those ids; any other request (a fork, a hold, a rejection) undoes it first, after
+    it finished. So where a row's largest probability is below `sure` (policy.Policy.sure_enough: the parent would
+    most likely fork or hold there, and ask for another step at once) no step is taken: None."""
     rows = logits[:, -1]  # [B, V]
+    if sure is not None and float(rows.softmax(-1).max(-1).values.min()) < sure:
+        return None
     ids = rows.argmax(-1)[:, None].tolist() if draws is None else [[d.guess(r)] for d, r in zip(draws, rows)]  # [B, 1]
     return cid, ids, *timed_forward(lm, ids, caches[cid])
 

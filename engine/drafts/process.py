@@ -210,19 +210,22 @@ class RemoteLM:
         ahead: int = 0,
         draws: list | None = None,
         measured: bool = False,
+        sure: float | None = None,
     ):
         """input_ids [B, T] -> logits [B, T, V] float32, appending T positions to `cache`
         (the child runs the local draft's forward on the calling thread's torch thread count). ahead (torch threads; 0 =
         off): the next request will most likely feed the token each row's draw picks (`draws`, sampling.NextDraw, one
         a row; None: the argmax), so the child takes that step at once on that many threads, while this answer is read
-        (step_ahead); the answer to a request is the same whether its step was taken ahead or not. measured: return
-        runtime.Measured(logits, when the child computed them) where it shares this clock (shares_clock)."""
+        (step_ahead), unless a row's largest probability falls below `sure` (Policy.sure_enough: the engine would
+        most likely fork or hold there); the answer to a request is the same whether its step was taken ahead or not.
+        measured: return runtime.Measured(logits, when the child computed them) where it shares this clock
+        (shares_clock)."""
         if hidden_states or features:
             raise ValueError("a draft in its own process returns logits only")
         if input_ids.shape[0] != cache.rows:
             raise ValueError(f"the cache holds {cache.rows} rows, fed {input_ids.shape[0]}")
         with self._call_lock:
-            self.send("forward", cache.cid, (input_ids.tolist(), torch.get_num_threads(), ahead, draws))
+            self.send("forward", cache.cid, (input_ids.tolist(), torch.get_num_threads(), ahead, draws, sure))
             status, shape, taken_ahead, times = self._receive()
             if status != "ok":
                 raise SpecBranchError(f"the draft's forward failed in its process: {shape}")
@@ -337,11 +340,12 @@ def close_distributions(a: torch.Tensor, b: torch.Tensor, tv: float = 0.1) -> bo
     return bool((0.5 * (a.softmax(-1) - b.softmax(-1)).abs().sum(-1) <= tv).all())
 
 
-def step_fn(lm, ahead: int, draws: list | None = None):
+def step_fn(lm, ahead: int, draws: list | None = None, sure: float | None = None):
     """lm.forward; for a draft in its own process, timed by when the child computed (runtime.Measured) and asking it to
-    step ahead on `ahead` torch threads (0: not) on the tokens `draws` pick (None: the argmax) (RemoteLM.forward)."""
+    step ahead on `ahead` torch threads (0: not) on the tokens `draws` pick (None: the argmax), where its rows are at
+    least `sure` (RemoteLM.forward)."""
     return (
-        functools.partial(lm.forward, ahead=ahead, draws=draws, measured=True)
+        functools.partial(lm.forward, ahead=ahead, draws=draws, measured=True, sure=sure)
         if isinstance(lm, RemoteLM)
         else lm.forward
     )

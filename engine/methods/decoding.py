@@ -181,16 +181,17 @@ async def forward(
     solo: bool = False,
     ahead: int = 0,
     draws: list[NextDraw] | None = None,
+    sure: float | None = None,
     tree=None,
 ):
     """Feed `ids` (appended to `cache`) on `worker` and record the span. Returns logits [T, V]; with
     hidden_states/features, Out(logits [T, V], every layer's states [1, T, H] each, last features [T, H]).
     solo: the other model waits on this forward (Worker.run). ahead: a draft in its own process steps at once on the
     token `draws` will pick (state.next_draws; None: the argmax), on that many torch threads (draft_process.step_fn;
-    0 = not). tree: how the ids hang together where they are not one line (llama.TokenTree; the target's verify
-    pass of a fork)."""
+    0 = not), where its row's largest probability reaches `sure` (Policy.sure_enough; None: always). tree: how the
+    ids hang together where they are not one line (llama.TokenTree; the target's verify pass of a fork)."""
     x = torch.tensor([ids], dtype=torch.long)
-    fn = step_fn(lm, ahead, draws) if tree is None else functools.partial(lm.forward, tree=tree)
+    fn = step_fn(lm, ahead, draws, sure) if tree is None else functools.partial(lm.forward, tree=tree)
     out, span = await worker.run(
         fn,
         x,

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.drafts.process import step_fn
+from engine.drafts.process import RemoteLM, step_fn
 from engine.events import BRANCH_DRAFT, DRAFT, DraftProposed, Event
 from engine.methods import hrad
 from engine.methods.decoding import DraftRow, RunState, forward, read_row
@@ -125,6 +125,7 @@ async def path_step(
         solo=solo,
         ahead=ahead_threads(state),
         draws=draw,
+        sure=policy.sure_enough(spec) if isinstance(state.pair.draft, RemoteLM) else None,
     )
     ds.rows[0] = seq
     row = read_row(state, logits[-1], draw[0], max(policy.max_branches, 1))

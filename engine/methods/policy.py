@@ -127,6 +127,30 @@ class Policy:
         playing the forks the draft did not make (verdict.missed_rescue), which costs host time between forwards."""
         return self.rescues is not None and (self.hold > 0 or self.costs is not None)
 
+    def sure_enough(self, spec: Speculation, steps: int = 10) -> float | None:
+        """The least largest probability of the draft's next path row at which that step would most likely draft its
+        token as it is: no fork (its acceptance at least ε) and no hold (held_back on the path as it stands, k = 1),
+        found by bisection in `steps` halvings; None where this policy never forks or holds by confidence. A draft in
+        its own process takes its next step ahead only on a row at least this sure (process.step_ahead): a fork or a
+        hold asks for another step, which waits while the one taken ahead finishes and is undone. A guess for timing
+        alone (H-RAD, the measured costs and the alternatives are left out): the output is the same either way."""
+        forks = self.max_branches > 1 and self.fixed_at is None
+        if not forks and self.hold <= 0:
+            return None
+        path = self.path_odds(spec) if self.hold > 0 else 1.0
+
+        def linear(top: float) -> bool:
+            sure = self.acceptance(top)
+            return not (forks and sure < self.epsilon) and not self.held_back(path * sure)
+
+        lo, hi = 0.0, 1.0
+        if not linear(hi):
+            return hi
+        for _ in range(steps):
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if linear(mid) else (mid, hi)
+        return hi
+
     def held_back(self, odds: float) -> bool:
         """Rollback-aware drafting: below `hold` odds (path_odds times holds_up), what the draft would propose here
         would only be rolled back, so it proposes nothing and leaves the position to the target's own next token."""
