@@ -131,13 +131,18 @@ _gguf_lock = threading.Lock()
 
 
 def dequantized_gguf_dir(gguf: Path) -> Path:
-    """Dequantize a GGUF once (~17 s) and keep it as safetensors; later loads take well under a second."""
+    """Dequantize a GGUF once (~17 s) and keep it as safetensors; later loads take well under a second. One process
+    at a time (a lock file beside the folder): a process that finds another dequantizing waits for its result,
+    instead of dequantizing too and then failing to move its copy onto the finished folder (the app and its draft's
+    process, the suite's workers, start together on a fresh cache)."""
+    from filelock import FileLock
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     stat = gguf.stat()
     key = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     out = cache_dir() / "gguf" / f"{gguf.stem}-{key}"
-    with _gguf_lock:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with _gguf_lock, FileLock(f"{out}.lock"):
         if (out / "config.json").exists() and (out / "model.safetensors").exists():
             return out
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
