@@ -182,3 +182,20 @@ def test_the_host_loop_runs_on_one_thread(tiny_engine):
     thread.start()
     thread.join()
     assert seen == [1]
+
+
+def test_importing_the_engine_lets_idle_openmp_threads_sleep_unless_told_otherwise():
+    """libgomp reads OMP_WAIT_POLICY as torch is imported: the engine's package sets it to PASSIVE before, so an idle
+    OpenMP thread (a 2-thread draft step's) does not spin on a core the other model or the loop needs; a value the
+    caller set stays. The draft's own process inherits it (process._start passes the environment)."""
+    import os
+    import subprocess
+    import sys
+
+    probe = "import engine, os, torch; print(os.environ['OMP_WAIT_POLICY'])"
+    for given, want in ((None, "PASSIVE"), ("ACTIVE", "ACTIVE")):
+        env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+        if given:
+            env["OMP_WAIT_POLICY"] = given
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == want
