@@ -78,7 +78,7 @@ def regime_figure(data: dict) -> go.Figure:
                     legendgroup=name,
                     hovertemplate=f"{name} ({cost}α %{{x:.2f}}) · {label}: %{{y:.2f}}× ar<extra></extra>",
                 )
-    fig.add_hline(y=1.0, line=dict(color="#424242", width=1), annotation_text="ar", annotation_position="left")
+    fig.add_hline(y=1.0, line=dict(color="#424242", width=1), annotation_text="ar", annotation_position="top right")
     fig.update_layout(
         title="Where speculation pays: speedup against ar by the draft's acceptance α (one bench run)",
         xaxis=dict(title="α: the draft's acceptance (its SD run, T=0)", range=[0, 1]),
