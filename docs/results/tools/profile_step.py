@@ -7,17 +7,27 @@ For each method: the bench's host overhead (ms a step with neither model computi
 most of the loop thread's time a step (own time, and time with what they call), from the tuning prompts
 (data/tuning_prompts.jsonl: never the benchmark split). cProfile slows the Python it profiles, not the forwards, so the
 host figures are the runs' own, measured in separate runs without the profiler.
+
+`gaps`: what the loop thread was in while neither model computed, from runs without cProfile. Each gap between the
+forwards' spans is named by the forwards around it (e.g. `target:verify -> draft:draft`), and its time is split among
+the engine functions below (GAP_FUNCTIONS), each counted while it is the innermost one running; `forward` is the wait
+for a worker's answer beyond the span it reports (the hand-over to the worker's thread, the draft process's message
+and its reading), `(none)` the loop between them.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import dataclasses
+import functools
+import inspect
 import json
 import pstats
 import statistics
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -25,7 +35,9 @@ sys.path.insert(0, str(ROOT))
 
 from engine.config import GenerationConfig, ModelSettings  # noqa: E402
 from engine.engine import Engine  # noqa: E402
+from engine.events import TimingSpan  # noqa: E402
 from engine.load import load_engine  # noqa: E402
+from engine.methods import decoding, drafting, parallel, verdict  # noqa: E402
 from engine.presets import config_for, draft_forward  # noqa: E402
 
 
@@ -65,6 +77,95 @@ def profile(engine: Engine, cfg: GenerationConfig, encoded: list[list[int]], top
     }
 
 
+GAP_FUNCTIONS = {
+    decoding: ["read_row", "forward"],
+    drafting: ["fork_here", "hold_here", "head_start", "draft_until_verdict"],
+    parallel: ["verify_round", "keep_verified", "verify_pass"],
+    verdict: ["resolve", "judge"],
+}
+
+
+def timed(log: list, name: str, fn, clock: dict):
+    """fn, logging (perf_counter, '>name') as it starts and '<name' as it returns (awaited, for a coroutine); the
+    run's clock (RunState.t0, which every one of them is given first) into `clock`."""
+    if inspect.iscoroutinefunction(fn):
+
+        @functools.wraps(fn)
+        async def run(*args, **kwargs):
+            clock.setdefault("t0", getattr(args[0], "t0", None))
+            log.append((time.perf_counter(), ">" + name))
+            try:
+                return await fn(*args, **kwargs)
+            finally:
+                log.append((time.perf_counter(), "<" + name))
+
+        return run
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        clock.setdefault("t0", getattr(args[0], "t0", None))
+        log.append((time.perf_counter(), ">" + name))
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            log.append((time.perf_counter(), "<" + name))
+
+    return call
+
+
+def innermost(log: list, lo: float, hi: float) -> collections.Counter:
+    """Seconds of [lo, hi] each logged function was the innermost one running in ('(none)': none was)."""
+    out, stack, at = collections.Counter(), [], lo
+    for t, mark in log:
+        if t > hi:
+            break
+        if t > at:
+            out[stack[-1] if stack else "(none)"] += t - at
+            at = t
+        if mark[0] == ">":
+            stack.append(mark[1:])
+        elif stack:
+            stack.pop()
+    out[stack[-1] if stack else "(none)"] += hi - at
+    return out
+
+
+def gaps(engine: Engine, cfg: GenerationConfig, encoded: list[list[int]], top: int = 6) -> dict:
+    """Where neither model computed, by the forwards around each gap, ms a step (see the module's docstring)."""
+    log, clock = [], {}
+    originals = {(m, n): getattr(m, n) for m, names in GAP_FUNCTIONS.items() for n in names}
+    wrapped = {fn: timed(log, n, fn, clock) for (_, n), fn in originals.items()}
+    modules = [decoding, drafting, parallel, verdict]
+    patched = [(m, n, f) for m in modules for n, f in vars(m).items() if callable(f) and f in wrapped]
+    for m, n, f in patched:  # each module's own name for it (drafting imports decoding.forward, ...)
+        setattr(m, n, wrapped[f])
+    by, steps = collections.defaultdict(collections.Counter), 0
+    try:
+        for ids in encoded:
+            log.clear()
+            clock.clear()
+            result = engine.run(ids, cfg)
+            t0 = clock["t0"]  # spans are seconds since it
+            spans = sorted((e for e in result.events if isinstance(e, TimingSpan) and e.kind != "prefill"),
+                           key=lambda s: s.start)  # fmt: skip
+            steps += sum(1 for e in result.events if e.type == "step_started")
+            end, last = None, None
+            for s in spans:
+                if end is not None and s.start > end:
+                    key = f"{last.worker}:{last.kind} -> {s.worker}:{s.kind}"
+                    by[key].update(innermost([(t - t0, mark) for t, mark in log], end, s.start))
+                if end is None or s.end > end:
+                    end, last = s.end, s
+    finally:
+        for m, n, f in patched:
+            setattr(m, n, f)
+    ms = lambda v: round(1000 * v / steps, 3)  # noqa: E731
+    return {
+        key: {"ms_a_step": ms(sum(c.values())), "in": {name: ms(v) for name, v in c.most_common(top)}}
+        for key, c in sorted(by.items(), key=lambda kv: -sum(kv[1].values()))
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--draft", default="embedded")
@@ -85,9 +186,13 @@ def main() -> None:
         engine.run(encoded[0], dataclasses.replace(cfg, max_new_tokens=16))  # warm-up
         report["methods"][method] = profile(engine, cfg, encoded, args.top)
         m = report["methods"][method]
+        m["gaps"] = gaps(engine, cfg, encoded)
         print(f"{method}: host {m['host_ms_a_step']} ms a step; loop thread's top own time a step:")
         for r in m["top_own"][:8]:
             print(f"  {r['own_ms_a_step']:7.3f} ms  {r['calls_a_step']:6.1f} calls  {r['function']}")
+        print("  where neither model computed, ms a step:")
+        for key, g in m["gaps"].items():
+            print(f"  {g['ms_a_step']:7.3f}  {key}: " + ", ".join(f"{n} {v}" for n, v in g["in"].items()))
     engine.close()
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
