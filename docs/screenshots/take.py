@@ -1,5 +1,6 @@
-"""Screenshots of each tab on the embedded pair, for the README: `python docs/screenshots/take.py` (all of them) or
-`python docs/screenshots/take.py scenarios` (the Live tab's three scenarios only).
+"""Screenshots of each tab on the embedded pair, for the README: `python docs/screenshots/take.py` (all of them),
+`python docs/screenshots/take.py scenarios` (the Live tab's three scenarios only) or
+`python docs/screenshots/take.py how_to_read` (that tab only: it runs nothing).
 
 Serves app.py on a private port with a throw-away session store, drives it with Debian's chromium
 (Playwright), and writes palette PNGs (each well under 400 KB) next to this file.
@@ -158,8 +159,16 @@ def scenarios(browser) -> None:
     page.close()
 
 
+def how_to_read(page) -> None:
+    page.get_by_role("tab", name="How to read this").click()
+    page.wait_for_selector("#regime-map .js-plotly-plot", timeout=60_000)
+    time.sleep(1)
+    save(page, "how_to_read")
+
+
 def main() -> None:
     only_scenarios = sys.argv[1:] == ["scenarios"]
+    only_how_to_read = sys.argv[1:] == ["how_to_read"]
     with tempfile.TemporaryDirectory() as tmp:
         # the scenarios: the app as `make run` serves it; the tabs: the layer-skipping draft, its step eager (a
         # compile in the background would stall the timed runs)
@@ -178,6 +187,11 @@ def main() -> None:
                     browser.close()
                     return
                 page = browser.new_page(viewport={"width": 1400, "height": 1000})
+                if only_how_to_read:
+                    page.goto(f"http://127.0.0.1:{PORT}/")
+                    how_to_read(page)
+                    browser.close()
+                    return
                 generate(page, "ar")  # a stored AR run of this prompt: the glance then shows a speedup
                 generate(page, "specbranch")
                 pick_interesting_step(page, "#step-strip")
@@ -211,9 +225,7 @@ def main() -> None:
                 time.sleep(2)
                 save(page, "replay")
 
-                page.get_by_role("tab", name="How to read this").click()
-                time.sleep(1)
-                save(page, "how_to_read")
+                how_to_read(page)
                 browser.close()
         finally:
             proc.terminate()
