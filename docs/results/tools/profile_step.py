@@ -135,8 +135,7 @@ def gaps(engine: Engine, cfg: GenerationConfig, encoded: list[list[int]], top: i
     log, clock = [], {}
     originals = {(m, n): getattr(m, n) for m, names in GAP_FUNCTIONS.items() for n in names}
     wrapped = {fn: timed(log, n, fn, clock) for (_, n), fn in originals.items()}
-    modules = [decoding, drafting, parallel, verdict]
-    patched = [(m, n, f) for m in modules for n, f in vars(m).items() if callable(f) and f in wrapped]
+    patched = [(m, n, f) for m in GAP_FUNCTIONS for n, f in vars(m).items() if callable(f) and f in wrapped]
     for m, n, f in patched:  # each module's own name for it (drafting imports decoding.forward, ...)
         setattr(m, n, wrapped[f])
     by, steps = collections.defaultdict(collections.Counter), 0
@@ -145,7 +144,7 @@ def gaps(engine: Engine, cfg: GenerationConfig, encoded: list[list[int]], top: i
             log.clear()
             clock.clear()
             result = engine.run(ids, cfg)
-            t0 = clock["t0"]  # spans are seconds since it
+            timeline = [(t - clock["t0"], mark) for t, mark in log]  # on the run's clock, as its spans are
             spans = sorted((e for e in result.events if isinstance(e, TimingSpan) and e.kind != "prefill"),
                            key=lambda s: s.start)  # fmt: skip
             steps += sum(1 for e in result.events if e.type == "step_started")
@@ -153,7 +152,7 @@ def gaps(engine: Engine, cfg: GenerationConfig, encoded: list[list[int]], top: i
             for s in spans:
                 if end is not None and s.start > end:
                     key = f"{last.worker}:{last.kind} -> {s.worker}:{s.kind}"
-                    by[key].update(innermost([(t - t0, mark) for t, mark in log], end, s.start))
+                    by[key].update(innermost(timeline, end, s.start))
                 if end is None or s.end > end:
                     end, last = s.end, s
     finally:
