@@ -17,6 +17,7 @@ from multiprocessing.connection import Client
 
 import torch
 
+from engine.kernels.vocab import argmax
 from engine.models.loading import load_pair
 
 LOW_PRIORITY = 19  # the nice value a compiled twin loads and compiles at (low_priority)
@@ -128,9 +129,9 @@ def step_ahead(lm, caches: dict, cid: int, logits: torch.Tensor, draws: list | N
     it finished. So where a row's largest probability is below `sure` (policy.Policy.sure_enough: the parent would
     most likely fork or hold there, and ask for another step at once) no step is taken: None."""
     rows = logits[:, -1]  # [B, V]
-    if sure is not None and float(rows.softmax(-1).max(-1).values.min()) < sure:
+    if sure is not None and float(rows.softmax(-1).amax(-1).min()) < sure:
         return None
-    ids = rows.argmax(-1)[:, None].tolist() if draws is None else [[d.guess(r)] for d, r in zip(draws, rows)]  # [B, 1]
+    ids = argmax(rows)[:, None].tolist() if draws is None else [[d.guess(r)] for d, r in zip(draws, rows)]  # [B, 1]
     return cid, ids, *timed_forward(lm, ids, caches[cid])
 
 

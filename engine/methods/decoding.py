@@ -35,6 +35,8 @@ from engine.methods.sampling import (
     alternatives,
     greedy_block,
     logits_to_probs,
+    read_argmax,
+    read_top,
     sample,
     to_host,
     verify_block,
@@ -149,11 +151,11 @@ def read_row(state: RunState, logits: torch.Tensor, draw: NextDraw, k: int) -> D
     the row the sampling settings make (state.probs), at the draw fixed before the forward (greedy: the argmax, a
     point mass; sampled: the inverse CDF at its uniform, on the row's device: NextDraw.pick)."""
     raw = logits.float().softmax(-1)  # [V]
-    best = raw.topk(min(k, raw.shape[-1]))
+    k = min(k, raw.shape[-1])
     if state.cfg.greedy:
-        values = to_host(torch.cat([best.values.double(), best.indices.double()]))
-        top, ids = values[:k], [int(i) for i in values[k:]]
+        (top,), (ids,) = read_top(raw[None], k)
         return DraftRow(top, ids, ids[0], None, top[0], raw, 1.0, [[ids[0], 1.0]])
+    best = raw.topk(k)
     q = state.probs(logits)  # [V]
     token = draw.pick(q)  # []
     shown = q.topk(min(ALTERNATIVES, q.shape[-1]))
@@ -255,7 +257,8 @@ async def decode_one_token(state: RunState, events: list[Event]) -> None:
     """One plain autoregressive step of the target."""
     feed = state.tokens[kv.cache_length(state.target_cache) :]
     logits = await forward(state, state.pair.target, state.target_worker, state.target_cache, feed, DECODE, events)
-    token = sample(state.probs(logits[-1]), state.generator)
+    # greedy: the argmax, which is what sampling the one-hot row gives, without building and inverting the row
+    token = read_argmax(logits[-1:])[0] if state.cfg.greedy else sample(state.probs(logits[-1]), state.generator)
     events.append(emit(state, [token], [TARGET]))
 
 
@@ -301,7 +304,7 @@ async def verify_and_commit(state: RunState, rows: list[DraftRow], events: list[
     )
     logits = out.logits[-(len(tokens) + 1) :]  # [g + 1, V]: the rows predicting x_1..x_g and the bonus
     if state.cfg.greedy:  # the whole verdict is each row's argmax: one read
-        verdict = greedy_block(tokens, [int(t) for t in to_host(logits.argmax(-1))], True)
+        verdict = greedy_block(tokens, read_argmax(logits), True)
     else:
         verdict = verify_block(tokens, torch.stack([r.q for r in rows]), state.probs(logits), state.generator, False)
     n = verdict.accepted

@@ -25,6 +25,7 @@ from engine.methods.sampling import (
     TOPK,
     NextDraw,
     alternatives,
+    read_top,
     to_host,
     without_replacement,
 )
@@ -78,17 +79,17 @@ class BranchRows:
 def read_rows(state: RunState, logits: torch.Tensor, draws: list[NextDraw]) -> BranchRows:
     """logits [k, V] -> BranchRows, in one host read (read_row's, for k rows at once)."""
     raw = logits.float().softmax(-1)  # [k, V], untempered
-    best = raw.max(-1)
     k = raw.shape[0]
     if state.cfg.greedy:
-        values = to_host(torch.cat([best.values.double(), best.indices.double()]))
-        tokens = [int(t) for t in values[k:]]
-        return BranchRows(values[:k], tokens, [None] * k, values[:k], [1.0] * k, [[[t, 1.0]] for t in tokens])
+        tops, ids = read_top(raw, 1)
+        tops, tokens = [t for (t,) in tops], [t for (t,) in ids]
+        return BranchRows(tops, tokens, [None] * k, tops, [1.0] * k, [[[t, 1.0]] for t in tokens])
+    best = raw.amax(-1)  # [k]
     q = state.probs(logits)  # [k, V]
     token = torch.stack([draw.pick(row) for draw, row in zip(draws, q)])  # [k]
     at = torch.arange(k, device=q.device)
     shown = q.topk(min(ALTERNATIVES, q.shape[-1]), -1)  # [k, a]
-    packed = [best.values, token, raw[at, token], q[at, token], shown.values.flatten(), shown.indices.flatten()]
+    packed = [best, token, raw[at, token], q[at, token], shown.values.flatten(), shown.indices.flatten()]
     v = to_host(torch.cat([t.double() for t in packed]))
     a = shown.values.shape[-1]
     alts = [alternatives(v[4 * k + i * a : 4 * k + (i + 1) * a], v[4 * k + (k + i) * a : 4 * k + (k + i + 1) * a])

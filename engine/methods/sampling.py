@@ -11,7 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from engine.kernels.vocab import as_numpy, top_indices
 
 
 def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -94,6 +97,27 @@ def to_host(values: torch.Tensor) -> list[float]:
     Python floats. On CUDA this waits for the stream the verdict was computed on (and so for the target's pass it
     read), nothing else; on a CPU it is a copy into a list."""
     return values.tolist()
+
+
+def read_argmax(rows: torch.Tensor) -> list[int]:
+    """Each row's argmax (rows [n, V]), torch's token, read in one read: on a CPU numpy's (engine/kernels/vocab.py:
+    torch's CPU argmax does not vectorize), elsewhere through to_host."""
+    a = as_numpy(rows)
+    return a.argmax(-1).tolist() if a is not None else [int(t) for t in to_host(rows.argmax(-1))]
+
+
+def read_top(probs: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
+    """Each probability row's k largest values and their tokens (probs [n, V], every value >= 0), best first, in one
+    read: on a CPU by numpy (vocab.top_indices; a tie goes to the first token), elsewhere torch.topk through
+    to_host."""
+    a = as_numpy(probs)
+    if a is not None:
+        ids = top_indices(a, k)  # [n, k]
+        return np.take_along_axis(a, ids, -1).astype(np.float64).tolist(), ids.tolist()
+    best = probs.topk(k, -1)  # [n, k] each
+    v = to_host(torch.cat([best.values.double(), best.indices.double()], -1).flatten())  # [n * 2k]
+    rows = [v[i * 2 * k : (i + 1) * 2 * k] for i in range(probs.shape[0])]
+    return [r[:k] for r in rows], [[int(t) for t in r[k:]] for r in rows]
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -29,9 +29,9 @@ from engine.methods.sampling import (
     check_candidates,
     draw_candidates,
     greedy_block,
+    read_argmax,
     residual_distribution,
     settle,
-    to_host,
     verify_candidates,
 )
 from engine.methods.speculation import Drafted, Feed, Fork, Speculation
@@ -70,7 +70,7 @@ def judge(state: RunState, spec: Speculation, feed: Feed, logits: torch.Tensor) 
     fork_row = spec.fork is not None and feed.path == len(spec.path)
     fed = range(len(feed.branches)) if fork_row else range(0)
     if state.cfg.greedy:
-        best = [int(t) for t in to_host(logits.argmax(-1))]  # [T]: the one read of a greedy verdict
+        best = read_argmax(logits)  # [T]: the one read of a greedy verdict
         path = greedy_block([d.token for d in spec.path], [best[r] for r in feed.path_rows()], spec.fork is None)
         fork = greedy_fork(spec.fork, best[feed.fork_row()]) if fork_row else None
         branches = [branch_verdict(spec.fork.branches[i], feed, i, best) for i in fed]
@@ -273,7 +273,7 @@ def missed_rescue(
         return None
     share, top_k = alts
     if greedy:
-        return greedy_rescue(alts, int(p.argmax()))
+        return greedy_rescue(alts, read_argmax(p[None])[0])
     if first is None:  # the whole fork: its first candidate may survive
         cands = draw_candidates(q, len(top_k), NO_REPLACEMENT, probe)
         cv = verify_candidates(p, q, cands, NO_REPLACEMENT, probe, False)
