@@ -93,6 +93,7 @@ WEAK_OFF = [f"holdbranches-recheck-off-s{s}" for s in range(3)]
 HRAD_RAN = {"ablation-0e-t0", "ablation-0e-t1"}
 
 AVX2_RUN = "2026-11-27, current engine, one run, AVX2 CPU"  # the regime runs' machine (the README's section)
+AVX2_BEFORE = "2026-11-28, before the numpy row reads, one run, AVX2 CPU"
 AVX2_NOW = "2026-11-28, current engine, one run, AVX2 CPU"
 
 # (draft, T, sources, settings, when measured)
@@ -122,8 +123,10 @@ SPEED = [
         "B, hold 0.5",
         AVX2_RUN,
     ),
-    ("`embedded`, its preset, idle OpenMP threads asleep", 0, ["passive-embedded-t0"], "B, hold 0.5", AVX2_NOW),
-    ("`embedded`, its preset, idle OpenMP threads asleep", 1, ["passive-embedded-t1"], "B, hold 0.5", AVX2_NOW),
+    ("`embedded`, its preset, idle OpenMP threads asleep", 0, ["passive-embedded-t0"], "B, hold 0.5", AVX2_BEFORE),
+    ("`embedded`, its preset, idle OpenMP threads asleep", 1, ["passive-embedded-t1"], "B, hold 0.5", AVX2_BEFORE),
+    ("`embedded`, its preset, rows read through numpy", 0, ["vocab-embedded-t0"], "B, hold 0.5", AVX2_NOW),
+    ("`embedded`, its preset, rows read through numpy", 1, ["vocab-embedded-t1"], "B, hold 0.5", AVX2_NOW),
     ("`embedded`", 0, ["ablation-0e-t0"], "B", "2026-11-23, older engine"),
     ("`embedded`", 1, ["ablation-0e-t1"], "B", "2026-11-23, older engine"),
     ("`embedded-head`", 0, ["bench-cpu-head-t0"], "C", "2026-11-22, older engine, one run"),
