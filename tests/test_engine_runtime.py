@@ -1,6 +1,6 @@
-"""The overlapped runtime: cancellation leaves nothing behind, concurrent generations queue safely,
-a slow draft is flagged, a step the other model waits on gets its own thread count, and bad branch settings are
-refused."""
+"""The overlapped runtime: cancellation leaves nothing behind, concurrent generations queue safely, a round hands the
+target its pass before the last verdict's probes, a slow draft is flagged, a step the other model waits on gets its own
+thread count, and bad branch settings are refused."""
 
 from __future__ import annotations
 
@@ -199,3 +199,44 @@ def test_importing_the_engine_lets_idle_openmp_threads_sleep_unless_told_otherwi
             env["OMP_WAIT_POLICY"] = given
         out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
         assert out.stdout.strip() == want
+
+
+def test_the_targets_pass_is_on_its_worker_before_the_last_verdicts_probes(tiny_dirs, monkeypatch):
+    """The last verdict's sampled probes, host work that runs beside the target's pass, start only once the pass is
+    on the target's worker: an asyncio task starts at the loop's next turn, so the loop yields once after making it.
+    Checked by the order of the calls, not by clocks: in each round that runs probes (run_later), the call right
+    before them is that round's verify pass (the round's step is read where the loop plans its feed)."""
+    import dataclasses
+
+    from engine.events import VERIFY
+    from engine.methods import parallel
+
+    calls, real_run, real_later, real_plan = [], Worker.run, parallel.run_later, parallel.plan_feed
+
+    async def run(self, fn, *args, kind, step, **kwargs):  # the real run, its calls logged in order
+        calls.append((self.name, kind, step))
+        return await real_run(self, fn, *args, kind=kind, step=step, **kwargs)
+
+    def plan_feed(state, spec, policy):
+        calls.append(("plan", None, state.step))
+        return real_plan(state, spec, policy)
+
+    def run_later(ds):
+        calls.append(("later", len(ds.later), None))
+        real_later(ds)
+
+    monkeypatch.setattr(Worker, "run", run)
+    monkeypatch.setattr(parallel, "plan_feed", plan_feed)
+    monkeypatch.setattr(parallel, "run_later", run_later)
+    engine = Engine(load_pair(str(tiny_dirs["target"]), str(tiny_dirs["draft"]), device="cpu", draft_matmul="float32"))
+    try:  # T=1 with a hold: the verdicts leave sampled probes for the next round (rescue table, held positions)
+        cfg = GenerationConfig(method="specbranch", max_new_tokens=24, gamma=3, epsilon=0.9, hold=0.3, temperature=1.0)
+        for seed in range(4):
+            engine.run([2, 3, 4], dataclasses.replace(cfg, seed=seed))
+    finally:
+        engine.close()
+    probes = [i for i, c in enumerate(calls) if c[0] == "later" and c[1] > 0]
+    assert len(probes) > 5  # rounds that ran probes
+    for i in probes:
+        step = next(c[2] for c in reversed(calls[:i]) if c[0] == "plan")
+        assert calls[i - 1] == ("target", VERIFY, step), calls[max(i - 4, 0) : i + 2]

@@ -46,6 +46,8 @@ def parallel_decode(state: RunState, policy: Policy):
         feed = plan_feed(state, spec, policy)
         target_job = asyncio.ensure_future(verify_pass(state, spec, feed, policy, events))
         try:  # the draft drafts ahead while the target verifies; the last verdict's sampled probes run first
+            if ds.later:  # a task starts at the loop's next turn: yield once, so the target's pass is on its worker
+                await asyncio.sleep(0)  # before the probes run (without probes the draft's step is handed over first)
             run_later(ds)
             await draft_until_verdict(state, spec, ds, policy, target_job, events)
             out = await target_job
