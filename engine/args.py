@@ -48,9 +48,8 @@ DRAFT_HELP = (
 )
 DRAFT_MATMUL_HELP = (
     "how the draft's matmuls read its weights: bfloat16 (half float32's memory traffic), int4 (an eighth; with "
-    "--draft self, the target's own weights as a cheap draft) or float32; auto: int4 for --draft self or "
-    "self-skip:... on a CPU, else bfloat16 where the CPU runs it natively. Output stays exact: only the target "
-    "decides it"
+    "--draft self, the target's own weights as a cheap draft) or float32; auto: int4 on a CPU whose torch has "
+    "the int4 kernel, else bfloat16 where the CPU runs it natively. Output stays exact: only the target decides it"
 )
 DRAFT_FORWARD_HELP = (
     "lean: a Llama draft on the CPU runs engine/models/lean.py (fused matmuls, a KV cache that rolls back by a "

@@ -13,7 +13,6 @@ from engine.models.loading import (
     LM,
     ModelPair,
     draft_matmul_kind,
-    is_self_draft,
     load_pair,
     pick_device,
     pick_dtype,
@@ -70,7 +69,7 @@ def check_models(models: ModelSettings, need_draft: bool) -> None:
         pick_device(device)
     if need_draft:
         ddev = pick_device(models.draft_device or models.device)
-        draft_matmul_kind(models.draft_matmul, ddev, pick_dtype(models.dtype, ddev), is_self_draft(models.draft))
+        draft_matmul_kind(models.draft_matmul, ddev, pick_dtype(models.dtype, ddev))
 
 
 def load_engine(models: ModelSettings, need_draft: bool) -> Engine:

@@ -82,7 +82,7 @@ def default_draft(device: str | None = None) -> str:
     target's own precision would cost what the target does; a CPU without the kernel would read the self-draft in
     float32 or bfloat16, no cheaper than the target)."""
     dev = pick_device(device)
-    self_kind = draft_matmul_kind("auto", dev, pick_dtype(None, dev), self_draft=True)
+    self_kind = draft_matmul_kind("auto", dev, pick_dtype(None, dev))
     return "self" if self_kind == "int4" else "embedded"
 
 

@@ -17,7 +17,7 @@ from engine.events import (
     from_dict,
 )
 from engine.kernels import panel
-from engine.kernels.lm_head import bf16_supported
+from engine.kernels.lm_head import bf16_supported, int4_supported
 from engine.measure.metrics import compute_metrics
 
 
@@ -101,7 +101,8 @@ def test_bench_writes_speedups(capsys, tiny_dirs, tmp_path):
     sd = report["results"]["sd"]["all"]
     assert sd["prompts"] == 2 and sd["speedup_vs_ar"] > 0 and sd["acceptance_rate"] is not None
     assert "speedup" in capsys.readouterr().out
-    assert report["draft_matmul"] == {"ar": None, "sd": "bfloat16" if bf16_supported() else "float32"}  # auto
+    auto = "int4" if int4_supported() else "bfloat16" if bf16_supported() else "float32"
+    assert report["draft_matmul"] == {"ar": None, "sd": auto}
     assert report["draft_forward"] == {"ar": None, "sd": "lean"}  # the default for a Llama draft on the CPU
     assert report["draft_worker"] == {"ar": None, "sd": "process"}  # the CLI's default, where the draft fits it
     # whether the few-row kernel ran, or why not: a reader comparing machines needs it

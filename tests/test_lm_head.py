@@ -148,13 +148,11 @@ def test_bf16_matmul_is_the_product_to_bfloat16_rounding():
 def test_draft_matmul_choice_is_checked_and_auto_follows_the_cpu():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert draft_matmul_kind("float32", cpu, torch.float32) == "float32"
-    assert draft_matmul_kind("float32", cpu, torch.float32, self_draft=True) == "float32"  # the target itself
-    assert draft_matmul_kind("auto", cpu, torch.float32) == ("bfloat16" if bf16_supported() else "float32")
-    assert draft_matmul_kind("auto", cpu, torch.float32, self_draft=True) == (
+    assert draft_matmul_kind("auto", cpu, torch.float32) == (  # any draft: the cheapest kernel this CPU runs
         "int4" if int4_supported() else "bfloat16" if bf16_supported() else "float32"
     )
     assert draft_matmul_kind("auto", cpu, torch.bfloat16) == "float32"  # a draft already in a low dtype is left alone
-    assert draft_matmul_kind("auto", cuda, torch.float32, self_draft=True) == "float32"  # GPUs: --dtype is the knob
+    assert draft_matmul_kind("auto", cuda, torch.float32) == "float32"  # GPUs: --dtype is the knob
     with pytest.raises(SpecBranchError, match="unknown draft matmul"):
         draft_matmul_kind("int8", cpu, torch.float32)
     with pytest.raises(SpecBranchError, match="natively"):
@@ -322,7 +320,7 @@ def test_layer_skipping_self_draft_is_the_target_without_those_layers(tmp_path, 
     torch.testing.assert_close(got, want[:, : got.shape[-1]], rtol=1e-5, atol=1e-5)
     assert_speculation_equals_ar(pair)
     assert (
-        draft_matmul_kind("auto", torch.device("cpu"), torch.float32, self_draft=True)
+        draft_matmul_kind("auto", torch.device("cpu"), torch.float32)
         == load_pair(str(path), "self-skip:1", device="cpu").draft.matmul
     )
 
