@@ -45,13 +45,16 @@ class Preset:
 
 
 # A distilled draft (embedded, embedded-head, a draft directory; right 35-45 % of the time): short blocks, stop
-# drafting at a doubtful token, and hold where the odds are poor (docs/methods.md "Hold").
+# drafting at a doubtful token, and hold where the odds are poor (docs/methods.md "Hold"). The hold is 0.25 for the
+# draft read in 4 bits (auto on a CPU), whose step costs a tenth of the target's: SpecBranch ran 0.94 / 1.03 / 1.00x
+# PEARL with the hold 0.5 / 0.25 / 0 at T=0 and 0.99 / 1.10x with 0.5 / 0.25 at T=1 on the tuning prompts
+# (docs/results/README.md "The distilled draft in 4 bits").
 DISTILLED = Preset(
-    gamma=3, epsilon=0.5, draft_stop=0.3, feed_stop=0.0, head_start=0.3, hold=0.5, hold_branches=False, hrad=False
+    gamma=3, epsilon=0.5, draft_stop=0.3, feed_stop=0.0, head_start=0.3, hold=0.25, hold_branches=False, hrad=False
 )
-# A draft wrong often (embedded-weak, self-skip:...): the same, with the hold applied to a fork's branches too, which
-# cut path rollback at the same speed (docs/methods.md "Hold").
-OFTEN_WRONG = dataclasses.replace(DISTILLED, hold_branches=True)
+# A draft wrong often (embedded-weak, self-skip:...): the hold at 0.5, and applied to a fork's branches too, which
+# cut path rollback at the same speed (docs/methods.md "Hold"; tuned on the foreign prompts).
+OFTEN_WRONG = dataclasses.replace(DISTILLED, hold=0.5, hold_branches=True)
 # The target read in 4 bits (self; right about 99 % of the time): long blocks without stopping, fork only where it is
 # very unsure, a small head start (γ 6 / 8 / 10 gave 2.49 / 2.63 / 2.72x ar at T=0 and 2.30 / 2.60 / 2.38x at T=1 on
 # the tuning prompts: docs/results/README.md); the hold only slowed it.
