@@ -102,10 +102,11 @@ class Scenario:
 
 
 # The scenarios' settings and figures, on the tuning prompts (T=0), docs/app.md "How the scenarios were chosen".
-# "fastest" and "weak": docs/results/tools/tune_scenarios.py (128 tokens, each run right after an ar run of the same
-# prompt). "rescue" is the paper's regime, the distilled draft (the target sets the pace): one bench run each of six
-# settings against ar and pearl (96 tokens, docs/results/json/scenarios-embedded-*.json); its preset was the fastest
-# SpecBranch of the four with the draft in its process, as the app runs it.
+# "fastest": docs/results/tools/tune_scenarios.py (128 tokens, each run right after an ar run of the same prompt).
+# "rescue" is the paper's regime, the distilled draft in 4 bits (the target sets the pace), with its preset: one bench
+# run against ar and pearl (96 tokens, docs/results/json/hold-int4-t0-h0.25.json). "weak": one bench run of its preset
+# against ar and pearl (96 tokens, docs/results/json/scenarios-weak-int4.json). Each draft in its process, as the app
+# runs it.
 SCENARIOS: dict[str, Scenario] = {
     s.key: s
     for s in (
@@ -124,8 +125,8 @@ SCENARIOS: dict[str, Scenario] = {
             "embedded",
             "specbranch",
             DISTILLED,
-            "the distilled 6-layer draft, ~5× cheaper than the target: forks in 3 of 10 steps, about 4 rescues a "
-            "chat; 0.96× ar and 0.95× pearl on the tuning prompts (its draft calls cost host time)",
+            "the distilled 6-layer draft in 4 bits, ~10× cheaper than the target: forks in 6 of 10 steps, about 5 "
+            "rescues a chat; 1.24× ar and 1.03× pearl on the tuning prompts",
         ),
         Scenario(
             "weak",
@@ -133,8 +134,8 @@ SCENARIOS: dict[str, Scenario] = {
             "embedded-weak",
             "specbranch",
             OFTEN_WRONG,
-            "a draft right about 10 % of the time: rejections, rollbacks and holds to watch; 0.7× ar, with the CPU "
-            "shared",
+            "a draft right about 10 % of the time: rejections, rollbacks and holds to watch; 0.94× ar and 0.96× "
+            "pearl on the tuning prompts",
         ),
     )
 }
