@@ -14,6 +14,7 @@ from engine.cli import main
 from engine.config import GenerationConfig, SpecBranchError
 from engine.drafts.head import FeatureHead, HeadLM, save_head
 from engine.engine import Engine
+from engine.kernels.lm_head import bf16_supported
 from engine.models.loading import LM, load_model, load_pair, pair_of
 from engine.training.head_distill import (
     FeatureStore,
@@ -384,7 +385,9 @@ def sampled_rows(lm, n=24, seed=0) -> list[dict]:
 
 def test_feature_store_holds_each_rows_layers_and_resumes(tiny_target, tmp_path, monkeypatch):
     """Each row reads back as transformers' hidden states FUSED and the final-norm state, side by side (float16),
-    computed in padded batches and chunks; a second extraction finds every chunk on disk and runs no forward."""
+    computed in padded batches and chunks; a second extraction finds every chunk on disk and runs no forward. Where
+    the CPU runs bfloat16 natively the extraction's matmuls are bfloat16 (head_distill.autocast), so the reference,
+    one row alone, runs under the same autocast: bfloat16 against float32 moves layer outputs by up to ~0.1 here."""
     _, lm = tiny_target
     rows = sampled_rows(lm)
     monkeypatch.setattr("engine.training.head_distill.CHUNK_ROWS", 10)  # 3 chunks, the last one short
@@ -392,7 +395,8 @@ def test_feature_store_holds_each_rows_layers_and_resumes(tiny_target, tmp_path,
     assert len(store.paths) == 3 and not store.missing()
     for i, r in enumerate(rows):
         ids = torch.tensor([r["prompt_ids"] + r["response_ids"]])
-        want = torch.cat([side_by_side(lm.model, ids, FUSED), side_by_side(lm.model, ids, (2,))], -1)[0]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_supported()):
+            want = torch.cat([side_by_side(lm.model, ids, FUSED), side_by_side(lm.model, ids, (2,))], -1)[0].float()
         assert store[i].dtype == torch.float16 and store[i].shape == want.shape
         assert torch.allclose(store[i].float(), want, atol=2e-2, rtol=1e-2), i
     calls = []
