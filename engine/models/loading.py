@@ -103,11 +103,9 @@ def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
 def draft_matmul_kind(choice: str, device: torch.device, dtype: torch.dtype) -> str:
     """How a draft's matmuls read its weights (lm_head.draft_matmul): "float32" (as loaded), "bfloat16"
     (Bf16Matmul) or "int4" (Int4Matmul). `auto`, for a float32 draft on the CPU: int4 where this torch has the CPU
-    int4 kernel, whatever the draft (an eighth of float32's bytes: the target itself drafts at about a third of its
-    cost, and the distilled 6-layer draft steps in 4.0 ms against 8.0 in bfloat16 and 8.5 in float32 on an AVX-512
-    CPU, docs/models.md); else bfloat16 where the CPU runs it natively; float32 elsewhere. `bfloat16` and `int4` are
-    taken where they fit or refused with the reason. Output stays exact whatever the kind: only the target decides
-    it."""
+    int4 kernel, whatever the draft (an eighth of float32's bytes; the measured steps are in docs/models.md), else
+    bfloat16 where the CPU runs it natively; float32 elsewhere. `bfloat16` and `int4` are taken where they fit or
+    refused with the reason. Output stays exact whatever the kind: only the target decides it."""
     if choice not in DRAFT_MATMULS:
         raise SpecBranchError(f"unknown draft matmul {choice!r}; choose one of {', '.join(DRAFT_MATMULS)}")
     cpu32 = torch.device(device).type == "cpu" and dtype == torch.float32
