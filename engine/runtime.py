@@ -236,9 +236,14 @@ class Worker:
     ):
         """Run fn(*args) on this worker's thread; returns (result, TimingSpan). A forward that runs out of
         device memory frees the allocator's cache and raises OutOfMemory (a SpecBranchError). `solo`: the other
-        model waits on this forward, so on a CPU it runs on solo_threads."""
+        model waits on this forward, so on a CPU it runs on solo_threads. A forward with an `on_loop` (a draft in its
+        own process: drafts.process.RemoteStep) is awaited on the loop's thread instead, where it can be."""
         if not self.cuda:
             threads = self.solo_threads if solo else self.threads
+            if hasattr(fn, "on_loop"):  # a draft in its own process, asked from this loop's thread
+                done = await self._on_loop(fn, args, threads, (kind, step, t0, tokens))
+                if done is not None:
+                    return done
 
             def call():
                 if threads != self.threads:  # the OpenMP team of this thread only; the other worker keeps its own
@@ -283,6 +288,19 @@ class Worker:
         caller.wait_event(done.end_ev)  # the loop's later work on the result waits for the forward (which has run)
         _record_on(result, caller)
         return result, done
+
+    async def _on_loop(self, fn, args: tuple, threads: int, what: tuple[str, int, float, int]):
+        """fn.on_loop(*args) awaited on the loop's thread: (result, TimingSpan), timed by when it computed where it
+        says (runtime.Measured), else by the call around it; None where it cannot run there (run: the thread then)."""
+        kind, step, t0, tokens = what
+        asked = time.perf_counter()
+        result = await fn.on_loop(*args, threads=threads)
+        if result is None:
+            return None
+        if not isinstance(result, Measured):  # the child's clock is not this one: the call around it
+            result = Measured(result, asked, time.perf_counter())
+        start, end = round(result.start - t0, 6), round(result.end - t0, 6)
+        return result.result, TimingSpan(self.name, kind, step, start, end, tokens)
 
     def _cuda_forward(self, stream, fn, args, ready, t0: float, what: tuple[str, int, int]):
         """On the worker's thread: fn(*args) queued on the worker's stream between two timing events; returns

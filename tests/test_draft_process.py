@@ -13,10 +13,11 @@ import time
 
 import pytest
 import torch
+import uvloop
 
 from engine.config import GenerationConfig, SpecBranchError
 from engine.drafts.child import LOW_PRIORITY, low_priority
-from engine.drafts.process import RemoteLM, in_process
+from engine.drafts.process import RemoteLM, in_process, step_fn
 from engine.engine import Engine
 from engine.methods.sampling import NextDraw, draw_u, logits_to_probs
 from engine.models.loading import ModelPair, load_pair, with_draft
@@ -171,6 +172,59 @@ def test_a_step_taken_ahead_is_timed_when_the_child_computed_it(process_engine):
     finally:
         worker.shutdown()
     assert out == "logits" and (span.start, span.end, span.step) == (1.25, 1.5, 3)
+
+
+@pytest.mark.parametrize("loop_of", [asyncio.new_event_loop, uvloop.new_event_loop], ids=["asyncio", "uvloop"])
+def test_a_worker_asks_the_child_from_the_loop_and_its_thread_only_when_busy(process_engine, loop_of):
+    """Worker.run awaits a draft step in its own process on the loop's thread (RemoteStep.on_loop): the worker's thread
+    is never made, and the answer is the local draft's, timed by the child. Where another thread's forward holds the
+    connection, the step goes to the worker's thread, which waits its turn. A run cancelled while it waits still reads
+    its answer, so the next step gets its own (uvloop makes the socket non-blocking while it watches it: the reads
+    after it must still wait for a whole answer)."""
+    remote = process_engine.pair.draft
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, remote.vocab_size, (1, 40), generator=g)
+    local, there = remote.local.new_cache(), remote.new_cache()
+    worker, t0 = Worker("draft"), time.perf_counter()
+
+    def step(x):
+        return worker.run(step_fn(remote, 0), x, there, kind="draft", step=0, t0=t0)
+
+    async def busy(x):  # another thread's forward holds the connection as the step is asked for
+        remote._call_lock.acquire()
+        job = asyncio.ensure_future(step(x))
+        await asyncio.sleep(0)  # the job runs to its first wait: on the worker's thread, behind the lock
+        remote._call_lock.release()
+        return await job
+
+    async def cancelled(x):
+        job = asyncio.ensure_future(step(x))
+        await asyncio.sleep(0)  # asked: waiting for the answer
+        job.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await job
+
+    loop = loop_of()
+    try:
+        asked = time.perf_counter() - t0
+        out, span = loop.run_until_complete(step(ids))  # a prefill
+        assert torch.equal(out, remote.local.forward(ids, local))
+        assert asked <= span.start < span.end <= time.perf_counter() - t0  # when the child computed
+        assert not worker._executor.made_here()  # no thread of this process ran it
+        loop.run_until_complete(cancelled(ids[:, :1]))
+        remote.local.forward(ids[:, :1], local)  # the cancelled step stays in both caches, as fed
+        assert there.get_seq_length() == local.get_seq_length() == 41
+        out, _ = loop.run_until_complete(step(ids[:, 1:3]))
+        assert torch.equal(out, remote.local.forward(ids[:, 1:3], local))
+        assert not worker._executor.made_here()
+        out, _ = loop.run_until_complete(busy(ids[:, 3:4]))
+        assert torch.equal(out, remote.local.forward(ids[:, 3:4], local))
+        assert worker._executor.made_here()  # the busy step went to the worker's thread
+        out, _ = loop.run_until_complete(step(ids[:, 4:5]))
+        assert torch.equal(out, remote.local.forward(ids[:, 4:5], local))
+    finally:
+        loop.close()
+        worker.shutdown()
 
 
 @pytest.mark.parametrize("method, extra", [("sd", {}), ("pearl", {}), ("specbranch", dict(epsilon=1.0))])

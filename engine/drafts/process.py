@@ -27,6 +27,8 @@ the draft computed, not when its answer was read (runtime.Measured); a step take
 At start the child's logits are checked bit for bit against the local draft's (RemoteLM.agrees); where the child
 cannot load or disagrees, the draft stays in this process (in_process says why). Output is exact either way: q is
 what the pass that drafted the token computed.
+The engine asks for a step from its event loop's own thread and waits for the answer on the socket (RemoteStep,
+RemoteLM.forward_on_loop), not through the draft worker's thread: no thread of this process is woken on the way.
 A lean-compiled draft asked to compile later (the app) is compiled by a second child, which loads the draft and
 compiles its step at the lowest CPU priority while the first serves eager; the first run to start once it is ready
 takes it (RemoteLM.start_compile).
@@ -36,7 +38,7 @@ streams overlap the models (engine/runtime.py).
 
 from __future__ import annotations
 
-import functools
+import asyncio
 import itertools
 import os
 import secrets
@@ -48,6 +50,7 @@ import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from multiprocessing.connection import Listener
 from pathlib import Path
 
@@ -220,21 +223,74 @@ class RemoteLM:
         most likely fork or hold there); the answer to a request is the same whether its step was taken ahead or not.
         measured: return runtime.Measured(logits, when the child computed them) where it shares this clock
         (shares_clock)."""
-        if hidden_states or features:
+        with self._call_lock:
+            self._ask(input_ids, cache, hidden_states or features, torch.get_num_threads(), ahead, draws, sure)
+            return self._answer(input_ids, cache, measured)
+
+    async def forward_on_loop(
+        self,
+        input_ids: torch.Tensor,
+        cache: RemoteCache,
+        hidden_states: bool = False,
+        features: bool = False,
+        *,
+        threads: int,
+        ahead: int = 0,
+        draws: list | None = None,
+        sure: float | None = None,
+    ):
+        """forward(..., measured=True) on `threads` torch threads, from the event loop's own thread: the request goes
+        out at once and the loop waits for the answer on the socket (loop.add_reader), so no thread of this process
+        is woken on the way: the hand-over to a worker's thread and back cost a draft step 0.12-0.17 ms more
+        (docs/models.md). None, with nothing sent, where another thread's forward is in flight (an engine on another
+        loop sharing this draft), or where the loop cannot watch a socket: the caller runs forward on its worker."""
+        loop = asyncio.get_running_loop()
+        try:
+            fd = self._conn.fileno()
+        except OSError:
+            raise SpecBranchError("the draft's process is gone; restart with --draft-worker thread") from None
+        if not self._call_lock.acquire(blocking=False):
+            return None
+        came = loop.create_future()
+        try:
+            loop.add_reader(fd, lambda: came.done() or came.set_result(None))
+        except NotImplementedError:  # a loop that cannot watch a socket (Windows' proactor): the worker's thread
+            self._call_lock.release()
+            return None
+        try:
+            try:
+                self._ask(input_ids, cache, hidden_states or features, threads, ahead, draws, sure)
+                await came
+            finally:
+                loop.remove_reader(fd)
+                os.set_blocking(fd, True)  # uvloop's reader made it non-blocking; _answer's reads wait for the rest
+            return self._answer(input_ids, cache, True)
+        except asyncio.CancelledError:  # the run was stopped: its answer is read, so the next forward reads its own
+            self._answer(input_ids, cache, True)
+            raise
+        finally:
+            self._call_lock.release()
+
+    def _ask(self, input_ids, cache: RemoteCache, states: bool, threads: int, ahead, draws, sure) -> None:
+        """Send a forward's request (under _call_lock: its answer is the next on the connection)."""
+        if states:
             raise ValueError("a draft in its own process returns logits only")
         if input_ids.shape[0] != cache.rows:
             raise ValueError(f"the cache holds {cache.rows} rows, fed {input_ids.shape[0]}")
-        with self._call_lock:
-            self.send("forward", cache.cid, (input_ids.tolist(), torch.get_num_threads(), ahead, draws, sure))
-            status, shape, taken_ahead, times = self._receive()
-            if status != "ok":
-                raise SpecBranchError(f"the draft's forward failed in its process: {shape}")
-            self.steps_taken_ahead += taken_ahead
-            logits = torch.empty(shape, dtype=torch.float32)
-            try:
-                self._conn.recv_bytes_into(logits.view(-1).numpy())  # 1-D: its len is its size
-            except (EOFError, OSError):
-                raise self._ended() from None
+        self.send("forward", cache.cid, (input_ids.tolist(), threads, ahead, draws, sure))
+
+    def _answer(self, input_ids, cache: RemoteCache, measured: bool):
+        """Read the answer to the request _ask sent: logits [B, T, V] (runtime.Measured with measured, where the
+        clock is shared)."""
+        status, shape, taken_ahead, times = self._receive()
+        if status != "ok":
+            raise SpecBranchError(f"the draft's forward failed in its process: {shape}")
+        self.steps_taken_ahead += taken_ahead
+        logits = torch.empty(shape, dtype=torch.float32)
+        try:
+            self._conn.recv_bytes_into(logits.view(-1).numpy())  # 1-D: its len is its size
+        except (EOFError, OSError):
+            raise self._ended() from None
         cache.length += input_ids.shape[1]
         return Measured(logits, *times) if measured and self.shares_clock else logits
 
@@ -341,14 +397,29 @@ def close_distributions(a: torch.Tensor, b: torch.Tensor, tv: float = 0.1) -> bo
 
 
 def step_fn(lm, ahead: int, draws: list | None = None, sure: float | None = None):
-    """lm.forward; for a draft in its own process, timed by when the child computed (runtime.Measured) and asking it to
-    step ahead on `ahead` torch threads (0: not) on the tokens `draws` pick (None: the argmax), where its rows are at
-    least `sure` (RemoteLM.forward)."""
-    return (
-        functools.partial(lm.forward, ahead=ahead, draws=draws, measured=True, sure=sure)
-        if isinstance(lm, RemoteLM)
-        else lm.forward
-    )
+    """lm.forward; for a draft in its own process a RemoteStep: timed by when the child computed (runtime.Measured),
+    asking it to step ahead on `ahead` torch threads (0: not) on the tokens `draws` pick (None: the argmax), where its
+    rows are at least `sure` (RemoteLM.forward), and run from the event loop where it can (Worker.run: on_loop)."""
+    return RemoteStep(lm, ahead, draws, sure) if isinstance(lm, RemoteLM) else lm.forward
+
+
+@dataclass(frozen=True)
+class RemoteStep:
+    """A forward of a draft in its own process, as a worker runs it: called on the worker's thread, or awaited on the
+    event loop's (on_loop; None: the worker's thread it is)."""
+
+    lm: RemoteLM
+    ahead: int
+    draws: list | None
+    sure: float | None
+
+    def __call__(self, input_ids: torch.Tensor, cache: RemoteCache, *states):
+        return self.lm.forward(input_ids, cache, *states, ahead=self.ahead, draws=self.draws, measured=True,
+                               sure=self.sure)  # fmt: skip
+
+    async def on_loop(self, input_ids: torch.Tensor, cache: RemoteCache, *states, threads: int):
+        return await self.lm.forward_on_loop(input_ids, cache, *states, threads=threads, ahead=self.ahead,
+                                             draws=self.draws, sure=self.sure)  # fmt: skip
 
 
 def fits(lm) -> str | None:
