@@ -16,6 +16,7 @@ from torch.overrides import TorchFunctionMode
 from engine.config import GenerationConfig
 from engine.events import VERIFY, BranchResolved, DraftProposed, TimingSpan, Verified
 from engine.methods import sampling
+from engine.methods import verdict as verdicts
 from engine.methods.sampling import NO_REPLACEMENT, TOPK, logits_to_probs, verify_block, verify_candidates
 
 from .conftest import make_tiny_model
@@ -93,12 +94,16 @@ def test_verify_candidates_reads_the_host_once(host_reads, greedy, scheme):
         ("sd", dict(temperature=0.8, top_k=5)),
     ],
 )
-def test_an_engine_run_reads_one_verdict_per_verify_pass(tiny_engine, method, extra):
+def test_an_engine_run_reads_one_verdict_per_verify_pass(tiny_engine, method, extra, monkeypatch):
     """Every read of a tensor's value on the loop's thread (the thread that runs the engine between and beside the
     forwards) is caught, whatever the call (tolist, item, float, int, bool, index, numpy: a TorchFunctionMode sees
     them all), and counted: one per target verify pass (its verdict, forks and branches included), one per draft
     step (its row or rows, read once), one per fork (its candidates); the prefill's few and the draft's uniforms,
-    drawn 64 at a time, are the slack. A read per drafted token (a float() of q, a top-k for the UI) would add tens."""
+    drawn 64 at a time, are the slack. A read per drafted token (a float() of q, a top-k for the UI) would add tens.
+    Sampled verdicts are judged as on a GPU, at once (verdict.judge's in_turn=False): on a CPU, where a read costs
+    nothing, the loop judges them in turn, a read per verdict that counts (test_tree_verification.py)."""
+    real = verdicts.judge
+    monkeypatch.setattr(verdicts, "judge", lambda *args: real(*args, in_turn=False))
     cfg = GenerationConfig(method=method, max_new_tokens=32, gamma=3, **extra)
     with HostReads() as reads:
         result = tiny_engine.run([2, 3, 4], cfg)

@@ -100,8 +100,16 @@ def sampled_state(tiny_engine):
     return RunState(tiny_engine.pair, cfg, None, None, tokens=[2, LAST], prompt_len=1, eos_ids=set())
 
 
+@pytest.fixture(params=[True, False], ids=["in turn", "at once"])
+def judging(request, monkeypatch):
+    """Both ways verdict.judge reads a sampled pass: in turn (a CPU's, judge_in_turn) and at once (a GPU's)."""
+    real = verdicts.judge
+    monkeypatch.setattr(verdicts, "judge", lambda *args: real(*args, in_turn=request.param))
+    return real
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_the_tree_rule_is_exact_sampled(sampled_state, seed):
+def test_the_tree_rule_is_exact_sampled(sampled_state, judging, seed):
     q0 = dist(seed)
     q1 = {c: dist(100 * seed + c) for c in SUPPORT}
     got, want = exact_outputs(sampled_state, q0, q1), target_outputs()
@@ -110,10 +118,10 @@ def test_the_tree_rule_is_exact_sampled(sampled_state, seed):
 
 
 @pytest.mark.parametrize("fault", ["other branch's rows", "the fork's q for a branch token"])
-def test_the_enumeration_sees_a_wrong_tree_rule(sampled_state, monkeypatch, fault):
+def test_the_enumeration_sees_a_wrong_tree_rule(sampled_state, judging, monkeypatch, fault):
     """Negative controls, at the same enumeration: each fault biases the first three tokens by far more than the
     tolerance above (total variation over 0.01, against 1e-6)."""
-    real = verdicts.judge
+    real = verdicts.judge  # judging's: in turn, or at once
 
     def judge(state, spec, feed, logits):
         if fault == "other branch's rows":  # branch 1 judged by branch 0's rows
@@ -130,6 +138,27 @@ def test_the_enumeration_sees_a_wrong_tree_rule(sampled_state, monkeypatch, faul
     tv = float((got - want).abs().sum()) / 2
     print(f"{fault}: total variation {tv:.4f}")
     assert tv > 0.01
+
+
+def test_in_turn_only_the_verdicts_that_count_are_computed(sampled_state):
+    """judge_in_turn (a CPU's) computes the fork's verdict only where the path holds up, and then the surviving
+    branch's alone; at once (a GPU's), every verdict the rows reach."""
+    q0, q1 = dist(0), {c: dist(c) for c in SUPPORT}
+    fork = Fork(q0, NO_REPLACEMENT, [branch(2, 3, q0, q1), branch(3, 4, q0, q1)], 1)
+    missed = Speculation([Drafted(6, dist(0, [6]), 1.0)], fork)  # the target's rows have no mass on token 6
+    logits = torch.stack([target_row(())] * 6).log()  # [LAST, 6, c1, b1, c2, b2]'s rows
+    feed = Feed((LAST,), 1, (2, 2))
+    j = verdicts.judge(sampled_state, missed, feed, logits, in_turn=True)
+    assert (j.path.accepted, j.path.bonus, j.fork, j.branches) == (0, False, None, [])
+    j = verdicts.judge(sampled_state, missed, feed, logits, in_turn=False)
+    assert j.path.accepted == 0 and j.fork is not None and all(b is not None for b in j.branches)
+    fed, seen = Feed((LAST,), 0, (2, 2)), set()
+    for _ in range(40):  # no path: the fork's row judges the candidates, on fresh draws each time
+        j = verdicts.judge(sampled_state, Speculation([], fork), fed, logits[:5], in_turn=True)
+        judged = [i for i, b in enumerate(j.branches) if b is not None]
+        assert judged == ([] if j.fork.index is None else [j.fork.index])
+        seen.add(j.fork.index)
+    assert {0, 1} <= seen  # both branches survived at some draw: each was judged alone
 
 
 # ---------------------------------------------------------------- a scripted pair: rescues that save target passes

@@ -2,10 +2,13 @@
 the path's, then at a branch point the multi-candidate rule's, then the surviving branch's, each with the exact rules
 of sampling.py.
 
-Every verdict the rows can reach is computed before any is read: the path's; the fork's, where the whole path was fed;
-each fed branch's. They count only where what precedes them holds up, and each draws from the verification generator
-either way: fresh draws, independent of the ones that decide, so the rules stay exact. Sampled, they are computed on
-the rows' device and read in one host transfer (sampling.settle). Greedy, every rule reduces to comparing a token with
+Sampled, on a GPU every verdict the rows can reach is computed before any is read: the path's; the fork's, where the
+whole path was fed; each fed branch's. They count only where what precedes them holds up, and each draws from the
+verification generator either way: fresh draws, independent of the ones that decide, so the rules stay exact. They are
+computed on the rows' device and read in one host transfer (sampling.settle). On a CPU, where a read costs nothing
+and each verdict a few passes over vocabulary-wide rows, they are computed in turn and only where they count: the
+fork's where the path holds up, then the surviving branch's alone (judge_in_turn). Greedy, every rule reduces to
+comparing a token with
 the target's argmax of its row (a one-hot p accepts x iff p(x) = 1; the residual of two different one-hot rows is p;
 the candidates are the draft's top k, each a point mass), so the whole verdict is one argmax over the pass's rows and
 one read of it.
@@ -62,11 +65,15 @@ class Judgements:
 
     path: Verdict
     fork: CandidateVerdict | None = None  # where the whole path was fed and a fork hangs off it
-    branches: list[Verdict | None] = field(default_factory=list)  # per branch, where it was fed
+    branches: list[Verdict | None] = field(default_factory=list)  # per branch, where it was fed (judge_in_turn:
+    # the surviving branch's only)
 
 
-def judge(state: RunState, spec: Speculation, feed: Feed, logits: torch.Tensor) -> Judgements:
-    """The verdicts of the pass's rows (logits [T, V], T = feed.size) on the speculation."""
+def judge(
+    state: RunState, spec: Speculation, feed: Feed, logits: torch.Tensor, in_turn: bool | None = None
+) -> Judgements:
+    """The verdicts of the pass's rows (logits [T, V], T = feed.size) on the speculation. Sampled: in turn
+    (judge_in_turn) or at once; None: in turn where the rows are on a CPU."""
     fork_row = spec.fork is not None and feed.path == len(spec.path)
     fed = range(len(feed.branches)) if fork_row else range(0)
     if state.cfg.greedy:
@@ -75,6 +82,8 @@ def judge(state: RunState, spec: Speculation, feed: Feed, logits: torch.Tensor) 
         fork = greedy_fork(spec.fork, best[feed.fork_row()]) if fork_row else None
         branches = [branch_verdict(spec.fork.branches[i], feed, i, best) for i in fed]
         return Judgements(path, fork, branches)
+    if in_turn if in_turn is not None else logits.device.type == "cpu":
+        return judge_in_turn(state, spec, feed, logits, fork_row)
     base = feed.path_rows().start  # the committed tokens' rows before it judge nothing
     rows = state.probs(logits[base:])  # [T - base, V]: the target's distributions, as sampling reads them
     pending = [line_check(state, spec.path, rows[: feed.path + 1], spec.fork is None)]
@@ -88,6 +97,27 @@ def judge(state: RunState, spec: Speculation, feed: Feed, logits: torch.Tensor) 
             pending.append(line_check(state, f.branches[i].tokens, rows[lo:hi], True) if len(r) else None)
     path, *rest = settle(*pending)
     return Judgements(path, rest[0] if rest else None, rest[1:])
+
+
+def judge_in_turn(state: RunState, spec: Speculation, feed: Feed, logits: torch.Tensor, fork_row: bool) -> Judgements:
+    """judge's sampled verdicts one after another, each read at once: the path's; the fork's only where the path holds
+    up (fork_row: the whole path was fed, its last row judges the candidates); the surviving branch's only, where it
+    was fed. Each draws afresh, so the rules stay exact; the verdicts that would not count are never computed. Why:
+    on a CPU each verdict costs softmaxes, a residual and a float64 CDF over the vocabulary, and SpecBranch's judging
+    at T=1 took 1.9 ms a step against PEARL's 0.9 (docs/results/README.md)."""
+    base = feed.path_rows().start  # the committed tokens' rows before it judge nothing
+    rows = state.probs(logits[base : base + feed.path + 1])  # [path + 1, V]: the path's rows, the fork's last
+    path = settle(line_check(state, spec.path, rows, spec.fork is None))[0]
+    if not fork_row or path.next_token is not None:
+        return Judgements(path)
+    f = spec.fork
+    fork = settle(check_candidates(rows[feed.path], f.q, f.candidates, f.scheme, state.generator, False))[0]
+    branches: list[Verdict | None] = [None] * len(feed.branches)
+    i = fork.index
+    if i is not None and i < len(feed.branches) and feed.branches[i]:
+        r = feed.branch_rows(i)
+        branches[i] = settle(line_check(state, f.branches[i].tokens, state.probs(logits[r.start : r.stop]), True))[0]
+    return Judgements(path, fork, branches)
 
 
 def greedy_fork(fork: Fork, best: int) -> CandidateVerdict:
