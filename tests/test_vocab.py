@@ -2,15 +2,18 @@
 what torch's own pick: each row's argmax is the first index of its largest value (a NaN counting as the largest), on
 rows with ties, NaNs, infinities and strided views; a probability row's k largest are torch.topk's values and
 indices on rows without ties, a tie goes to the first index, and the caller's rows are left as they were. Where numpy
-cannot read a tensor (bfloat16) torch's own runs, with the same result."""
+cannot read a tensor (bfloat16) torch's own runs, with the same result. A draft row's q is the row its settings make,
+the untempered row itself where they leave it as it is."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from engine.config import GenerationConfig
 from engine.kernels.vocab import argmax
-from engine.methods.sampling import read_argmax, read_top
+from engine.methods.decoding import RunState
+from engine.methods.sampling import logits_to_probs, read_argmax, read_top
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
@@ -47,3 +50,19 @@ def test_read_top_gives_a_tie_to_the_first_token():
     values, ids = read_top(torch.tensor([[0.1, 0.3, 0.0, 0.3, 0.3], [0.0, 1.0, 0.0, 0.0, 0.0]]), 4)
     assert ids == [[1, 3, 4, 0], [1, 0, 2, 3]]
     assert values[0] == pytest.approx([0.3, 0.3, 0.3, 0.1]) and values[1] == [1.0, 0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("settings", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 50, 1.0), (1.0, 0, 0.9)])
+def test_a_draft_rows_q_is_the_row_its_settings_make(settings):
+    """read_row and read_rows take q from the untempered row they computed already where the settings leave the row as
+    it is (RunState.probs_beside): at T = 1 without top-k or top-p logits_to_probs gives those very bits; any
+    setting that changes the row makes its own."""
+    temperature, top_k, top_p = settings
+    state = RunState.__new__(RunState)  # probs and probs_beside read only the settings
+    state.cfg = GenerationConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+    logits = torch.randn(3, 49152, generator=torch.Generator().manual_seed(4)) * 3
+    logits[:, 8192:] = float("-inf")  # a reduced head's row
+    raw = logits.float().softmax(-1)
+    q = state.probs_beside(logits, raw)
+    assert torch.equal(q, logits_to_probs(logits, temperature, top_k, top_p))
+    assert (q is raw) == (settings == (1.0, 0, 1.0))

@@ -111,6 +111,12 @@ class RunState:
         c = self.cfg
         return logits_to_probs(logits, c.temperature, c.top_k, c.top_p)
 
+    def probs_beside(self, logits: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+        """probs(logits), where raw = logits.float().softmax(-1) was computed already: raw itself where the settings
+        leave the row as it is (T = 1, no top-k, no top-p: logits_to_probs runs the same ops, to the same bits)."""
+        c = self.cfg
+        return raw if c.temperature == 1.0 and c.top_k <= 0 and c.top_p >= 1.0 else self.probs(logits)
+
     def next_draws(self, rows: int) -> list[NextDraw]:
         """How each of `rows` draft rows will pick its next token, drawn before the forward that computes them (the
         draft's own generator; no draw when greedy), so a draft in its own process can step on them ahead."""
@@ -156,7 +162,7 @@ def read_row(state: RunState, logits: torch.Tensor, draw: NextDraw, k: int) -> D
         (top,), (ids,) = read_top(raw[None], k)
         return DraftRow(top, ids, ids[0], None, top[0], raw, 1.0, [[ids[0], 1.0]])
     best = raw.topk(k)
-    q = state.probs(logits)  # [V]
+    q = state.probs_beside(logits, raw)  # [V]
     token = draw.pick(q)  # []
     shown = q.topk(min(ALTERNATIVES, q.shape[-1]))
     packed = [best.values, best.indices, token.view(1), raw[token].view(1), q[token].view(1)]

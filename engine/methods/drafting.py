@@ -85,7 +85,7 @@ def read_rows(state: RunState, logits: torch.Tensor, draws: list[NextDraw]) -> B
         tops, tokens = [t for (t,) in tops], [t for (t,) in ids]
         return BranchRows(tops, tokens, [None] * k, tops, [1.0] * k, [[[t, 1.0]] for t in tokens])
     best = raw.amax(-1)  # [k]
-    q = state.probs(logits)  # [k, V]
+    q = state.probs_beside(logits, raw)  # [k, V]
     token = torch.stack([draw.pick(row) for draw, row in zip(draws, q)])  # [k]
     at = torch.arange(k, device=q.device)
     shown = q.topk(min(ALTERNATIVES, q.shape[-1]), -1)  # [k, a]
