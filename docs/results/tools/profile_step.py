@@ -79,7 +79,7 @@ def profile(engine: Engine, cfg: GenerationConfig, encoded: list[list[int]], top
 
 GAP_FUNCTIONS = {
     decoding: ["read_row", "forward"],
-    drafting: ["fork_here", "hold_here", "head_start", "draft_until_verdict"],
+    drafting: ["read_rows", "branch_step", "fork_here", "hold_here", "head_start", "draft_until_verdict"],
     parallel: ["verify_round", "keep_verified", "verify_pass"],
     verdict: ["resolve", "judge"],
 }
