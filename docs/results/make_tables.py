@@ -95,7 +95,9 @@ HRAD_RAN = {"ablation-0e-t0", "ablation-0e-t1"}
 AVX2_RUN = "2026-11-27, current engine, one run, AVX2 CPU"  # the regime runs' machine (the README's section)
 AVX2_BEFORE = "2026-11-28, before the numpy row reads, one run, AVX2 CPU"
 AVX2_NOW = "2026-11-28, current engine, one run, AVX2 CPU"
-AVX512_NOW = "2026-11-28, current engine, one run, AVX-512 CPU"  # the section "The distilled draft in 4 bits"
+AVX512_BEFORE = "2026-11-28, before the draft was asked from the loop, one run, AVX-512 CPU"  # "The distilled draft
+# in 4 bits"
+AVX512_NOW = "2026-11-28, current engine, one run, AVX-512 CPU"  # the section "Host time: ..."
 
 # (draft, T, sources, settings, when measured)
 SPEED = [
@@ -128,11 +130,14 @@ SPEED = [
     ("`embedded`, its preset, idle OpenMP threads asleep", 1, ["passive-embedded-t1"], "B, hold 0.5", AVX2_BEFORE),
     ("`embedded`, its preset, rows read through numpy", 0, ["vocab-embedded-t0"], "B, hold 0.5", AVX2_NOW),
     ("`embedded`, its preset, rows read through numpy", 1, ["vocab-embedded-t1"], "B, hold 0.5", AVX2_NOW),
-    ("`embedded` in 4 bits, its preset (no flag)", 0, ["int4-embedded-t0"], "B, hold 0.25", AVX512_NOW),
-    ("`embedded` in 4 bits, its preset (no flag)", 1, ["int4-embedded-t1"], "B, hold 0.25", AVX512_NOW),
-    ("`embedded`, matmuls in float32, hold 0.5", 0, ["matmul-embedded-float32-t0"], "B, hold 0.5", AVX512_NOW),
-    ("`embedded`, matmuls in bfloat16, hold 0.5", 0, ["matmul-embedded-bfloat16-t0"], "B, hold 0.5", AVX512_NOW),
-    ("`embedded`, matmuls in int4, hold 0.5", 0, ["matmul-embedded-int4-t0"], "B, hold 0.5", AVX512_NOW),
+    ("`embedded` in 4 bits, its preset (no flag)", 0, ["int4-embedded-t0"], "B, hold 0.25", AVX512_BEFORE),
+    ("`embedded` in 4 bits, its preset (no flag)", 1, ["int4-embedded-t1"], "B, hold 0.25", AVX512_BEFORE),
+    ("`embedded`, matmuls in float32, hold 0.5", 0, ["matmul-embedded-float32-t0"], "B, hold 0.5", AVX512_BEFORE),
+    ("`embedded`, matmuls in bfloat16, hold 0.5", 0, ["matmul-embedded-bfloat16-t0"], "B, hold 0.5", AVX512_BEFORE),
+    ("`embedded`, matmuls in int4, hold 0.5", 0, ["matmul-embedded-int4-t0"], "B, hold 0.5", AVX512_BEFORE),
+    ("`embedded` in 4 bits, its preset, draft asked from the loop", 0, ["host-loop-t0"], "B, hold 0.25", AVX512_NOW),
+    ("`embedded` in 4 bits, its preset, a slower spell", 0, ["host-t0"], "B, hold 0.25", AVX512_NOW),
+    ("`embedded` in 4 bits, its preset, a slower spell", 1, ["host-current-t1"], "B, hold 0.25", AVX512_NOW),
     ("`embedded`", 0, ["ablation-0e-t0"], "B", "2026-11-23, older engine"),
     ("`embedded`", 1, ["ablation-0e-t1"], "B", "2026-11-23, older engine"),
     ("`embedded-head`", 0, ["bench-cpu-head-t0"], "C", "2026-11-22, older engine, one run"),
@@ -313,6 +318,7 @@ ROLLBACK = [
     ("distilled draft", "`embedded`", 1, ["sampled-distilled-t1"], "hold 0.5"),
     ("distilled draft in 4 bits", "`embedded`", 0, ["int4-embedded-t0"], "hold 0.25"),
     ("distilled draft in 4 bits", "`embedded`", 1, ["int4-embedded-t1"], "hold 0.25"),
+    ("distilled draft in 4 bits, current engine", "`embedded`", 1, ["host-current-t1"], "hold 0.25"),
     ("poorly aligned (foreign prompts)", "`embedded-weak`", 0, ["weak-foreign-0h"], "hold 0"),
     ("poorly aligned (foreign prompts)", "`embedded-weak`", 0, WEAK_OFF, "hold 0.5"),
     ("poorly aligned (foreign prompts)", "`embedded-weak`", 0, WEAK_ON, "hold 0.5, `--hold-branches`"),
