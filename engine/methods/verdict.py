@@ -7,11 +7,11 @@ whole path was fed; each fed branch's. They count only where what precedes them 
 verification generator either way: fresh draws, independent of the ones that decide, so the rules stay exact. They are
 computed on the rows' device and read in one host transfer (sampling.settle). On a CPU, where a read costs nothing
 and each verdict a few passes over vocabulary-wide rows, they are computed in turn and only where they count: the
-fork's where the path holds up, then the surviving branch's alone (judge_in_turn). Greedy, every rule reduces to
-comparing a token with
-the target's argmax of its row (a one-hot p accepts x iff p(x) = 1; the residual of two different one-hot rows is p;
-the candidates are the draft's top k, each a point mass), so the whole verdict is one argmax over the pass's rows and
-one read of it.
+fork's where the path holds up, then the surviving branch's alone (judge_in_turn).
+
+Greedy, every rule reduces to comparing a token with the target's argmax of its row (a one-hot p accepts x iff
+p(x) = 1; the residual of two different one-hot rows is p; the candidates are the draft's top k, each a point mass),
+so the whole verdict is one argmax over the pass's rows and one read of it.
 """
 
 from __future__ import annotations
