@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from engine.cli import main
 from engine.config import GenerationConfig
 from engine.events import (
@@ -17,8 +19,8 @@ from engine.events import (
     from_dict,
 )
 from engine.kernels import panel
-from engine.kernels.lm_head import bf16_supported, int4_supported
 from engine.measure.metrics import compute_metrics
+from engine.models.loading import draft_matmul_kind
 
 
 def test_generate_json(capsys, tiny_dirs):
@@ -101,7 +103,7 @@ def test_bench_writes_speedups(capsys, tiny_dirs, tmp_path):
     sd = report["results"]["sd"]["all"]
     assert sd["prompts"] == 2 and sd["speedup_vs_ar"] > 0 and sd["acceptance_rate"] is not None
     assert "speedup" in capsys.readouterr().out
-    auto = "int4" if int4_supported() else "bfloat16" if bf16_supported() else "float32"
+    auto = draft_matmul_kind("auto", torch.device("cpu"), torch.float32)  # the rule (tests/test_lm_head.py)
     assert report["draft_matmul"] == {"ar": None, "sd": auto}
     assert report["draft_forward"] == {"ar": None, "sd": "lean"}  # the default for a Llama draft on the CPU
     assert report["draft_worker"] == {"ar": None, "sd": "process"}  # the CLI's default, where the draft fits it

@@ -5,11 +5,12 @@ SpecBranch with them stays lossless."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine.config import GenerationConfig
 from engine.events import Notice
-from engine.kernels.lm_head import bf16_supported, int4_supported
 from engine.measure.datasets import benchmark_prompts
+from engine.models.loading import draft_matmul_kind
 
 from .conftest import engine_with_draft
 
@@ -57,7 +58,7 @@ def test_main_draft_keeps_its_acceptance_as_auto_reads_it(embedded_target):
     the draft a user gets with no flag: it keeps the floor too (0.348 in 4 bits against 0.363 in float32 on these
     prompts, on an AVX-512 CPU)."""
     engine = engine_with_draft(embedded_target, "embedded", matmul="auto")
-    assert engine.pair.draft.matmul == ("int4" if int4_supported() else "bfloat16" if bf16_supported() else "float32")
+    assert engine.pair.draft.matmul == draft_matmul_kind("auto", torch.device("cpu"), torch.float32)
     assert acceptance(engine, held_out(engine)) >= MAIN_FLOOR
 
 

@@ -82,7 +82,9 @@ def judge(
         fork = greedy_fork(spec.fork, best[feed.fork_row()]) if fork_row else None
         branches = [branch_verdict(spec.fork.branches[i], feed, i, best) for i in fed]
         return Judgements(path, fork, branches)
-    if in_turn if in_turn is not None else logits.device.type == "cpu":
+    if in_turn is None:
+        in_turn = logits.device.type == "cpu"
+    if in_turn:
         return judge_in_turn(state, spec, feed, logits, fork_row)
     base = feed.path_rows().start  # the committed tokens' rows before it judge nothing
     rows = state.probs(logits[base:])  # [T - base, V]: the target's distributions, as sampling reads them
