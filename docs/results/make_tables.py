@@ -374,6 +374,7 @@ COSTS = [
     ("`embedded`", "float32, lean, compiled; AVX2 CPU", "regime-embedded-costs", "2026-11-27"),
     ("`embedded`", "float32, lean, compiled; AVX2 CPU, panel kernel", "panel-embedded-costs", "2026-11-27"),
     ("`embedded`", "4-bit, lean, compiled; AVX2 CPU, panel kernel", "panel-embedded-int4-costs", "2026-11-27"),
+    ("`embedded`", "4-bit, lean, compiled; AVX-512 CPU", "avx512-embedded-int4-costs", "2026-11-28"),
     ("`embedded`", "bfloat16 matmuls, transformers' forward", "costs-cpu-draft-0e", "2026-11-23"),
     ("`embedded-head`", "float32, 1 layer on the target's features", "costs-cpu-head", "2026-11-22"),
 ]
@@ -516,6 +517,8 @@ COSTS_COMMANDS = {
     "--json docs/results/json/panel-embedded-costs.json",
     "panel-embedded-int4-costs": "python -m engine costs --draft embedded --draft-matmul int4 "
     "--json docs/results/json/panel-embedded-int4-costs.json",
+    "avx512-embedded-int4-costs": "python -m engine costs --draft embedded --max-tokens 12 --max-rows 4 --reps 15 "
+    "--json docs/results/json/avx512-embedded-int4-costs.json",
     "few-rows": "python docs/results/tools/few_rows.py --json docs/results/json/few-rows.json",
     "regime-map": "python docs/results/tools/regime_map.py --bench docs/results/json/regime-map-bench.json "
     "--json docs/results/json/regime-map.json",
