@@ -36,9 +36,9 @@ if [[ $STAGE == v3 ]]; then  # the shipped draft, trained on with self2 added (v
 fi
 
 if [[ $STAGE == grown ]]; then  # not shipped: v3 with 4 layers grown on top, the answers' own tokens as labels
-  # (no target pass labels them); 3.3-6 s a step on the 2-core AVX-512 machine. The measured draft: this stopped
-  # during epoch 2, then rerun with --max-minutes 0.05, which resumes from the step-500 checkpoint, takes one step
-  # and writes the draft (step 501, held-out agreement 0.6268)
+  # (no target pass labels them); 3.3-6 s a step on the 2-core AVX-512 machine. The measured draft: this was
+  # stopped by hand at step 550, then rerun with --max-minutes 0.05, which resumes from the step-500 checkpoint,
+  # takes one step and writes the draft (step 501, held-out agreement 0.6268)
   $PY -m engine distill $CORPORA --corpus data/self2_smollm2_135m.jsonl.gz --init weights/smollm2-135m-draft \
       --grow 4 --hard-labels --vocab 8192 --epochs 1.5 --lr 5e-4 --batch-size 16 --label-batch-size 16 --seed 0 \
       --threads 2 --max-minutes 70 --work-dir runs/distill-grown --out runs/draft-grown
