@@ -67,13 +67,16 @@ def main() -> None:
     parser.add_argument("--dataset", default="all")
     parser.add_argument("--limit", type=int, default=5)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--json")
     args = parser.parse_args()
     engine = load_engine(ModelSettings(draft=args.draft, draft_forward=draft_forward()), need_draft=True)
     prompts = benchmark_prompts(args.dataset, args.limit)
-    report = {"command": "python " + " ".join(sys.argv), "draft": args.draft, "prompts": len(prompts), "methods": {}}
+    report = {"command": "python " + " ".join(sys.argv), "draft": args.draft, "temperature": args.temperature}
+    report.update(prompts=len(prompts), methods={})
     for method in args.methods.split(","):
-        cfg = config_for(method, args.draft, {"max_new_tokens": args.max_new_tokens}).validate()
+        given = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
+        cfg = config_for(method, args.draft, given).validate()
         seen: list[tuple[str, int, float]] = []
         for p in prompts:
             seen += rounds(engine.run(engine.encode(p.text, p.chat), cfg).events)
