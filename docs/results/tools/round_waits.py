@@ -54,7 +54,8 @@ def rounds(events: list[Event]) -> list[tuple[str, int, float]]:
         passes = [s.start for s in spans if s.worker == "target"]
         if not passes:
             continue
-        waited = [s for s in spans if s.worker == "draft" and s.end <= min(passes)]
+        first = min(passes)
+        waited = [s for s in spans if s.worker == "draft" and s.end <= first]
         out.append((last, len(waited), 1000 * sum(s.end - s.start for s in waited)))
         last = outcome(by_step[step])
     return out
