@@ -52,9 +52,10 @@ step runs beside that pass instead of before it, and the step's caption says the
 from stores them so; docs/models.md). A draft step then costs about a third of a target step, and the
 draft agrees with the target on over 99 % of tokens, so speculation pays, but there is little to reject, roll back
 or branch. To watch those, pick another draft in the Draft menu: `embedded` (a distilled 6-layer draft, right about
-half the time, about 5 times cheaper than the target: the paper's regime, and the *Watch branches rescue* scenario,
-where a fork that rescues a rejection saves a target pass) or `embedded-weak`. `self-skip:3,4,5,25` (the target
-without 4 of its 30 layers, right about 70 % of the time) forks often too, and about a quarter of its forks rescue.
+half the time, read in 4 bits about 10 times cheaper than the target: the paper's regime, and the *Watch branches
+rescue* scenario, where a fork that rescues a rejection keeps its branch's tokens for the next pass) or
+`embedded-weak`. `self-skip:3,4,5,25` (the target without 4 of its 30 layers, right about 70 % of the time) forks
+often too, and about a quarter of its forks rescue.
 The regime map below shows, for every draft, where speculation and branches pay. A draft loads on first use
 (seconds), and picking one sets the sliders to the settings the bench chose for its kind.
 
@@ -77,9 +78,9 @@ Each marker is one method with one draft, from one bench run on the benchmark pr
 draft's acceptance α. Each faint line is the same method's limit if only the two models' forward passes took time,
 with that run's forward costs and every drafted token accepted with probability α (docs/results/README.md, "The
 regime map"). c is how many of the draft's steps one target step costs. A draft that is cheap (large c) but often
-wrong is where the target sets the pace and a fork that rescues a rejection saves a target pass: there SpecBranch's
-markers can stand above PEARL's. A draft that is right almost always leaves nothing to rescue, and with a small c
-the draft sets the pace, so no branch policy can add much.
+wrong is where the target sets the pace and a fork that rescues a rejection keeps work that PEARL throws away: there
+SpecBranch's markers can stand above PEARL's. A draft that is right almost always leaves nothing to rescue, and with a
+small c the draft sets the pace, so no branch policy can add much.
 """
 
 
