@@ -39,6 +39,14 @@ def layer_list(text: str) -> tuple[int, ...]:
     return layers
 
 
+def word_list(text: str) -> tuple[str, ...]:
+    """Words or short phrases for argparse: "Write,Act as" -> ("Write", "Act as"), none empty, no repeats."""
+    words = tuple(w.strip() for w in text.split(","))
+    if not all(words) or len(set(words)) != len(words):
+        raise argparse.ArgumentTypeError(f"need distinct, non-empty comma-separated words, got {text!r}")
+    return words
+
+
 DRAFT_HELP = (
     "embedded | embedded-weak | embedded-head | self | self-skip:I,J,... | truncated:N | PATH.gguf | DIR | hub id "
     "(default: the fastest this machine supports, engine/presets.py default_draft: self, the target read in 4 bits, "

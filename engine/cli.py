@@ -17,6 +17,7 @@ from engine.args import (
     model_settings,
     settings_from,
     thread_count,
+    word_list,
 )
 from engine.config import BASELINE, METHODS, REGISTRY, GenerationConfig, SpecBranchError, writable_file
 
@@ -154,6 +155,13 @@ def add_distill_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         help="let the target write N user questions of its own (Magpie) and answer them",
+    )
+    p.add_argument(
+        "--self-prompt-leads",
+        type=word_list,
+        default=None,
+        help="with --self-prompts: open the questions with these words in turn, comma-separated (e.g. "
+        "'Write,Summarize,Act as'), for task-style instructions the target seldom writes unprompted",
     )
     p.add_argument("--generate-only", action="store_true", help="stop after generating responses")
     p.add_argument("--max-new-tokens", type=int, default=128)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from engine.cli import main
@@ -239,6 +240,39 @@ def test_self_prompts_magpie_tiny(tmp_path, capsys):
     assert len(answered) == len(questions) == 12
     assert all(a["prompt_ids"][:1] == [2] and a["prompt_ids"][-1] == 3 for a in answered)  # "a ... <eos> b"
     assert all(0 < len(a["response_ids"]) <= 16 for a in answered)
+
+
+def test_self_prompts_open_with_the_leads_in_turn(tmp_path, capsys):
+    """--self-prompt-leads: row j of a round opens with lead j mod len(leads), a phrase of two tokens as well as a
+    word, each row left-padded to one width; without leads the same target opens its questions otherwise."""
+    from transformers import AutoTokenizer
+
+    from engine.training.common import read_jsonl
+    from engine.training.distill import generate_self_prompts
+
+    target = make_tiny_model(tmp_path / "target", seed=3, layers=2, init=0.3, context=128, eos=1)
+    tok = AutoTokenizer.from_pretrained(target)
+    tok.chat_template = TINY_CHAT
+    tok.save_pretrained(target)
+    model = load_pair(str(target), None, device="cpu").target.model
+    plain, led = tmp_path / "plain.jsonl", tmp_path / "led.jsonl"
+    generate_self_prompts(model, tok, 12, plain, batch_size=8, seed=0, exclude=set())
+    generate_self_prompts(model, tok, 12, led, batch_size=8, seed=0, exclude=set(), leads=("c d", "e"))
+    opened = [r["prompt"] for r in read_jsonl(led)]
+    assert len(opened) == 12 and all(q.startswith(("c d ", "e ")) for q in opened)
+    assert {q.startswith("c d ") for q in opened} == {True, False}  # both leads, not one for every row
+    unled = [r["prompt"] for r in read_jsonl(plain)]
+    assert not all(q.startswith(("c d ", "e ")) for q in unled)  # the leads, not the model, open them
+    # through the CLI; a list with an empty word is refused before the target loads
+    args = ["distill", "--target", str(target), "--self-prompts", "6", "--generate-only", "--gen-batch-size", "4"]
+    args += ["--max-new-tokens", "8", "--work-dir", str(tmp_path / "w"), "--out", str(tmp_path / "d")]
+    with pytest.raises(SystemExit) as bad:
+        main([*args, "--self-prompt-leads", "c d,,e"])
+    assert bad.value.code == 2 and "non-empty" in capsys.readouterr().err
+    assert main([*args, "--self-prompt-leads", "c d,e", "--device", "cpu"]) == 0
+    questions = [r["prompt"] for r in read_jsonl(tmp_path / "w" / "self_prompts.jsonl")]
+    assert len(questions) == 6 and all(q.startswith(("c d ", "e ")) for q in questions)
+    assert len(read_jsonl(tmp_path / "w" / "self_generated.jsonl")) == 6
 
 
 def test_distill_bad_input(tmp_path, capsys):

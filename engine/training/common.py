@@ -31,6 +31,7 @@ class DistillSpec:
     prompts: str | None = None  # JSONL prompts to generate the target's responses to
     limit: int = 0  # use only the first N prompts (0: all)
     self_prompts: int = 0  # let the target write N user questions of its own (Magpie) and answer them
+    self_prompt_leads: tuple[str, ...] | None = None  # with self_prompts: open the questions with these words
     generate_only: bool = False  # stop after generating responses
     max_new_tokens: int = 128
     gen_batch_size: int = 16

@@ -128,14 +128,24 @@ def generate_self_prompts(
     seed: int,
     exclude: set[tuple[str, ...]],
     max_new_tokens: int = 48,
+    leads: tuple[str, ...] = (),
 ) -> None:
     """Magpie (Xu et al. 2024, arXiv 2406.08464): given only the template up to the user turn, an
     instruction-tuned target writes a user question. Sampled at T=1, top-p 0.95; kept when the turn
     ends within max_new_tokens, is new, and shares no 8-word run with a benchmark prompt (`exclude`,
-    from `shingles`). Appends to `out`."""
+    from `shingles`). Appends to `out`.
+
+    `leads` opens each question with one of these words, row j of a round taking lead j mod len(leads): left to
+    itself the 135M target writes mostly requests for advice ("Can you…", "I'm…", 70 % of its questions), and
+    leads such as "Write" or "Summarize" ask it for the task-style instructions it rarely writes unprompted."""
     prefix, end_id = pre_query_ids(tokenizer)
     seen = {r["prompt"] for r in read_jsonl(out)} if out.exists() else set()
-    ids = torch.tensor([prefix] * batch_size, device=target.device)
+    # one row a question: [prefix + lead], left-padded to one width with end_id (masked out)
+    openers = [tokenizer.encode(lead, add_special_tokens=False) for lead in leads] or [[]]
+    rows = [prefix + openers[j % len(openers)] for j in range(batch_size)]
+    width = max(map(len, rows))
+    ids = torch.tensor([[end_id] * (width - len(r)) + r for r in rows], device=target.device)  # (batch, width)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=target.device)
     rounds = 0
     with open(out, "a") as f, tqdm(total=n, initial=len(seen), desc="self-prompts", unit="prompt") as bar:
         while len(seen) < n:
@@ -143,18 +153,19 @@ def generate_self_prompts(
             rounds += 1
             gen = target.generate(
                 input_ids=ids,
-                attention_mask=torch.ones_like(ids),
+                attention_mask=mask,
                 do_sample=True,
                 temperature=1.0,
                 top_p=0.95,
                 max_new_tokens=max_new_tokens,
                 eos_token_id=end_id,
                 pad_token_id=end_id,
-            )[:, len(prefix) :].tolist()
-            for resp in gen:
+            )[:, width:].tolist()
+            for j, resp in enumerate(gen):
                 if end_id not in resp:
                     continue  # unfinished question
-                text = tokenizer.decode(resp[: resp.index(end_id)], skip_special_tokens=True).strip()
+                opener = openers[j % len(openers)]  # decoded with its continuation, so the word's spacing holds
+                text = tokenizer.decode(opener + resp[: resp.index(end_id)], skip_special_tokens=True).strip()
                 if len(text) < 12 or text in seen or shingles(text) & exclude or len(seen) >= n:
                     continue
                 seen.add(text)
@@ -395,7 +406,8 @@ def self_prompted_rows(spec: DistillSpec, target, tok, work: Path) -> list[dict]
 
     exclude = set().union(*(shingles(p.text) for d in DATASETS for p in benchmark_prompts(d)))
     prompt_file, generated = work / "self_prompts.jsonl", work / "self_generated.jsonl"
-    generate_self_prompts(target, tok, spec.self_prompts, prompt_file, spec.gen_batch_size, spec.seed, exclude)
+    size, leads = spec.gen_batch_size, spec.self_prompt_leads or ()
+    generate_self_prompts(target, tok, spec.self_prompts, prompt_file, size, spec.seed, exclude, leads=leads)
     prompts = read_jsonl(prompt_file)[: spec.self_prompts]
     generate_responses(
         target, tok, prompts, generated, spec.max_new_tokens, spec.gen_batch_size, spec.gen_temperature, spec.seed
