@@ -44,6 +44,20 @@ if [[ $STAGE == grown ]]; then  # not shipped: v3 with 4 layers grown on top, th
       --threads 2 --max-minutes 70 --work-dir runs/distill-grown --out runs/draft-grown
 fi
 
+if [[ $STAGE == self3 ]]; then  # data/self3: task-style questions (the leads), two seeds at a time, 1 thread each
+  LEADS="Write,Explain,Describe,Summarize,Create,List,Compare,Give,Suggest,Imagine,Act as,Rewrite,Solve,Implement"
+  LEADS="$LEADS,Identify,Discuss,Draft,Classify,Outline,Analyze"
+  for pair in "2 1500" "3 1500" "4 1000" "5 1000"; do
+    set -- $pair
+    $PY -m engine distill --self-prompts $2 --self-prompt-leads "$LEADS" --gen-batch-size 64 --threads 1 --seed $1 \
+        --generate-only --work-dir runs/self-s$1 --out unused &
+    [[ $1 == 3 || $1 == 5 ]] && wait
+  done
+  $PY docs/results/tools/build_self_corpus.py --out data/self3_smollm2_135m.jsonl.gz --held-out runs/held_out.jsonl \
+      runs/self-s2 runs/self-s3 runs/self-s4 runs/self-s5
+  exit
+fi
+
 if [[ $STAGE == all || $STAGE == curve ]]; then  # data-size curve: 2 layers, 1 epoch, same held-out rows
   for n in 75000 150000 300000 0; do
     $PY -m engine distill $COMMON --layers 2 --epochs 1 --lr 1e-3 --max-tokens $n --out runs/drafts/curve-l2-$n
