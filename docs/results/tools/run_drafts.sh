@@ -44,7 +44,8 @@ if [[ $STAGE == grown ]]; then  # not shipped: v3 with 4 layers grown on top, th
       --threads 2 --max-minutes 70 --work-dir runs/distill-grown --out runs/draft-grown
 fi
 
-if [[ $STAGE == self3 ]]; then  # data/self3: task-style questions (the leads), two seeds at a time, 1 thread each
+# data/self3_smollm2_135m.jsonl.gz: task-style questions (the leads), two seeds at a time, 1 thread each
+if [[ $STAGE == self3 ]]; then
   LEADS="Write,Explain,Describe,Summarize,Create,List,Compare,Give,Suggest,Imagine,Act as,Rewrite,Solve,Implement"
   LEADS="$LEADS,Identify,Discuss,Draft,Classify,Outline,Analyze"
   for pair in "2 1500" "3 1500" "4 1000" "5 1000"; do
