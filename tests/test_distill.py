@@ -269,6 +269,9 @@ def test_self_prompts_open_with_the_leads_in_turn(tmp_path, capsys):
     with pytest.raises(SystemExit) as bad:
         main([*args, "--self-prompt-leads", "c d,,e"])
     assert bad.value.code == 2 and "non-empty" in capsys.readouterr().err
+    leads_alone = ["distill", "--target", str(target), "--corpus", str(led), "--self-prompt-leads", "e"]
+    assert main([*leads_alone, "--out", str(tmp_path / "d")]) == 2
+    assert "--self-prompts N" in capsys.readouterr().err
     assert main([*args, "--self-prompt-leads", "c d,e", "--device", "cpu"]) == 0
     questions = [r["prompt"] for r in read_jsonl(tmp_path / "w" / "self_prompts.jsonl")]
     assert len(questions) == 6 and all(q.startswith(("c d ", "e ")) for q in questions)

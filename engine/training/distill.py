@@ -398,6 +398,8 @@ def check_inputs(spec: DistillSpec) -> None:
         )
     if not (spec.corpus or spec.prompts or spec.self_prompts):
         raise SpecBranchError("distill needs training data: give --corpus, --prompts or --self-prompts")
+    if spec.self_prompt_leads and not spec.self_prompts:
+        raise SpecBranchError("--self-prompt-leads opens the target's own questions: give --self-prompts N too")
 
 
 def self_prompted_rows(spec: DistillSpec, target, tok, work: Path) -> list[dict]:
