@@ -1,0 +1,49 @@
+"""docs/results/tools/draft_round_trip.py: every answer of the draft's process is timed, as asked or as taken ahead,
+on both sides of the socket, through a real child."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from engine.config import GenerationConfig
+from engine.drafts import process
+from engine.engine import Engine
+from engine.models.loading import load_pair
+
+from .reference import PROMPT
+
+TOOL = Path(__file__).resolve().parents[1] / "docs" / "results" / "tools" / "draft_round_trip.py"
+
+
+def load_tool():
+    spec = importlib.util.spec_from_file_location("draft_round_trip", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_each_answer_is_timed_as_asked_or_taken_ahead(tiny_dirs, monkeypatch):
+    """SD's block is served by steps the child took ahead (test_draft_process.py): those started before they were
+    asked for; an asked step's forward starts after its request left; the counts add up to the answers logged."""
+    tool = load_tool()
+    pair = load_pair(str(tiny_dirs["target"]), str(tiny_dirs["draft"]), device="cpu", draft_matmul="float32",
+                     draft_worker="process")  # fmt: skip
+    engine = Engine(pair)
+    try:
+        assert isinstance(engine.pair.draft, process.RemoteLM)
+        log: list = []
+        ask, answer = tool.timed(log)
+        monkeypatch.setattr(process.RemoteLM, "_ask", ask)
+        monkeypatch.setattr(process.RemoteLM, "_answer", answer)
+        m = tool.measure(engine, GenerationConfig(method="sd", max_new_tokens=16, gamma=3), [PROMPT], log)
+    finally:
+        engine.close()
+    ahead = [a for a in log if a[0]]
+    asked = [a for a in log if not a[0]]
+    assert ahead and asked
+    assert round((len(ahead) + len(asked)) / m["steps"], 3) == round(m["asked_a_step"] + m["taken_ahead_a_step"], 3)
+    assert all(a[4] >= a[1] for a in asked)  # computed once asked, on the shared clock
+    assert any(a[4] < a[1] for a in ahead)  # computed before it was asked: the step ahead
+    assert all(a[2] <= a[3] for a in log) and m["read_ms"]["n"] == len(log)
+    assert m["turnaround_ms"]["n"] > 0 and m["turnaround_ms"]["median"] >= 0
