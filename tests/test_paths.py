@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import argparse
 import ast
-import importlib.util
 import io
 import re
 import subprocess
 import tokenize
 from pathlib import Path
+
+from .scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = ("engine", "app", "sessions", "tests", "docs", "scripts", "data", "weights", "static", ".ci")
@@ -172,10 +173,7 @@ def stale_in_file(name: str, text: str) -> list[str]:
 
 def load_app_script():
     """app.py at the root (a module apart: `app` is the package)."""
-    spec = importlib.util.spec_from_file_location("app_script", ROOT / "app.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("app.py", "app_script")
 
 
 def help_texts(parser: argparse.ArgumentParser) -> list[str]:

@@ -3,30 +3,19 @@ on both sides of the socket, through a real child."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 from engine.config import GenerationConfig
 from engine.drafts import process
 from engine.engine import Engine
 from engine.models.loading import load_pair
 
 from .reference import PROMPT
-
-TOOL = Path(__file__).resolve().parents[1] / "docs" / "results" / "tools" / "draft_round_trip.py"
-
-
-def load_tool():
-    spec = importlib.util.spec_from_file_location("draft_round_trip", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from .scripts import load_script
 
 
 def test_each_answer_is_timed_as_asked_or_taken_ahead(tiny_dirs, monkeypatch):
     """SD's block is served by steps the child took ahead (test_draft_process.py): those started before they were
     asked for; an asked step's forward starts after its request left; the counts add up to the answers logged."""
-    tool = load_tool()
+    tool = load_script("docs/results/tools/draft_round_trip.py")
     pair = load_pair(str(tiny_dirs["target"]), str(tiny_dirs["draft"]), device="cpu", draft_matmul="float32",
                      draft_worker="process")  # fmt: skip
     engine = Engine(pair)

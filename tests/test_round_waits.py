@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 from engine.events import BONUS, CORRECTION, BranchResolved, TimingSpan, Verified
 
-TOOL = Path(__file__).resolve().parents[1] / "docs" / "results" / "tools" / "round_waits.py"
+from .scripts import load_script
 
 
 def load_tool():
-    spec = importlib.util.spec_from_file_location("round_waits", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("docs/results/tools/round_waits.py")
 
 
 def span(worker: str, step: int, start: float, end: float, kind: str = "") -> TimingSpan:
