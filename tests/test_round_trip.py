@@ -29,12 +29,13 @@ def test_each_answer_is_timed_as_asked_or_taken_ahead(tiny_dirs, monkeypatch):
         m = tool.measure(engine, GenerationConfig(method="sd", max_new_tokens=16, gamma=3), [PROMPT], log)
     finally:
         engine.close()
-    ahead = [a for a in log if a[0]]
-    asked = [a for a in log if not a[0]]
+    ahead = [a for a in log if a.ahead]
+    asked = [a for a in log if not a.ahead]
     assert ahead and asked
-    assert round((len(ahead) + len(asked)) / m["steps"], 3) == round(m["asked_a_step"] + m["taken_ahead_a_step"], 3)
-    assert all(a[4] >= a[1] for a in asked)  # an asked step starts once its request left (one shared clock)
+    assert (round(len(ahead) / m["steps"], 3), round(len(asked) / m["steps"], 3)) == (
+        m["taken_ahead_a_step"], m["asked_a_step"])  # fmt: skip
+    assert all(a.start >= a.asked_at for a in asked)  # an asked step starts once its request left (one shared clock)
     # the child runs one forward at a time: a step taken ahead starts after the answered forward before it ended
-    assert all(b[4] >= a[5] for a, b in zip(log, log[1:]) if b[0])
-    assert all(a[2] <= a[3] for a in log) and m["read_ms"]["n"] == len(log)
-    assert m["turnaround_ms"]["n"] == sum(1 for b in log[1:] if b[0])  # one a step taken ahead after another answer
+    assert all(b.start >= a.end for a, b in zip(log, log[1:]) if b.ahead)
+    assert all(a.read_from <= a.read_until for a in log) and m["read_ms"]["n"] == len(log)
+    assert m["turnaround_ms"]["n"] == sum(1 for b in log[1:] if b.ahead)  # one a step taken ahead after another answer

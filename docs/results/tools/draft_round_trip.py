@@ -22,6 +22,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -34,9 +35,20 @@ from engine.presets import config_for, draft_forward  # noqa: E402
 from engine.runtime import Measured  # noqa: E402
 
 
-def timed(log: list):
-    """RemoteLM's _ask and _answer, logging per answer (taken ahead, asked at, read from, read until, child start,
-    child end)."""
+@dataclass(frozen=True)
+class Answer:
+    """One answer of the draft's process, on this process's clock (perf_counter seconds)."""
+
+    ahead: bool  # the child had taken the step before it was asked (process.step_ahead)
+    asked_at: float  # the request left this process
+    read_from: float  # this process began to read the answer
+    read_until: float  # ... and had read it
+    start: float  # the child's forward began
+    end: float  # ... and ended
+
+
+def timed(log: list[Answer]):
+    """RemoteLM's _ask and _answer, logging an Answer per answer."""
     ask, answer = process.RemoteLM._ask, process.RemoteLM._answer
 
     def timed_ask(self, *args):
@@ -48,7 +60,7 @@ def timed(log: list):
         out = answer(self, input_ids, cache, measured)
         if isinstance(out, Measured):
             ahead = self.steps_taken_ahead > before
-            log.append((ahead, self._asked_at, start, time.perf_counter(), out.start, out.end))
+            log.append(Answer(ahead, self._asked_at, start, time.perf_counter(), out.start, out.end))
         return out
 
     return timed_ask, timed_answer
@@ -61,23 +73,23 @@ def summary(values: list[float]) -> dict:
     return {"n": len(ms), "median": round(statistics.median(ms), 3), "mean": round(statistics.mean(ms), 3)}
 
 
-def measure(engine, cfg, encoded: list[list[int]], log: list) -> dict:
+def measure(engine, cfg, encoded: list[list[int]], log: list[Answer]) -> dict:
     log.clear()
     steps, host = 0, []
     for ids in encoded:
         result = engine.run(ids, cfg)
         steps += sum(1 for e in result.events if e.type == "step_started")
         host.append(result.metrics["host_overhead_ms_per_step"])
-    asked = [a for a in log if not a[0]]
+    asked = [a for a in log if not a.ahead]
     # a step taken ahead follows the previous answer's forward at once: the child's time between the two
-    turn = [b[4] - a[5] for a, b in zip(log, log[1:]) if b[0]]
+    turn = [b.start - a.end for a, b in zip(log, log[1:]) if b.ahead]
     return {
         "steps": steps,
         "asked_a_step": round(len(asked) / steps, 3),
         "taken_ahead_a_step": round((len(log) - len(asked)) / steps, 3),
-        "ask_to_start_ms": summary([a[4] - a[1] for a in asked]),
+        "ask_to_start_ms": summary([a.start - a.asked_at for a in asked]),
         "turnaround_ms": summary(turn),
-        "read_ms": summary([a[3] - a[2] for a in log]),
+        "read_ms": summary([a.read_until - a.read_from for a in log]),
         "host_ms_a_step": round(statistics.mean(host), 3),
     }
 
@@ -96,7 +108,7 @@ def main() -> None:
         raise SystemExit(f"the draft runs in this process ({engine.pair.draft_worker_why}): no socket to time")
     rows = [json.loads(line) for line in (ROOT / "data" / "tuning_prompts.jsonl").read_text().splitlines() if line]
     encoded = [engine.encode(r["prompt"], r.get("chat", True)) for r in rows[: args.prompts]]
-    log: list = []
+    log: list[Answer] = []
     process.RemoteLM._ask, process.RemoteLM._answer = timed(log)
     command = "python " + " ".join(sys.argv)
     report = {"command": command, "draft": args.draft, "temperature": args.temperature, "methods": {}}
