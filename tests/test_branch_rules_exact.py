@@ -142,6 +142,21 @@ def test_engine_draws_candidates_with_the_enumerated_probabilities(scheme):
     assert pvalue(IID if scheme == NO_REPLACEMENT else NO_REPLACEMENT) < 1e-6
 
 
+def test_the_token_the_drafts_process_steps_ahead_on_is_the_draws_own():
+    """NextDraw.guess, read from a row of logits in the draft's process, is the token the engine's draw picks from
+    the same row: greedy, torch's argmax (the first of tied largest values); sampled, sample_at at its uniform on the
+    row through the same settings."""
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(100, 50, generator=g)
+    rows[:, 30] = rows[:, 7] = rows.max(-1).values + 1.0  # a tie for the largest: the first index is torch's
+    for row in rows:
+        assert sampling.NextDraw(0.0, 0, 1.0).guess(row) == int(row.argmax()) == 7
+    for temperature, top_k, top_p in ((1.0, 0, 1.0), (0.8, 10, 0.9)):
+        for row in torch.randn(200, 50, generator=g):
+            draw = sampling.NextDraw(temperature, top_k, top_p, draw_u(g))
+            assert draw.guess(row) == sample_at(logits_to_probs(row, temperature, top_k, top_p), draw.u)
+
+
 def test_a_draw_fixed_before_its_row_is_the_inverse_cdf_at_its_uniform():
     """sample_at(q, u) is token i for u in [CDF(i-1), CDF(i)) (read 1e-9 inside each bound; a token of mass 0 has an
     empty interval, a one-hot row gives its token at any u), and sample(q, g) is sample_at at the uniform g draws next:

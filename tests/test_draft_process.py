@@ -98,7 +98,7 @@ def test_the_child_steps_ahead_on_the_token_a_sampled_draw_picks(process_engine)
         there = remote.forward(x, caches[1], ahead=1, draws=draws)
         assert torch.equal(local, there)
         probs = logits_to_probs(there[:, -1], 0.8, 40, 0.95)  # [B, V]: the engine's own probabilities
-        return torch.tensor([[d.token(p)] for d, p in zip(draws, probs)])
+        return torch.tensor([[int(d.pick(p))] for d, p in zip(draws, probs)])
 
     nxt = step(torch.randint(0, remote.vocab_size, (1, 8), generator=g), [NextDraw(0.8, 40, 0.95, draw_u(g))])
     taken = remote.steps_taken_ahead

@@ -387,9 +387,6 @@ def fault_q_temperature(monkeypatch, pair) -> None:
         q = q.double() ** 2
         return (q / q.sum()).float()
 
-    def token(self, probs):
-        return sampling.sample_at(sharp(probs), self.u)
-
     def pick(self, probs):
         return sampling.inverse_cdf(sharp(probs), torch.tensor([self.u], dtype=torch.float64))
 
@@ -398,7 +395,6 @@ def fault_q_temperature(monkeypatch, pair) -> None:
     def without_replacement(q, u):
         return real(sharp(q), u)
 
-    monkeypatch.setattr(sampling.NextDraw, "token", token)
     monkeypatch.setattr(sampling.NextDraw, "pick", pick)
     monkeypatch.setattr(drafting, "without_replacement", without_replacement)  # a fork's candidates
 
