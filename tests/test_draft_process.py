@@ -60,7 +60,7 @@ def test_the_child_computes_the_local_drafts_bits(process_engine):
         return there[:, -1].argmax(-1)[:, None]  # [B, 1]: what greedy drafting feeds next
 
     nxt = both(ids, ahead=1)  # a prefill
-    taken = remote.steps_taken_ahead
+    taken, on_board = remote.steps_taken_ahead, remote.answers_on_board
     nxt = both(nxt, ahead=1)  # the step taken ahead, asked for: served from it
     assert remote.steps_taken_ahead == taken + 1
     both(ids[:, :1] + (ids[:, :1] == nxt))  # another step than the one taken ahead: undone first
@@ -81,8 +81,36 @@ def test_the_child_computes_the_local_drafts_bits(process_engine):
     with pytest.raises(SpecBranchError, match="failed in its process: IndexError"):  # an id past the vocabulary
         remote.forward(torch.tensor([[10**6]]), caches[1])
     both(ids[:, :1])  # the child serves on
+    assert remote.answers_on_board - on_board == (7 if hasattr(os, "memfd_create") else 0)  # each answer since, off
+    # the board (board.py), the ones taken ahead too
     with pytest.raises(ValueError, match="rows"):
         remote.forward(torch.zeros(2, 1, dtype=torch.long), caches[1])
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the answer board is Linux's memfd")
+def test_answers_come_off_the_board_and_one_too_large_for_it_through_the_socket(process_engine):
+    """A board of two rows: a step's answer and a fork's two rows come off it, a prefill's five rows through the
+    socket; each is the local draft's bits, and none reads what an earlier answer left there."""
+    remote = process_engine.pair.draft
+    small = RemoteLM(remote.local, remote.recipe, board_bytes=2 * remote.vocab_size * 4)
+    try:
+        g = torch.Generator().manual_seed(3)
+        caches = [remote.local.new_cache(), small.new_cache()]
+
+        def both(x):  # the same forward locally and in the child; whether its answer came off the board
+            before = small.answers_on_board
+            assert torch.equal(remote.local.forward(x, caches[0]), small.forward(x, caches[1]))
+            return small.answers_on_board - before
+
+        assert both(torch.randint(0, remote.vocab_size, (1, 5), generator=g)) == 0  # 5 rows: the socket
+        assert both(torch.randint(0, remote.vocab_size, (1, 1), generator=g)) == 1  # 1 row: the board
+        for c in caches:
+            c.batch_repeat_interleave(2)
+        assert both(torch.randint(0, remote.vocab_size, (2, 1), generator=g)) == 1  # 2 rows: fills it
+        assert both(torch.randint(0, remote.vocab_size, (2, 3), generator=g)) == 0  # 6 rows: the socket again
+        assert both(torch.randint(0, remote.vocab_size, (2, 1), generator=g)) == 1
+    finally:
+        small.close()
 
 
 def test_the_child_steps_ahead_on_the_token_a_sampled_draw_picks(process_engine):

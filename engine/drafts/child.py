@@ -17,6 +17,7 @@ from multiprocessing.connection import Client
 
 import torch
 
+from engine.drafts.board import AnswerBoard
 from engine.kernels.vocab import argmax
 from engine.models.loading import load_pair
 
@@ -28,7 +29,7 @@ def serve(conn) -> None:
     the lowest CPU priority: low_priority) and answer the parent until it closes the connection. An op that fails is
     reported with the next forward's answer."""
     torch.set_num_threads(1)
-    lm = load_draft(conn)
+    lm, board = load_draft(conn)
     if lm is None:
         return
     conn.send(("ready", time.perf_counter()))  # its clock, which the parent checks it shares (RemoteLM.shares_clock)
@@ -43,7 +44,7 @@ def serve(conn) -> None:
         if ahead is not None:
             taken, ahead = ahead, None
             if op == "forward" and cid == taken[0] and arg[0] == taken[1] and failed is None:
-                answer(conn, taken[2], True, taken[3])  # the step asked for is the one taken ahead: at once
+                answer(conn, board, taken[2], True, taken[3])  # the step asked for is the one taken ahead: at once
                 if arg[2]:
                     threads = on_threads(threads, arg[2])
                     ahead = step_ahead(lm, caches, cid, taken[2], arg[3], arg[4])
@@ -55,7 +56,7 @@ def serve(conn) -> None:
                     ids, n, go_on, draws, sure = arg
                     threads = on_threads(threads, n)
                     logits, times = timed_forward(lm, ids, caches[cid])
-                    answer(conn, logits, False, times)
+                    answer(conn, board, logits, False, times)
                     if go_on:
                         threads = on_threads(threads, go_on)
                         ahead = step_ahead(lm, caches, cid, logits, draws, sure)
@@ -65,23 +66,27 @@ def serve(conn) -> None:
         except Exception as exc:  # noqa: BLE001
             failed = failed or f"{type(exc).__name__}: {exc}"
         if op == "forward":
-            conn.send(("error", failed, False, None))
+            conn.send(("error", failed, False, None, False))
             failed = None
 
 
-def load_draft(conn):
-    """The draft, loaded by the recipe the parent sends first (with `low`, at the lowest CPU priority); None, with
-    the reason sent to the parent, where it fails."""
+def load_draft(conn) -> tuple[object | None, AnswerBoard | None]:
+    """The draft, loaded by the recipe the parent sends first (with `low`, at the lowest CPU priority), and the answer
+    board the parent made (its file descriptor, inherited, and size; None: answers go through the socket). The draft
+    is None, with the reason sent to the parent, where it fails."""
     try:
-        recipe, low = conn.recv()
+        recipe, low, board = conn.recv()
+        if board is not None:
+            board = AnswerBoard(*board)
+            board.close_file()
 
         def load():
             return load_pair(**recipe).draft
 
-        return low_priority(load) if low else load()
+        return (low_priority(load) if low else load()), board
     except Exception as exc:  # noqa: BLE001 - any failure is the parent's message
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
-        return None
+        return None, None
 
 
 def cache_op(conn, lm, caches: dict, op: str, cid, arg) -> None:
@@ -108,11 +113,13 @@ def timed_forward(lm, ids: list[list[int]], cache) -> tuple[torch.Tensor, tuple[
     return logits, (start, time.perf_counter())
 
 
-def answer(conn, logits: torch.Tensor, taken_ahead: bool, times: tuple[float, float]) -> None:
-    """A forward's answer: its shape, whether its step was taken ahead and when it computed, then the logits'
-    bytes."""
-    conn.send(("ok", tuple(logits.shape), taken_ahead, times))
-    conn.send_bytes(logits.view(-1).numpy())
+def answer(conn, board: AnswerBoard | None, logits: torch.Tensor, taken_ahead: bool, times: tuple[float, float]):
+    """A forward's answer: its shape, whether its step was taken ahead, when it computed and whether its logits are on
+    the board (board.py); where they are not, their bytes follow."""
+    on_board = board is not None and board.put(logits)
+    conn.send(("ok", tuple(logits.shape), taken_ahead, times, on_board))
+    if not on_board:
+        conn.send_bytes(logits.view(-1).numpy())
 
 
 def on_threads(current: int, n: int) -> int:

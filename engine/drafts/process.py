@@ -10,13 +10,13 @@ with it here (docs/models.md).
 How: the child (`python -m engine.drafts.child`, so nothing of the parent's __main__ runs there) loads the same
 draft by the same recipe (models.with_draft's arguments) and keeps its caches. Here a RemoteLM stands in for the
 draft: every attribute is the local draft's (its name, tokenizer, the model hf-assisted runs), but `forward` and
-`new_cache` go to the child. A forward is answered with its logits, [B, T, V] as raw bytes, as the local draft's
-forward returns them (H-RAD's sampler reads every row of one pass; the engine's draft steps read the last row, and a
-prefill's transfer runs beside the target's prefill). A cache is mirrored by a
-RemoteCache that knows its length and rows, so a rollback (crop), a fork (batch_repeat_interleave) and its collapse
-(batch_select_indices) are one message each, answered by nothing: the socket keeps them in order before the next
-forward. A forward runs on as many torch threads as the calling thread has (Worker.run sets them: its solo steps get
-the cores).
+`new_cache` go to the child. A forward is answered with its logits, [B, T, V], as the local draft's forward returns
+them (H-RAD's sampler reads every row of one pass; the engine's draft steps read the last row, and a prefill's
+transfer runs beside the target's prefill): copied through shared memory where they fit (board.py), else as raw
+bytes on the socket. A cache is mirrored by a RemoteCache that knows its length and rows, so a rollback (crop), a
+fork (batch_repeat_interleave) and its collapse (batch_select_indices) are one message each, answered by nothing:
+the socket keeps them in order before the next forward. A forward runs on as many torch threads as the calling
+thread has (Worker.run sets them: its solo steps get the cores).
 The engine fixes how it will pick each row's next token before it asks for the row (sampling.NextDraw: the argmax
 when greedy; when sampling, the inverse CDF at a uniform it drew beforehand), so the child takes the step on that
 token as soon as it has answered (step_ahead), while the engine reads the answer, samples and records; the next
@@ -57,6 +57,7 @@ from pathlib import Path
 import torch
 
 from engine.config import SpecBranchError
+from engine.drafts.board import BOARD_BYTES, AnswerBoard
 from engine.models.cache import cropped_length
 from engine.models.lean import compile_report
 from engine.runtime import Measured
@@ -110,10 +111,10 @@ def _stop(conn, process) -> None:
         process.wait()  # reaped, so the child is gone when close returns
 
 
-def _start(recipe: dict, low: bool = False):
+def _start(recipe: dict, low: bool = False, board: AnswerBoard | None = None):
     """Launch the child (`python -m engine.drafts.child`, so nothing of this process's __main__ runs there) and
     connect to it: (connection, process). The child finds this package as this process does; low: it loads the
-    draft at the lowest CPU priority (low_priority)."""
+    draft at the lowest CPU priority (low_priority); board: it inherits the answer board (board.py)."""
     key = secrets.token_bytes(32)
     with tempfile.TemporaryDirectory(prefix="specbranch-draft-") as folder:
         listener = Listener(str(Path(folder) / "socket"), "AF_UNIX", authkey=key)
@@ -125,8 +126,13 @@ def _start(recipe: dict, low: bool = False):
             PYTHONPATH=os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])]),
         )
         process = subprocess.Popen(
-            [sys.executable, "-m", "engine.drafts.child", listener.address], env=env, stdin=subprocess.DEVNULL
+            [sys.executable, "-m", "engine.drafts.child", listener.address],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            pass_fds=(board.fd,) if board is not None else (),
         )
+        if board is not None:
+            board.close_file()
         with ThreadPoolExecutor(1) as pool:
             accepted = pool.submit(listener.accept)
             while not accepted.done() and process.poll() is None:
@@ -144,7 +150,7 @@ def _start(recipe: dict, low: bool = False):
             listener.close()
     if conn is None:
         raise SpecBranchError(f"the draft's process ended before it connected (exit code {process.poll()})")
-    conn.send((recipe, low))
+    conn.send((recipe, low, (board.fd, board.nbytes) if board is not None else None))
     return conn, process
 
 
@@ -152,17 +158,21 @@ class RemoteLM:
     """The draft `local`, with its forwards run by a child process that loaded it by `recipe` (low: at the lowest CPU
     priority, low_priority)."""
 
-    def __init__(self, local, recipe: dict, timeout: float = START_TIMEOUT_S, low: bool = False):
+    def __init__(
+        self, local, recipe: dict, timeout: float = START_TIMEOUT_S, low: bool = False, board_bytes: int = BOARD_BYTES
+    ):
         self.local, self.recipe = local, recipe
         self._twin, self._twin_why, self._twin_thread, self._closed = None, "", None, False  # start_compile's
         self._child_status: tuple[str, str] | None = None  # the child's own compile_status, once asked
         started = time.perf_counter()
-        self._conn, self._process = _start(recipe, low)
+        self._board = AnswerBoard.create(board_bytes)  # None: every answer through the socket
+        self._conn, self._process = _start(recipe, low, self._board)
         self._send_lock = threading.Lock()  # a message goes out whole, whichever thread sends it
         self._call_lock = threading.Lock()  # one forward in flight: its answer is the next one on the connection
         self._ids = itertools.count()
         self._freed: list[int] = []  # caches collected here, freed there with the next message
         self.steps_taken_ahead = 0  # forwards answered from a step the child had taken ahead (step_ahead)
+        self.answers_on_board = 0  # forwards whose logits came through the board (board.py), not the socket
         self._stop = weakref.finalize(self, _stop, self._conn, self._process)
         if not self._conn.poll(timeout):
             self.close()
@@ -282,15 +292,19 @@ class RemoteLM:
     def _answer(self, input_ids, cache: RemoteCache, measured: bool):
         """Read the answer to the request _ask sent: logits [B, T, V] (runtime.Measured with measured, where the
         clock is shared)."""
-        status, shape, taken_ahead, times = self._receive()
+        status, shape, taken_ahead, times, on_board = self._receive()
         if status != "ok":
             raise SpecBranchError(f"the draft's forward failed in its process: {shape}")
         self.steps_taken_ahead += taken_ahead
-        logits = torch.empty(shape, dtype=torch.float32)
-        try:
-            self._conn.recv_bytes_into(logits.view(-1).numpy())  # 1-D: its len is its size
-        except (EOFError, OSError):
-            raise self._ended() from None
+        self.answers_on_board += on_board
+        if on_board:  # copied off before the next request, after which the child may write the board again
+            logits = self._board.take(shape)
+        else:
+            logits = torch.empty(shape, dtype=torch.float32)
+            try:
+                self._conn.recv_bytes_into(logits.view(-1).numpy())  # 1-D: its len is its size
+            except (EOFError, OSError):
+                raise self._ended() from None
         cache.length += input_ids.shape[1]
         return Measured(logits, *times) if measured and self.shares_clock else logits
 

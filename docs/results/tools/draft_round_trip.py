@@ -9,7 +9,8 @@ For each method, on the tuning prompts (data/tuning_prompts.jsonl: never the ben
 - `taken_ahead`: answers the child had computed before it was asked (process.step_ahead);
   `turnaround_ms`, from the end of the child's previous forward to the start of that step: the child's answer to
   the previous request and its pick of the next token, between two forwards it runs back to back;
-- `read_ms`: reading an answer here once it is on the socket (RemoteLM._answer);
+- `read_ms`: reading an answer here once its fields are on the socket (RemoteLM._answer: they, and the logits off
+  the board or the socket);
 - `host_ms_a_step`: the bench's host time a step (neither model computing), in the same runs.
 Medians and means over every answer; the runs are the engine's own, with nothing else changed.
 """
