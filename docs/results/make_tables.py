@@ -97,7 +97,10 @@ AVX2_BEFORE = "2026-11-28, before the numpy row reads, one run, AVX2 CPU"
 AVX2_NOW = "2026-11-28, current engine, one run, AVX2 CPU"
 AVX512_BEFORE = "2026-11-28, before the draft was asked from the loop, one run, AVX-512 CPU"  # "The distilled draft
 # in 4 bits"
-AVX512_NOW = "2026-11-28, current engine, one run, AVX-512 CPU"  # the section "Host time: ..."
+AVX512_NOW = "2026-11-28, draft asked from the loop, one run, AVX-512 CPU"  # the section "Host time: ..."
+AVX512_SOCKET = "2026-12-02, answers through the socket, one run, AVX-512 CPU"  # the section "Host time: what a step
+# through the draft's process costs"
+AVX512_BOARD = "2026-12-02, current engine, one run, AVX-512 CPU"
 
 # (draft, T, sources, settings, when measured)
 SPEED = [
@@ -138,6 +141,36 @@ SPEED = [
     ("`embedded` in 4 bits, its preset, draft asked from the loop", 0, ["host-loop-t0"], "B, hold 0.25", AVX512_NOW),
     ("`embedded` in 4 bits, its preset, a slower spell", 0, ["host-t0"], "B, hold 0.25", AVX512_NOW),
     ("`embedded` in 4 bits, its preset, a slower spell", 1, ["host-current-t1"], "B, hold 0.25", AVX512_NOW),
+    (
+        "`embedded` in 4 bits, its preset, answers through the socket",
+        0,
+        ["socket-embedded-t0"],
+        "B, hold 0.25",
+        AVX512_SOCKET,
+    ),
+    (
+        "`embedded` in 4 bits, its preset, answers through the socket",
+        1,
+        ["socket-embedded-t1"],
+        "B, hold 0.25",
+        AVX512_SOCKET,
+    ),
+    ("`embedded` in 4 bits, its preset, answers on the board", 0, ["board-embedded-t0"], "B, hold 0.25", AVX512_BOARD),
+    ("`embedded` in 4 bits, its preset, answers on the board", 1, ["board-embedded-t1"], "B, hold 0.25", AVX512_BOARD),
+    (
+        "`embedded` in 4 bits, its preset, answers on the board, a second run",
+        0,
+        ["board-embedded-t0-run2"],
+        "B, hold 0.25",
+        AVX512_BOARD,
+    ),
+    (
+        "`embedded` in 4 bits, its preset, `--solo-threads 1`",
+        0,
+        ["solo-split-1-t0"],
+        "B, hold 0.25, solo threads 1",
+        AVX512_BOARD,
+    ),
     ("`embedded`", 0, ["ablation-0e-t0"], "B", "2026-11-23, older engine"),
     ("`embedded`", 1, ["ablation-0e-t1"], "B", "2026-11-23, older engine"),
     ("`embedded-head`", 0, ["bench-cpu-head-t0"], "C", "2026-11-22, older engine, one run"),
@@ -217,7 +250,7 @@ DRAFTS = [
         "distilled 6-layer draft (shipped)",
         (["draft-v3-alpha"], "sd@runs/draft-v3", "SD, 30 prompts"),
         "costs-cpu-draft-0e",
-        "int4-embedded-t0",
+        "board-embedded-t0",
         "the paper's regime (the target sets the pace): forks rescue, SpecBranch leads at T=0; the default off a CPU",
     ),
     (
@@ -318,7 +351,8 @@ ROLLBACK = [
     ("distilled draft", "`embedded`", 1, ["sampled-distilled-t1"], "hold 0.5"),
     ("distilled draft in 4 bits", "`embedded`", 0, ["int4-embedded-t0"], "hold 0.25"),
     ("distilled draft in 4 bits", "`embedded`", 1, ["int4-embedded-t1"], "hold 0.25"),
-    ("distilled draft in 4 bits, current engine", "`embedded`", 1, ["host-current-t1"], "hold 0.25"),
+    ("distilled draft in 4 bits, current engine", "`embedded`", 0, ["board-embedded-t0"], "hold 0.25"),
+    ("distilled draft in 4 bits, current engine", "`embedded`", 1, ["board-embedded-t1"], "hold 0.25"),
     ("poorly aligned (foreign prompts)", "`embedded-weak`", 0, ["weak-foreign-0h"], "hold 0"),
     ("poorly aligned (foreign prompts)", "`embedded-weak`", 0, WEAK_OFF, "hold 0.5"),
     ("poorly aligned (foreign prompts)", "`embedded-weak`", 0, WEAK_ON, "hold 0.5, `--hold-branches`"),
