@@ -2,8 +2,8 @@
 (engine/drafts/process.py) a forward's logits, so that the socket carries only the answer's few fields.
 
 Why: a draft step's answer is a row of the vocabulary, 196 KB over the embedded pair's 49,152 tokens. Written to the
-socket it cost the child 0.46 ms median (0.82 mean) a step, blocked until this process had read it, and its read here
-0.3 ms, where a copy into and out of shared memory costs tens of µs (docs/results/README.md).
+socket it cost the child 0.46 ms median a step, blocked until this process had read it, and its read here 0.2-0.4 ms
+median, where the copy onto the board costs the child 0.06 ms (docs/results/README.md).
 
 How: the engine makes an anonymous file (Linux's memfd) before it starts the child, which inherits it, and both map
 it. The child copies an answer that fits onto the board, then sends its fields; the engine copies the logits off the
