@@ -16,10 +16,9 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from engine.config import SpecBranchError
-from engine.drafts.storage import load_weights, save_weights
+from engine.drafts.storage import load_vocab_subset, load_weights, save_vocab_subset, save_weights
 from engine.models.devices import cast_model, same_device
 
 SHARED_PREFIXES = ("model.embed_tokens.", "lm_head.")
@@ -117,7 +116,7 @@ def save_draft(draft, out: Path, vocab_subset: torch.Tensor | None, meta: dict) 
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     save_weights(own_state_dict(draft), out)
     if vocab_subset is not None:
-        save_file({"ids": vocab_subset.to(torch.int64).cpu().contiguous()}, str(out / "vocab_subset.safetensors"))
+        save_vocab_subset(vocab_subset, out)
 
 
 def load_draft_dir(path: Path, target, dtype: torch.dtype, device: torch.device):
@@ -141,7 +140,7 @@ def load_draft_dir(path: Path, target, dtype: torch.dtype, device: torch.device)
     share_with_target(draft, target)
     subset = None
     if info.get("vocab_subset"):
-        subset = load_file(str(path / "vocab_subset.safetensors"))["ids"].to(device)
+        subset = load_vocab_subset(path).to(device)
     return place(draft, target, device, dtype), subset
 
 

@@ -38,11 +38,10 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from transformers import DynamicCache
 
 from engine.config import SpecBranchError
-from engine.drafts.storage import load_weights, save_weights
+from engine.drafts.storage import load_vocab_subset, load_weights, save_vocab_subset, save_weights
 from engine.kernels.lm_head import draft_matmul, fast_linears
 from engine.models.devices import cast_model
 
@@ -320,7 +319,7 @@ def save_head(head: FeatureHead, out: Path, vocab_subset: torch.Tensor, meta: di
     }
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     save_weights({k: v for k, v in head.state_dict().items() if "rotary_emb" not in k}, out)
-    save_file({"ids": vocab_subset.to(torch.int64).cpu().contiguous()}, str(out / "vocab_subset.safetensors"))
+    save_vocab_subset(vocab_subset, out)
 
 
 def load_head_dir(path: Path, target_model, dtype: torch.dtype, device) -> tuple[FeatureHead, torch.Tensor]:
@@ -354,7 +353,7 @@ def load_head_dir(path: Path, target_model, dtype: torch.dtype, device) -> tuple
     missing = [k for k in missing if "rotary_emb" not in k]
     if missing or unexpected:
         raise SpecBranchError(f"draft head {path} does not fit: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    subset = load_file(str(path / "vocab_subset.safetensors"))["ids"]
+    subset = load_vocab_subset(path)
     if int(subset.max()) >= tc.vocab_size:
         raise SpecBranchError(f"draft head {path}: its vocabulary subset names ids beyond the target's {tc.vocab_size}")
     return cast_model(head, device, dtype).eval(), subset.to(device)

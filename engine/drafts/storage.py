@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 MAX_SHARD_BYTES = 24 * 2**20
 PATTERN = "model*.safetensors"
+VOCAB_SUBSET = "vocab_subset.safetensors"  # a reduced LM head's token ids
 SCALE = "@scale"  # key suffix of a matrix's per-row scales: [rows] float32 beside its int8 codes [rows, cols]
 
 
@@ -74,3 +75,14 @@ def load_weights(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     for file in sorted(path.glob(PATTERN)):
         stored.update(load_file(str(file)))
     return decode(stored, dtype)
+
+
+def save_vocab_subset(ids: torch.Tensor, out: Path) -> None:
+    """A reduced LM head's token ids, as int32 (a vocabulary is far below 2**31 ids; half int64's bytes), into
+    out/vocab_subset.safetensors."""
+    save_file({"ids": ids.to(torch.int32).cpu().contiguous()}, str(out / VOCAB_SUBSET))
+
+
+def load_vocab_subset(path: Path) -> torch.Tensor:
+    """The ids save_vocab_subset wrote (or an older int64 file), as int64 [n]: what indexing the LM head takes."""
+    return load_file(str(path / VOCAB_SUBSET))["ids"].long()
