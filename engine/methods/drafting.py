@@ -64,37 +64,38 @@ class DraftState:
 
 
 @dataclass(slots=True)
-class BranchRows:
-    """A branch step's k draft rows, read once: each row's largest untempered probability, and the token its draw
-    picks with the exact row it was drawn from."""
+class BranchRow:
+    """One of a branch step's k draft rows, read once (read_rows)."""
 
-    tops: list[float]
-    tokens: list[int]
-    qs: list[torch.Tensor | None]  # None when greedy: point masses
-    confs: list[float]
-    q_xs: list[float]
-    shown: list[list[list[float]]]  # the UI's alternatives at each token
+    best: float  # its largest untempered probability
+    token: int  # what its draw picks
+    q: torch.Tensor | None  # [V]: the exact row the token was drawn from (None when greedy: a point mass)
+    conf: float  # the untempered probability of the token
+    q_x: float  # q(token)
+    shown: list[list[float]]  # the UI's alternatives at the token ([[id, q], ...])
 
 
-def read_rows(state: RunState, logits: torch.Tensor, draws: list[NextDraw]) -> BranchRows:
-    """logits [k, V] -> BranchRows, in one host read (read_row's, for k rows at once)."""
+def read_rows(state: RunState, logits: torch.Tensor, draws: list[NextDraw]) -> list[BranchRow]:
+    """logits [k, V] -> k BranchRows, in one host read (read_row's, for k rows at once)."""
     raw = logits.float().softmax(-1)  # [k, V], untempered
-    k = raw.shape[0]
     if state.cfg.greedy:
         tops, ids = read_top(raw, 1)
-        tops, tokens = [t for (t,) in tops], [t for (t,) in ids]
-        return BranchRows(tops, tokens, [None] * k, tops, [1.0] * k, [[[t, 1.0]] for t in tokens])
+        return [BranchRow(t, i, None, t, 1.0, [[i, 1.0]]) for (t,), (i,) in zip(tops, ids)]
+    k = raw.shape[0]
     best = raw.amax(-1)  # [k]
     q = state.probs_beside(logits, raw)  # [k, V]
     token = torch.stack([draw.pick(row) for draw, row in zip(draws, q)])  # [k]
     at = torch.arange(k, device=q.device)
     shown = q.topk(min(ALTERNATIVES, q.shape[-1]), -1)  # [k, a]
     packed = [best, token, raw[at, token], q[at, token], shown.values.flatten(), shown.indices.flatten()]
-    v = to_host(torch.cat([t.double() for t in packed]))
+    v = to_host(torch.cat([t.double() for t in packed]))  # [4k + 2ka]: each field's k values, then the alternatives
     a = shown.values.shape[-1]
-    alts = [alternatives(v[4 * k + i * a : 4 * k + (i + 1) * a], v[4 * k + (k + i) * a : 4 * k + (k + i + 1) * a])
-            for i in range(k)]  # fmt: skip
-    return BranchRows(v[:k], [int(t) for t in v[k : 2 * k]], list(q), v[2 * k : 3 * k], v[3 * k : 4 * k], alts)
+    values, ids = v[4 * k : (4 + a) * k], v[(4 + a) * k :]  # [k * a] each
+    return [
+        BranchRow(v[i], int(v[k + i]), q[i], v[2 * k + i], v[3 * k + i],
+                  alternatives(values[i * a : (i + 1) * a], ids[i * a : (i + 1) * a]))
+        for i in range(k)
+    ]  # fmt: skip
 
 
 async def draft_step(
@@ -285,21 +286,21 @@ async def branch_step(
     events.append(span)
     rows = read_rows(state, logits[:, -1], draws)
     ds.fresh = False
-    if branches_hold(state, spec, ds, policy, rows.tops[0], events):
+    if branches_hold(state, spec, ds, policy, rows[0].best, events):
         return
-    ds.confidence = max(rows.tops)  # the surest branch's
-    for i, (branch, token, q, conf) in enumerate(zip(fork.branches, rows.tokens, rows.qs, rows.confs)):
+    ds.confidence = max(row.best for row in rows)  # the surest branch's
+    for i, (branch, row) in enumerate(zip(fork.branches, rows)):
         ds.rows[i] = ds.rows[i] + [last[i]]
-        branch.tokens.append(Drafted(token, q, conf))
+        branch.tokens.append(Drafted(row.token, row.q, row.conf))
         events.append(
             DraftProposed(
                 step=state.step,
-                tokens=[token],
-                pieces=state.pieces([token]),
-                q=[rows.q_xs[i]],
+                tokens=[row.token],
+                pieces=state.pieces([row.token]),
+                q=[row.q_x],
                 branch=i + 1,
                 parent_position=len(ds.rows[i]),
-                top=[rows.shown[i]],
+                top=[row.shown],
                 kind="branch",
             )
         )
