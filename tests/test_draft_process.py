@@ -113,6 +113,27 @@ def test_answers_come_off_the_board_and_one_too_large_for_it_through_the_socket(
         small.close()
 
 
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the answer board is Linux's memfd")
+def test_a_prefill_answers_its_last_row_off_the_board(process_engine):
+    """The draft's prefill (decoding.prefill reads it through last_row) is answered with its last row alone: on a board
+    of one row a 6-token prompt's answer comes off the board, the local draft's bits for that row, and the child's
+    cache holds the whole prompt (the next step is the local draft's bits too)."""
+    remote = process_engine.pair.draft
+    small = RemoteLM(remote.local, remote.recipe, board_bytes=remote.vocab_size * 4)
+    try:
+        g = torch.Generator().manual_seed(5)
+        prompt, step = torch.randint(0, remote.vocab_size, (1, 6), generator=g), torch.tensor([[7]])
+        caches = [remote.local.new_cache(), small.new_cache()]
+        want = remote.local.last_row.forward(prompt, caches[0])
+        before = small.answers_on_board
+        got = small.last_row.forward(prompt, caches[1])
+        assert got.shape == (1, 1, remote.vocab_size) and torch.equal(got, want)
+        assert small.answers_on_board - before == 1 and caches[1].get_seq_length() == 6
+        assert torch.equal(remote.local.forward(step, caches[0]), small.forward(step, caches[1]))
+    finally:
+        small.close()
+
+
 def test_the_child_steps_ahead_on_the_token_a_sampled_draw_picks(process_engine):
     """Sampling, the engine fixes each row's uniform before it asks for the row (sampling.NextDraw), so the child takes
     the step on the token the engine will draw: on the path, and on every branch of a fork. A step the engine does not

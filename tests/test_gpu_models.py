@@ -181,9 +181,10 @@ def test_last_only_runs_the_head_on_one_row(path):
     assert plain.shape == (1, 1, 101) and counted[-1] == 1 and lm.last_row.vocab_size == 101
 
 
-def test_a_prefill_feeds_the_target_head_one_row(tmp_path):
+def test_a_prefill_feeds_each_models_head_one_row(tmp_path):
     """Through the engine (decoding.prefill): the target's head runs on 1 row for a 12-token prompt, then on the rows
-    each step feeds; the output is AR's before and after."""
+    each step feeds, and so does the draft's (its prefill's logits are never read); the output is AR's before and
+    after."""
     from engine.config import GenerationConfig
     from engine.engine import Engine
     from engine.models.loading import load_pair
@@ -200,8 +201,10 @@ def test_a_prefill_feeds_the_target_head_one_row(tmp_path):
         assert engine.run(prompt, GenerationConfig(method="ar", max_new_tokens=6)).token_ids == want
         assert counter.rows == [1] * 6  # the prefill's row, then five 1-token steps
         counter.rows.clear()
+        drafted = engine.pair.draft._head = RowCounter(engine.pair.draft._head)
         assert engine.run(prompt, GenerationConfig(method="sd", max_new_tokens=6, gamma=3)).token_ids == want
         assert counter.rows[0] == 1 and all(r <= 4 for r in counter.rows[1:])  # verify passes: gamma + 1 rows
+        assert len(drafted.rows) > 1 and drafted.rows == [1] * len(drafted.rows)  # the prefill's, then 1-token steps
     finally:
         engine.close()
 

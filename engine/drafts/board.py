@@ -9,7 +9,8 @@ How: the engine makes an anonymous file (Linux's memfd) before it starts the chi
 it. The child copies an answer that fits onto the board, then sends its fields; the engine copies the logits off the
 board before it sends its next request. One board is enough because a forward's answer is read before the next
 forward is asked (RemoteLM's call lock), and only a forward's answer writes the board. An answer larger than the board
-(a long prefill) goes through the socket, as does every answer where memfd is missing (not Linux).
+(a pass over more than 42 rows; a prefill asks for its last row only) goes through the socket, as does every answer
+where memfd is missing (not Linux).
 """
 
 from __future__ import annotations

@@ -53,9 +53,9 @@ def serve(conn) -> None:
         try:
             if op == "forward":
                 if failed is None:
-                    ids, n, go_on, draws, sure = arg
+                    ids, n, go_on, draws, sure, last_only = arg
                     threads = on_threads(threads, n)
-                    logits, times = timed_forward(lm, ids, caches[cid])
+                    logits, times = timed_forward(lm, ids, caches[cid], last_only)
                     answer(conn, board, logits, False, times)
                     if go_on:
                         threads = on_threads(threads, go_on)
@@ -106,10 +106,11 @@ def cache_op(conn, lm, caches: dict, op: str, cid, arg) -> None:
         conn.send(("status", *lm.compile_status()))
 
 
-def timed_forward(lm, ids: list[list[int]], cache) -> tuple[torch.Tensor, tuple[float, float]]:
-    """The child's forward of `ids` [B, T], and when it computed (perf_counter seconds: start, end)."""
+def timed_forward(lm, ids: list[list[int]], cache, last_only: bool = False) -> tuple[torch.Tensor, tuple[float, float]]:
+    """The child's forward of `ids` [B, T] (logits [B, T, V], or [B, 1, V] with last_only: a prefill's), and when it
+    computed (perf_counter seconds: start, end)."""
     start = time.perf_counter()
-    logits = lm.forward(torch.tensor(ids, dtype=torch.long), cache).contiguous()
+    logits = lm.forward(torch.tensor(ids, dtype=torch.long), cache, last_only=last_only).contiguous()
     return logits, (start, time.perf_counter())
 
 

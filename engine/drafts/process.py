@@ -11,12 +11,12 @@ How: the child (`python -m engine.drafts.child`, so nothing of the parent's __ma
 draft by the same recipe (models.with_draft's arguments) and keeps its caches. Here a RemoteLM stands in for the
 draft: every attribute is the local draft's (its name, tokenizer, the model hf-assisted runs), but `forward` and
 `new_cache` go to the child. A forward is answered with its logits, [B, T, V], as the local draft's forward returns
-them (H-RAD's sampler reads every row of one pass; the engine's draft steps read the last row, and a prefill's
-transfer runs beside the target's prefill): copied through shared memory where they fit (board.py), else as raw
-bytes on the socket. A cache is mirrored by a RemoteCache that knows its length and rows, so a rollback (crop), a
-fork (batch_repeat_interleave) and its collapse (batch_select_indices) are one message each, answered by nothing:
-the socket keeps them in order before the next forward. A forward runs on as many torch threads as the calling
-thread has (Worker.run sets them: its solo steps get the cores).
+them (H-RAD's sampler reads every row of one pass; the engine's draft steps read the last row, and a prefill,
+whose logits it never reads, asks for the last row alone: last_row): copied through shared memory where they fit
+(board.py), else as raw bytes on the socket. A cache is mirrored by a RemoteCache that knows its length and rows,
+so a rollback (crop), a fork (batch_repeat_interleave) and its collapse (batch_select_indices) are one message each,
+answered by nothing: the socket keeps them in order before the next forward. A forward runs on as many torch
+threads as the calling thread has (Worker.run sets them: its solo steps get the cores).
 The engine fixes how it will pick each row's next token before it asks for the row (sampling.NextDraw: the argmax
 when greedy; when sampling, the inverse CDF at a uniform it drew beforehand), so the child takes the step on that
 token as soon as it has answered (step_ahead), while the engine reads the answer, samples and records; the next
@@ -60,6 +60,7 @@ from engine.config import SpecBranchError
 from engine.drafts.board import BOARD_BYTES, AnswerBoard
 from engine.models.cache import cropped_length
 from engine.models.lean import compile_report
+from engine.models.views import LastRow
 from engine.runtime import Measured
 
 START_TIMEOUT_S = 300  # loading the models in the child (a dequantized GGUF loads in seconds; a hub id may download)
@@ -224,8 +225,10 @@ class RemoteLM:
         draws: list | None = None,
         measured: bool = False,
         sure: float | None = None,
+        last_only: bool = False,
     ):
-        """input_ids [B, T] -> logits [B, T, V] float32, appending T positions to `cache`
+        """input_ids [B, T] -> logits [B, T, V] float32 ([B, 1, V] with last_only: the child runs the head on the last
+        position alone, as models.LM.forward does), appending T positions to `cache`
         (the child runs the local draft's forward on the calling thread's torch thread count). ahead (torch threads; 0 =
         off): the next request will most likely feed the token each row's draw picks (`draws`, sampling.NextDraw, one
         a row; None: the argmax), so the child takes that step at once on that many threads, while this answer is read
@@ -234,7 +237,8 @@ class RemoteLM:
         measured: return runtime.Measured(logits, when the child computed them) where it shares this clock
         (shares_clock)."""
         with self._call_lock:
-            self._ask(input_ids, cache, hidden_states or features, torch.get_num_threads(), ahead, draws, sure)
+            states, threads = hidden_states or features, torch.get_num_threads()
+            self._ask(input_ids, cache, states, threads, ahead, draws, sure, last_only)
             return self._answer(input_ids, cache, measured)
 
     async def forward_on_loop(
@@ -281,13 +285,19 @@ class RemoteLM:
         finally:
             self._call_lock.release()
 
-    def _ask(self, input_ids, cache: RemoteCache, states: bool, threads: int, ahead, draws, sure) -> None:
+    @property
+    def last_row(self) -> LastRow:
+        """This draft as a prefill sees it (models.LM.last_row): the child answers the last row's logits alone, so a
+        long prompt's answer fits the board instead of [1, T, V] bytes through the socket (20 MB for 100 tokens)."""
+        return LastRow(self)
+
+    def _ask(self, input_ids, cache: RemoteCache, states: bool, threads: int, ahead, draws, sure, last_only=False):
         """Send a forward's request (under _call_lock: its answer is the next on the connection)."""
         if states:
             raise ValueError("a draft in its own process returns logits only")
         if input_ids.shape[0] != cache.rows:
             raise ValueError(f"the cache holds {cache.rows} rows, fed {input_ids.shape[0]}")
-        self.send("forward", cache.cid, (input_ids.tolist(), threads, ahead, draws, sure))
+        self.send("forward", cache.cid, (input_ids.tolist(), threads, ahead, draws, sure, last_only))
 
     def _answer(self, input_ids, cache: RemoteCache, measured: bool):
         """Read the answer to the request _ask sent: logits [B, T, V] (runtime.Measured with measured, where the

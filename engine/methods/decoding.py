@@ -250,7 +250,8 @@ async def prefill(state: RunState, events: list[Event]) -> None:
         )
     ]
     if state.pair.draft is not None and not state.head_draft:
-        jobs.append(forward(state, state.pair.draft, state.draft_worker, state.draft_cache, prompt, PREFILL, events))
+        draft = state.pair.draft.last_row  # its logits are not read: the head on one row, not the prompt's every row
+        jobs.append(forward(state, draft, state.draft_worker, state.draft_cache, prompt, PREFILL, events))
     out = (await asyncio.gather(*jobs))[0]
     share_features(state, 0, out.features, len(prompt))
     state.prefill_s = state.now()

@@ -41,6 +41,7 @@ from engine.models.lean import fits as lean_misfit
 from engine.models.llama import TokenTree
 from engine.models.static_forward import fits as static_misfit
 from engine.models.static_forward import static_llama
+from engine.models.views import LastRow
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -318,7 +319,8 @@ class LM:
         last_only: the logits of the last position only, [B, 1, V]: the LM head runs on that row alone, as generate()
         computes a prompt's (transformers' logits_to_keep=1), instead of T x V (2.4 GB for an 8k prompt of a 49k
         vocabulary); the hidden states and features still cover every position. A prefill reads no other row
-        (decoding.prefill, through LM.last_row); H-RAD's sampler and a draft's child read every row (the default).
+        (decoding.prefill, through LM.last_row, for the target and the draft); H-RAD's sampler reads every row (the
+        default).
         tree: how the T new tokens hang together where they are not one line (llama.TokenTree; the static path only:
         `trees` says whether this LM takes one)."""
         input_ids = input_ids.to(self.device, non_blocking=True)  # from pinned memory on CUDA (Worker.run)
@@ -373,20 +375,6 @@ class LM:
         if hidden is not None or features:
             return Out(logits, hidden, feats if features else None)
         return logits
-
-
-class LastRow:
-    """An LM seen by a caller that reads only the last row of each pass's logits (decoding.prefill): its forward is
-    the LM's with last_only=True (the LM head on one row, logits [B, 1, V]); every other attribute is the LM's."""
-
-    def __init__(self, lm: LM):
-        self.lm = lm
-
-    def forward(self, input_ids: torch.Tensor, cache, hidden_states: bool = False, features: bool = False):
-        return self.lm.forward(input_ids, cache, hidden_states, features, last_only=True)
-
-    def __getattr__(self, name: str):
-        return getattr(self.lm, name)
 
 
 class Out(NamedTuple):
