@@ -92,9 +92,9 @@ WEAK_OFF = [f"holdbranches-recheck-off-s{s}" for s in range(3)]
 # `specbranch` ran the shipped code (confidence only)
 HRAD_RAN = {"ablation-0e-t0", "ablation-0e-t1"}
 
-AVX2_RUN = "2026-11-27, current engine, one run, AVX2 CPU"  # the regime runs' machine (the README's section)
+AVX2_RUN = "2026-11-27, before the answer board, one run, AVX2 CPU"  # the regime runs' machine (the README's section)
 AVX2_BEFORE = "2026-11-28, before the numpy row reads, one run, AVX2 CPU"
-AVX2_NOW = "2026-11-28, current engine, one run, AVX2 CPU"
+AVX2_NOW = "2026-11-28, before the answer board, one run, AVX2 CPU"
 AVX512_BEFORE = "2026-11-28, before the draft was asked from the loop, one run, AVX-512 CPU"  # "The distilled draft
 # in 4 bits"
 AVX512_NOW = "2026-11-28, draft asked from the loop, one run, AVX-512 CPU"  # the section "Host time: ..."
@@ -104,10 +104,10 @@ AVX512_BOARD = "2026-12-02, current engine, one run, AVX-512 CPU"
 
 # (draft, T, sources, settings, when measured)
 SPEED = [
-    ("`self`, no flag (the defaults)", 0, [HEADLINE_T0], "A", "2026-11-26, current engine, one run"),
-    ("`self`, no flag (the defaults)", 1, [HEADLINE_T1], "A", "2026-11-26, current engine, one run"),
-    ("`self` (4-bit, compiled)", 0, [SELF_T0], "A", "2026-11-26, current engine"),
-    ("`self` (4-bit, compiled)", 1, [SELF_T1], "A", "2026-11-26, current engine"),
+    ("`self`, no flag (the defaults)", 0, [HEADLINE_T0], "A", "2026-12-03, current engine, one run"),
+    ("`self`, no flag (the defaults)", 1, [HEADLINE_T1], "A", "2026-12-03, current engine, one run"),
+    ("`self` (4-bit, compiled)", 0, [SELF_T0], "A", "2026-11-26, before the answer board"),
+    ("`self` (4-bit, compiled)", 1, [SELF_T1], "A", "2026-11-26, before the answer board"),
     ("`self-skip:4,5`", 0, ["skip4-5-t0"], "B, hold 0.5", "2026-11-24, older engine"),
     ("`self-skip:4,5`", 1, ["skip4-5-t1"], "B, hold 0.5", "2026-11-24, older engine"),
     ("`self-skip:3,4,5,25`", 0, ["skip3-4-5-25-t0"], "B, hold 0.5", "2026-11-24, older engine"),
@@ -118,7 +118,7 @@ SPEED = [
         0,
         ["regime-embedded-t0-tree3"],
         "B, hold 0.5, tree tokens 3",
-        "2026-11-27, current engine, one run, AVX2 CPU, 9 prompts",
+        "2026-11-27, before the answer board, one run, AVX2 CPU, 9 prompts",
     ),
     ("`embedded`, its preset, panel kernel", 0, ["panel-embedded-t0"], "B, hold 0.5", AVX2_RUN),
     ("`embedded`, its preset, panel kernel", 1, ["panel-embedded-t1"], "B, hold 0.5", AVX2_RUN),
