@@ -3,7 +3,7 @@ what torch's own pick: each row's argmax is the first index of its largest value
 rows with ties, NaNs, infinities and strided views; a probability row's k largest are torch.topk's values and
 indices on rows without ties, a tie goes to the first index, and the caller's rows are left as they were. Where numpy
 cannot read a tensor (bfloat16) torch's own runs, with the same result. A draft row's q is the row its settings make,
-the untempered row itself where they leave it as it is."""
+the untempered row itself where they leave it as it is; a branch step's k rows read as each row alone."""
 
 from __future__ import annotations
 
@@ -66,3 +66,33 @@ def test_a_draft_rows_q_is_the_row_its_settings_make(settings):
     q = state.probs_beside(logits, raw)
     assert torch.equal(q, logits_to_probs(logits, temperature, top_k, top_p))
     assert (q is raw) == (settings == (1.0, 0, 1.0))
+
+
+@pytest.mark.parametrize("settings", [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 50, 0.9)])
+def test_a_branch_steps_rows_read_as_each_row_alone(settings):
+    """read_rows on a branch step's k rows gives, row by row, what read_row gives on that row alone with the same draw:
+    the token (greedy: the argmax; sampled: the row's q inverted at the draw's uniform, sample_at as the reference),
+    its q row, its confidence and q(token), the row's largest probability and the UI's alternatives."""
+    from engine.methods.decoding import read_row
+    from engine.methods.drafting import read_rows
+    from engine.methods.sampling import NextDraw, draw_u, sample_at
+
+    temperature, top_k, top_p = settings
+    state = RunState.__new__(RunState)  # the reads use only the settings
+    state.cfg = GenerationConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(3, 4096, generator=g) * 4  # [k, V]
+    draws = [NextDraw(temperature, top_k, top_p, draw_u(g) if temperature else 0.0) for _ in range(3)]
+    rows = read_rows(state, logits, draws)
+    assert len(rows) == 3 and len({row.token for row in rows}) == 3
+    for row, x, draw in zip(rows, logits, draws):
+        alone, raw = read_row(state, x, draw, 1), x.softmax(-1)
+        assert (row.token, row.shown) == (alone.token, alone.shown)
+        assert row.best == pytest.approx(float(raw.max())) == pytest.approx(alone.top[0])
+        assert row.conf == pytest.approx(float(raw[row.token])) == pytest.approx(alone.conf)
+        if temperature == 0.0:
+            assert row.token == int(x.argmax()) and row.q is None and row.q_x == 1.0
+        else:
+            q = logits_to_probs(x, temperature, top_k, top_p)
+            torch.testing.assert_close(row.q, q)
+            assert row.token == sample_at(q, draw.u) and row.q_x == pytest.approx(float(q[row.token]))
