@@ -88,8 +88,9 @@ def test_a_branch_steps_rows_read_as_each_row_alone(settings):
     for row, x, draw in zip(rows, logits, draws):
         alone, raw = read_row(state, x, draw, 1), x.softmax(-1)
         assert (row.token, row.shown) == (alone.token, alone.shown)
-        assert row.best == pytest.approx(float(raw.max())) == pytest.approx(alone.top[0])
-        assert row.conf == pytest.approx(float(raw[row.token])) == pytest.approx(alone.conf)
+        best, conf = float(raw.max()), float(raw[row.token])
+        assert row.best == pytest.approx(best) and alone.top[0] == pytest.approx(best)
+        assert row.conf == pytest.approx(conf) and alone.conf == pytest.approx(conf)
         if temperature == 0.0:
             assert row.token == int(x.argmax()) and row.q is None and row.q_x == 1.0
         else:
