@@ -300,7 +300,7 @@ def test_a_fork_keeps_drafting_its_branches(tiny_engine):
             prompt_len=3,
             eos_ids=set(),
         )
-        ds = DraftState(rows=[[]], confidence=0.01)  # the previous round ended on an unsure token
+        ds = DraftState(cached=[], confidence=0.01)  # the previous round ended on an unsure token
         spec, verdict_pending = Speculation(), asyncio.get_running_loop().create_future()
         await draft_until_verdict(state, spec, ds, Policy(max_branches=3, epsilon=1.0), verdict_pending, [])
         return spec
@@ -335,7 +335,7 @@ def test_drafting_stops_at_the_token_budget(tiny_engine):
         await draft_until_verdict(
             state,
             spec,
-            DraftState(rows=[[]]),
+            DraftState(cached=[]),
             Policy(max_branches=3, epsilon=1.0),
             asyncio.get_running_loop().create_future(),
             [],
@@ -660,10 +660,10 @@ def test_a_draft_that_holds_again_after_a_hold_follows_the_target(tiny_engine):
         (Outcome([6], [CORRECTION], Speculation(), [0]), True),  # the target produced position 3
         (Outcome([], [], Speculation(), [0]), False),
     ):  # nothing committed yet: the hold stays
-        ds = DraftState(rows=[[2, 3, 4]], held=Drafted(7, q, 0.1, 0.1))
+        ds = DraftState(cached=[2, 3, 4], held=Drafted(7, q, 0.1, 0.1))
         release_hold(state, one_hot_rows([6]), feed, outcome, ds, Policy(max_branches=3, hold=0.5))
         assert ds.after_hold is released and (ds.held is None) is released
-    ds = DraftState(rows=[[2, 3, 4, 9]], held=Drafted(7, q, 0.1, 0.1))  # held at 4, but the target rejected 3's token
+    ds = DraftState(cached=[2, 3, 4, 9], held=Drafted(7, q, 0.1, 0.1))  # held at 4, but the target rejected 3's token
     release_hold(state, one_hot_rows([6]), feed, Outcome([6], [CORRECTION], Speculation(), [0]), ds, Policy(hold=0.5))
     assert ds.held is None and not ds.after_hold
 
@@ -681,7 +681,7 @@ def test_a_draft_that_holds_again_after_a_hold_follows_the_target(tiny_engine):
             ),
             [],
         )
-        ds.rows, ds.held = [[]], None
+        ds.cached, ds.held = [], None
         asyncio.run(
             head_start(fresh, Speculation(), ds, policy, events)
             if lead
@@ -690,14 +690,14 @@ def test_a_draft_that_holds_again_after_a_hold_follows_the_target(tiny_engine):
         return [e for e in events if isinstance(e, TimingSpan)]
 
     always, never = Policy(max_branches=3, hold=1.0), Policy(max_branches=3, hold=1e-9)  # hold again / draft on
-    ds = DraftState(rows=[[]], after_hold=True)
+    ds = DraftState(cached=[], after_hold=True)
     assert not ds.follows  # the prior (1 in 2) leads
     assert len(step(ds, always, lead=True)) == 1 and ds.holds_again == [2, 3] and not ds.after_hold
     ds.after_hold = True
     assert ds.follows and step(ds, always, lead=True) == []  # held again more often than not: no step first
     step(ds, always, lead=False)  # its step beside the pass is counted all the same
     assert ds.holds_again == [3, 4] and not ds.after_hold and not ds.follows
-    ds = DraftState(rows=[[]], after_hold=True, holds_again=[1, 2])
+    ds = DraftState(cached=[], after_hold=True, holds_again=[1, 2])
     step(ds, never, lead=False)
     assert ds.holds_again == [1, 3] and ds.held is None and not ds.after_hold
     ds.after_hold = True
@@ -725,7 +725,7 @@ def test_a_branch_step_below_the_hold_keeps_nothing(tiny_engine):
         prompt_len=3,
         eos_ids=set(),
     )
-    ds, spec, events = DraftState(rows=[[]]), Speculation(), []
+    ds, spec, events = DraftState(cached=[]), Speculation(), []
 
     def draft(hold: float = 0.0, strict: bool = False, until_verdict: bool = True) -> None:
         """Draft steps with no verdict coming (one step, or on until the policy stops)."""
@@ -749,23 +749,26 @@ def test_a_branch_step_below_the_hold_keeps_nothing(tiny_engine):
     def grew(before: list[list[int]]) -> bool:
         return [len(b) for b in lines()] == [len(b) + 1 for b in before]
 
+    def rows() -> list[list[int]]:  # what each row of the draft cache holds, by the draft's own record
+        return [ds.cached + b.fed() for b in fork.branches]
+
     line, before = Policy(max_branches=3).line_odds(spec), lines()
     draft(hold=line)  # the default reads the line before a step: it takes one, then stops below the hold
     assert grew(before) and not fork.held and not any(e.kind == "held" for e in events if isinstance(e, DraftProposed))
     line, before = Policy(max_branches=3).line_odds(spec), lines()
-    length, rows = kv.cache_length(state.draft_cache), [list(r) for r in ds.rows]
+    length, held_rows = kv.cache_length(state.draft_cache), rows()
     events.clear()
     draft(hold=line, strict=True)  # the line alone holds up at the hold; with the next token it does not
     held = [e for e in events if isinstance(e, DraftProposed) and e.kind == "held"]
     assert len(held) == 1 and held[0].branch == 1 and held[0].tokens == [] and held[0].odds < line
     assert abs(held[0].odds - line * held[0].confidence) < 1e-9  # no calibration: acceptance is the confidence
     assert sum(isinstance(e, TimingSpan) for e in events) == 1  # one step taken, then no more this round
-    assert fork.held and lines() == before and ds.rows == rows
-    assert kv.cache_length(state.draft_cache) == length == len(ds.rows[0])
+    assert fork.held and lines() == before and rows() == held_rows
+    assert kv.cache_length(state.draft_cache) == length == len(rows()[0])
     fork.held = False  # as after a verdict that leaves the fork pending (verify_round)
     events.clear()
     draft(hold=held[0].odds * (1 - 1e-6), strict=True, until_verdict=False)  # just below what it read: kept
-    assert grew(before) and not fork.held and kv.cache_length(state.draft_cache) == len(ds.rows[0]) == length + 1
+    assert grew(before) and not fork.held and kv.cache_length(state.draft_cache) == len(rows()[0]) == length + 1
     assert not any(isinstance(e, DraftProposed) and e.kind == "held" for e in events)
     # through the engine: forks whose branches hold, and the target's own greedy output
     prompt = [2, 3, 4, 5]

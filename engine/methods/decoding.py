@@ -70,7 +70,7 @@ class RunState:
     draft_uniforms: list[float] = field(default_factory=list)  # drawn from it ahead, a batch at a time (uniforms)
     probe_generator: torch.Generator = field(default_factory=torch.Generator)  # forks a sampled SpecBranch run
     # plays out where it made none, for its rescue table only (verdict.missed_rescue): never the output's draws
-    target_seq: list[int] = field(default_factory=list)  # tokens the target cache holds (parallel methods)
+    target_len: int = 0  # how many tokens the target cache holds: a prefix of `tokens` (parallel methods)
     target_cache: object = None
     draft_cache: object = None
     budget: int = 0  # max new tokens, capped by the context length

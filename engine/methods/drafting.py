@@ -35,13 +35,15 @@ from engine.models import cache as kv
 
 @dataclass
 class DraftState:
-    rows: list[list[int]]  # the tokens each row of the draft cache holds (k rows while forked)
+    cached: list[int]  # the tokens the draft cache holds: on the path; while forked, those every row holds (up to
+    # the fork), row i then holding branch i's fed tokens (Branch.fed)
+    forked: bool = False  # the cache holds a row per branch of the fork
     fresh: bool = True  # no draft step yet since the last verdict
     hrad_class: int | None = None
     hrad_features: torch.Tensor | None = None  # the target's state at the last verdict, read at the next draft step
     linear_steps: int = 0  # linear draft steps since the last verdict
     confidence: float = 1.0  # the draft's (untempered) confidence in the token it drafted last
-    held: Drafted | None = None  # where it held back (Policy.held_back), at the position after rows[0]: the row q
+    held: Drafted | None = None  # where it held back (Policy.held_back), at the position after `cached`: the row q
     # (token: what its draw would have picked), its largest untempered probability (top), the fork it could have
     # made (alts); it drafts no further until the target has produced that position's token, or a rejection drops it
     after_hold: bool = False  # the target produced the held position, and the draft has not stepped since: its next
@@ -121,7 +123,7 @@ async def path_step(
         state.pair.draft,
         state.draft_worker,
         state.draft_cache,
-        seq[len(ds.rows[0]) :],
+        seq[len(ds.cached) :],
         DRAFT,
         events,
         solo=solo,
@@ -129,7 +131,7 @@ async def path_step(
         draws=draw,
         sure=policy.sure_enough(spec) if isinstance(state.pair.draft, RemoteLM) else None,
     )
-    ds.rows[0] = seq
+    ds.cached = seq
     row = read_row(state, logits[-1], draw[0], max(policy.max_branches, 1))
     if ds.hrad_features is not None:
         hrad_predict(state, ds, policy, row.top[0])
@@ -268,9 +270,9 @@ async def branch_step(
     """Every branch of the fork one token further, in one k-row forward; or none, where the branches hold."""
     fork, cache = spec.fork, state.draft_cache
     k = len(fork.branches)
-    if len(ds.rows) == 1:  # first step after forking: one cache row per branch
+    if not ds.forked:  # first step after forking: one cache row per branch
         cache.batch_repeat_interleave(k)
-        ds.rows = [list(ds.rows[0]) for _ in range(k)]
+        ds.forked = True
     last = [(b.tokens[-1] if b.tokens else b.candidate).token for b in fork.branches]
     draws = state.next_draws(k)
     logits, span = await state.draft_worker.run(
@@ -290,8 +292,7 @@ async def branch_step(
         return
     ds.confidence = max(row.best for row in rows)  # the surest branch's
     for i, (branch, row) in enumerate(zip(fork.branches, rows)):
-        ds.rows[i] = ds.rows[i] + [last[i]]
-        branch.tokens.append(Drafted(row.token, row.q, row.conf))
+        branch.tokens.append(Drafted(row.token, row.q, row.conf))  # its cache row now holds the token before it
         events.append(
             DraftProposed(
                 step=state.step,
@@ -299,7 +300,7 @@ async def branch_step(
                 pieces=state.pieces([row.token]),
                 q=[row.q_x],
                 branch=i + 1,
-                parent_position=len(ds.rows[i]),
+                parent_position=len(ds.cached) + len(branch.tokens),
                 top=[row.shown],
                 kind="branch",
             )
@@ -316,9 +317,10 @@ def branches_hold(
     odds = policy.line_odds(spec) * policy.acceptance(top) if policy.hold_branches else 1.0
     if not policy.held_back(odds):
         return False
-    kv.rollback(state.draft_cache, len(ds.rows[0]))  # undo what the step fed
+    fed = len(ds.cached) + len(spec.fork.branches[0].fed())  # what every row held before the step
+    kv.rollback(state.draft_cache, fed)  # undo what the step fed
     spec.fork.held = True
-    events.append(held_event(state, len(ds.rows[0]) + 1, top, odds, branch=1))
+    events.append(held_event(state, fed + 1, top, odds, branch=1))
     return True
 
 

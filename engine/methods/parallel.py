@@ -29,15 +29,15 @@ from engine.events import VERIFY, Event, Rollback
 from engine.methods.decoding import RunState, crop_draft, emit, forward, share_features, step_loop
 from engine.methods.drafting import DraftState, draft_until_verdict, head_start, hrad_features
 from engine.methods.policy import Policy
-from engine.methods.speculation import Feed, Speculation, feed_limit, plan_branches
+from engine.methods.speculation import Feed, Fork, Speculation, feed_limit, plan_branches
 from engine.methods.verdict import Outcome, greedy_rescue, missed_rescue, resolve
 from engine.models import cache as kv
 
 
 def parallel_decode(state: RunState, policy: Policy):
     """PEARL (policy.max_branches == 1) or SpecBranch: an async generator of events."""
-    state.target_seq = list(state.tokens)  # after prefill both caches hold the prompt; the first token is unfed
-    ds = DraftState(rows=[list(state.tokens)] if not state.head_draft else [[]])
+    state.target_len = len(state.tokens)  # after prefill both caches hold the prompt; the first token is unfed
+    ds = DraftState(cached=list(state.tokens) if not state.head_draft else [])
     spec = Speculation()
 
     async def step(events: list[Event]) -> None:
@@ -67,7 +67,7 @@ def plan_feed(state: RunState, spec: Speculation, policy: Policy) -> Feed:
     room = min(state.cfg.gamma, max(state.remaining - 1, 0))
     odds = [policy.token_odds(d) for d in spec.path]
     n = min(len(spec.path), room, feed_limit(odds, state.cfg.feed_stop))
-    committed = tuple(state.tokens[len(state.target_seq) :])
+    committed = tuple(state.tokens[state.target_len :])
     # branch tokens sit past the path: never beyond the token budget, where an accepted one could not be kept
     branch_room = min(room - n + state.cfg.tree_tokens, max(state.remaining - 1, 0) - n)
     if spec.fork is None or n < len(spec.path) or branch_room <= 0:
@@ -96,7 +96,7 @@ def verify_round(
 ) -> Speculation:
     """Apply the target's verdict on the fed speculation; returns what stays speculative. Both caches keep what
     still hangs off the committed tokens."""
-    start, fed = len(state.target_seq), feed.ids(spec)
+    start, fed = state.target_len, feed.ids(spec)
     result = resolve(state, spec, feed, out.logits, events)
     learn(policy, result, ds)
     if ds.held is not None:
@@ -107,7 +107,7 @@ def verify_round(
         events.append(emit(state, result.tokens, result.kinds))
     new = result.pending
     if new.fork is None:
-        collapse_draft(state, ds, result.branch or 0)
+        collapse_draft(state, ds, spec.fork, result.branch or 0)
     else:  # the fork is still pending, behind fewer path tokens: its branches' odds are read afresh
         new.fork.held = False
     keep_verified(state, fed, start, result, out, events)
@@ -154,7 +154,7 @@ def keep_verified(state: RunState, fed: list[int], start: int, result: Outcome, 
     kv.keep_rows(state.target_cache, start, kept)
     if out.features is not None:
         share_features(state, start, out.features[kept], start + len(kept))
-    state.target_seq = state.target_seq + [fed[i] for i in kept]
+    state.target_len += len(kept)
     dropped = set(kept)
     removed = [t for i, t in enumerate(fed) if i not in dropped]
     if removed:
@@ -168,9 +168,9 @@ def release_hold(state: RunState, logits: torch.Tensor, feed: Feed, result: Outc
     rescue table whether a fork would have rescued it (missed_rescue), so both keep measuring where the draft no
     longer drafts; the draft drafts on after that token. Else the hold stays: the target's next pass produces that
     position. The target's row for it is the row of the committed token before it, all of which were on the path."""
-    at = len(ds.rows[0])
+    at = len(ds.cached)
     line = state.tokens + result.tokens + [d.token for d in result.pending.path]
-    if common_prefix(ds.rows[0], line) < at:
+    if common_prefix(ds.cached, line) < at:
         ds.held = None
     elif len(state.tokens) + len(result.tokens) > at:
         held, i = ds.held, at - len(state.tokens)
@@ -206,11 +206,11 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def collapse_draft(state: RunState, ds: DraftState, row: int) -> None:
-    """Keep one cache row (the surviving branch, or any when all speculation is dropped)."""
-    if len(ds.rows) > 1:
+def collapse_draft(state: RunState, ds: DraftState, fork: Fork | None, row: int) -> None:
+    """Keep one cache row of a forked draft (the surviving branch's, or any when all speculation is dropped)."""
+    if ds.forked:
         kv.select_row(state.draft_cache, row)
-        ds.rows = [ds.rows[row]]
+        ds.cached, ds.forked = ds.cached + fork.branches[row].fed(), False
 
 
 def sync_draft(state: RunState, ds: DraftState, spec: Speculation) -> None:
@@ -218,6 +218,5 @@ def sync_draft(state: RunState, ds: DraftState, spec: Speculation) -> None:
     A pending fork means nothing before it was rejected: every row still holds its branch."""
     if spec.fork is not None:
         return
-    crop_draft(state, common_prefix(ds.rows[0], state.tokens + [d.token for d in spec.path]))
-    keep = kv.cache_length(state.draft_cache)
-    ds.rows = [row[:keep] for row in ds.rows]
+    crop_draft(state, common_prefix(ds.cached, state.tokens + [d.token for d in spec.path]))
+    del ds.cached[kv.cache_length(state.draft_cache) :]

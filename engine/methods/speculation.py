@@ -47,6 +47,11 @@ class Branch:
     def line(self) -> list[Drafted]:
         return [self.candidate, *self.tokens]
 
+    def fed(self) -> list[int]:
+        """What its row of the draft cache holds past the fork: each token of its line that a kept branch step
+        drafted from (drafting.branch_step), i.e. all but the last."""
+        return [d.token for d in self.line()[: len(self.tokens)]]
+
 
 @dataclass(slots=True)
 class Fork:
