@@ -34,47 +34,54 @@ RESCUE_BINS, RESCUE_PRIOR_WEIGHT = 5, 2.0  # the rescue table (Engine.calibratio
 # share of the draft's mass the other candidates cover) is a weaker guess, so wider bins and a lighter prior
 
 
+@dataclass(slots=True)
+class Bin:
+    """One confidence bin's verdicts."""
+
+    judged: int = 0
+    accepted: float = 0.0  # a verdict counts 1 or 0; a held-back position (parallel.release_hold) its acceptance
+    # probability
+
+
 @dataclass
 class AcceptanceCalibration:
     prior_weight: float = PRIOR_WEIGHT
     bins: int = BINS
-    judged: list[int] = field(default_factory=list)
-    accepted: list[float] = field(default_factory=list)  # a verdict counts 1 or 0; a held-back position
-    # (parallel.release_hold) its acceptance probability
     pooled: bool = False  # the prior is centred on the other bins' rate (shrunk to the confidence), not on it alone
+    counts: list[Bin] = field(init=False)  # [bins]
+    total: Bin = field(init=False)  # every bin's verdicts together (the pooled prior reads it)
 
     def __post_init__(self):
-        self.judged = self.judged or [0] * self.bins
-        self.accepted = self.accepted or [0.0] * self.bins
+        self.counts = [Bin() for _ in range(self.bins)]
+        self.total = Bin()
 
     def bin_of(self, confidence: float) -> int:
         return min(self.bins - 1, max(0, int(confidence * self.bins)))
 
     def record(self, confidence: float, accepted: bool | float) -> None:
-        b = self.bin_of(confidence)
-        self.judged[b] += 1
-        self.accepted[b] += float(accepted)
+        for b in (self.counts[self.bin_of(confidence)], self.total):
+            b.judged += 1
+            b.accepted += float(accepted)
 
     def acceptance(self, confidence: float) -> float:
         """The odds that a token drafted at this confidence is accepted: the bin's verdicts, with a prior worth
         prior_weight verdicts at the confidence itself, or (pooled) at the rate the other bins measured, read with
         the same prior: two levels of shrinkage, so a table's first verdicts move every bin a little."""
-        b = self.bin_of(confidence)
+        b, w = self.counts[self.bin_of(confidence)], self.prior_weight
         prior = confidence
         if self.pooled:
-            others_judged, others_accepted = sum(self.judged) - self.judged[b], sum(self.accepted) - self.accepted[b]
-            prior = (others_accepted + self.prior_weight * confidence) / (others_judged + self.prior_weight)
-        return (self.accepted[b] + self.prior_weight * prior) / (self.judged[b] + self.prior_weight)
+            prior = (self.total.accepted - b.accepted + w * confidence) / (self.total.judged - b.judged + w)
+        return (b.accepted + w * prior) / (b.judged + w)
 
     def table(self) -> list[dict]:
         """The bins that have verdicts: their confidence range, verdicts and measured acceptance (for the bench)."""
         return [
             {
-                "confidence": [b / self.bins, (b + 1) / self.bins],
-                "judged": n,
-                "accepted": round(a, 4),
-                "rate": round(a / n, 4),
+                "confidence": [i / self.bins, (i + 1) / self.bins],
+                "judged": b.judged,
+                "accepted": round(b.accepted, 4),
+                "rate": round(b.accepted / b.judged, 4),
             }
-            for b, (n, a) in enumerate(zip(self.judged, self.accepted))
-            if n
+            for i, b in enumerate(self.counts)
+            if b.judged
         ]
