@@ -191,14 +191,16 @@ async def forward(
     draws: list[NextDraw] | None = None,
     sure: float | None = None,
     tree=None,
+    rows: bool = False,
 ):
     """Feed `ids` (appended to `cache`) on `worker` and record the span. Returns logits [T, V]; with
     hidden_states/features, Out(logits [T, V], every layer's states [1, T, H] each, last features [T, H]).
     solo: the other model waits on this forward (Worker.run). ahead: a draft in its own process steps at once on the
     token `draws` will pick (state.next_draws; None: the argmax), on that many torch threads (draft_process.step_fn;
     0 = not), where its row's largest probability reaches `sure` (Policy.sure_enough; None: always). tree: how the
-    ids hang together where they are not one line (llama.TokenTree; the target's verify pass of a fork)."""
-    x = torch.tensor([ids], dtype=torch.long)
+    ids hang together where they are not one line (llama.TokenTree; the target's verify pass of a fork). rows: each
+    id is the next token of its own cache row (a fork's k branches one step each): logits [k, V]."""
+    x = torch.tensor([[i] for i in ids] if rows else [ids], dtype=torch.long)  # [k, 1] or [1, T]
     fn = step_fn(lm, ahead, draws, sure) if tree is None else functools.partial(lm.forward, tree=tree)
     out, span = await worker.run(
         fn,
@@ -215,7 +217,7 @@ async def forward(
     events.append(span)
     if hidden_states or features:
         return Out(out.logits[0], out.hidden_states, None if out.features is None else out.features[0])
-    return out[0]
+    return out[:, -1] if rows else out[0]
 
 
 def share_features(state: RunState, start: int, feats: torch.Tensor | None, keep: int) -> None:

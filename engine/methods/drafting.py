@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.drafts.process import RemoteLM, step_fn
+from engine.drafts.process import RemoteLM
 from engine.events import BRANCH_DRAFT, DRAFT, DraftProposed, Event
 from engine.methods import hrad
 from engine.methods.decoding import DraftRow, RunState, forward, read_row
@@ -275,18 +275,20 @@ async def branch_step(
         ds.forked = True
     last = [(b.tokens[-1] if b.tokens else b.candidate).token for b in fork.branches]
     draws = state.next_draws(k)
-    logits, span = await state.draft_worker.run(
-        step_fn(state.pair.draft, ahead_threads(state), draws),
-        torch.tensor(last, dtype=torch.long)[:, None],  # [k, 1]
+    logits = await forward(
+        state,
+        state.pair.draft,
+        state.draft_worker,
         cache,
-        kind=BRANCH_DRAFT,
-        step=state.step,
-        t0=state.t0,
-        tokens=k,
+        last,
+        BRANCH_DRAFT,
+        events,
         solo=solo,
+        ahead=ahead_threads(state),
+        draws=draws,
+        rows=True,
     )
-    events.append(span)
-    rows = read_rows(state, logits[:, -1], draws)
+    rows = read_rows(state, logits, draws)  # logits [k, V]
     ds.fresh = False
     if branches_hold(state, spec, ds, policy, rows[0].best, events):
         return
