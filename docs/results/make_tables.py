@@ -104,8 +104,8 @@ AVX512_BOARD = "2026-12-02, current engine, one run, AVX-512 CPU"
 
 # (draft, T, sources, settings, when measured)
 SPEED = [
-    ("`self`, no flag (the defaults)", 0, [HEADLINE_T0], "A", "2026-12-03, current engine, one run"),
-    ("`self`, no flag (the defaults)", 1, [HEADLINE_T1], "A", "2026-12-03, current engine, one run"),
+    ("`self`, no flag (the defaults)", 0, [HEADLINE_T0], "A", "2026-12-04, current engine, one run"),
+    ("`self`, no flag (the defaults)", 1, [HEADLINE_T1], "A", "2026-12-04, current engine, one run"),
     ("`self` (4-bit, compiled)", 0, [SELF_T0], "A", "2026-11-26, before the answer board"),
     ("`self` (4-bit, compiled)", 1, [SELF_T1], "A", "2026-11-26, before the answer board"),
     ("`self-skip:4,5`", 0, ["skip4-5-t0"], "B, hold 0.5", "2026-11-24, older engine"),
@@ -176,7 +176,7 @@ SPEED = [
         0,
         ["dec03-embedded-t0"],
         "B, hold 0.25",
-        "2026-12-03, current engine, one run, AVX-512 CPU",
+        "2026-12-04, current engine, one run, AVX-512 CPU",
     ),
     ("`embedded`", 0, ["ablation-0e-t0"], "B", "2026-11-23, older engine"),
     ("`embedded`", 1, ["ablation-0e-t1"], "B", "2026-11-23, older engine"),
