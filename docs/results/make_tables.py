@@ -176,7 +176,7 @@ SPEED = [
         0,
         ["dec03-embedded-t0"],
         "B, hold 0.25",
-        "2026-12-04, current engine, one run, AVX-512 CPU",
+        "2026-12-03, current engine, one run, AVX-512 CPU",
     ),
     ("`embedded`", 0, ["ablation-0e-t0"], "B", "2026-11-23, older engine"),
     ("`embedded`", 1, ["ablation-0e-t1"], "B", "2026-11-23, older engine"),
