@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import torch
 
@@ -109,6 +111,10 @@ def test_bench_writes_speedups(capsys, tiny_dirs, tmp_path):
     assert report["draft_worker"] == {"ar": None, "sd": "process"}  # the CLI's default, where the draft fits it
     # whether the few-row kernel ran, or why not: a reader comparing machines needs it
     assert report["machine"]["few_row_kernel"] == ("on" if panel.available() else panel.why_not())
+    cpu = report["machine"]["cpu"]  # which processor: the same kernel image runs on more than one
+    assert cpu and cpu != "unknown"
+    if sys.platform == "linux":  # the model name the kernel reports
+        assert f": {cpu}\n" in Path("/proc/cpuinfo").read_text()
     assert report["branch_costs"] == {}  # measured only for --branch-costs
     assert (
         main(
