@@ -185,6 +185,13 @@ SPEED = [
         "B, hold 0.25",
         "2026-12-04, current engine, one run, AVX-512 CPU",
     ),
+    (
+        "`embedded` in 4 bits, its preset, a quiet spell",
+        1,
+        ["dec04-embedded-t1"],
+        "B, hold 0.25",
+        "2026-12-04, current engine, one run, AVX-512 CPU",
+    ),
     ("`embedded`", 0, ["ablation-0e-t0"], "B", "2026-11-23, older engine"),
     ("`embedded`", 1, ["ablation-0e-t1"], "B", "2026-11-23, older engine"),
     ("`embedded-head`", 0, ["bench-cpu-head-t0"], "C", "2026-11-22, older engine, one run"),
