@@ -113,8 +113,9 @@ def test_bench_writes_speedups(capsys, tiny_dirs, tmp_path):
     assert report["machine"]["few_row_kernel"] == ("on" if panel.available() else panel.why_not())
     cpu = report["machine"]["cpu"]  # which processor: the same kernel image runs on more than one
     assert cpu and cpu != "unknown"
-    if sys.platform == "linux":  # the model name the kernel reports
-        assert f": {cpu}\n" in Path("/proc/cpuinfo").read_text()
+    info = Path("/proc/cpuinfo").read_text() if sys.platform == "linux" else ""
+    if "model name" in info:  # the kernel names the model (x86; not every ARM kernel does)
+        assert f": {cpu}\n" in info
     assert report["branch_costs"] == {}  # measured only for --branch-costs
     assert (
         main(
