@@ -49,19 +49,17 @@ class AcceptanceCalibration:
     bins: int = BINS
     pooled: bool = False  # the prior is centred on the other bins' rate (shrunk to the confidence), not on it alone
     counts: list[Bin] = field(init=False)  # [bins]
-    total: Bin = field(init=False)  # every bin's verdicts together (the pooled prior reads it)
 
     def __post_init__(self):
         self.counts = [Bin() for _ in range(self.bins)]
-        self.total = Bin()
 
     def bin_of(self, confidence: float) -> int:
         return min(self.bins - 1, max(0, int(confidence * self.bins)))
 
     def record(self, confidence: float, accepted: bool | float) -> None:
-        for b in (self.counts[self.bin_of(confidence)], self.total):
-            b.judged += 1
-            b.accepted += float(accepted)
+        b = self.counts[self.bin_of(confidence)]
+        b.judged += 1
+        b.accepted += float(accepted)
 
     def acceptance(self, confidence: float) -> float:
         """The odds that a token drafted at this confidence is accepted: the bin's verdicts, with a prior worth
@@ -69,8 +67,9 @@ class AcceptanceCalibration:
         the same prior: two levels of shrinkage, so a table's first verdicts move every bin a little."""
         b, w = self.counts[self.bin_of(confidence)], self.prior_weight
         prior = confidence
-        if self.pooled:
-            prior = (self.total.accepted - b.accepted + w * confidence) / (self.total.judged - b.judged + w)
+        if self.pooled:  # the rescue table: a few bins, summed at each read
+            judged, accepted = sum(c.judged for c in self.counts), sum(c.accepted for c in self.counts)
+            prior = (accepted - b.accepted + w * confidence) / (judged - b.judged + w)
         return (b.accepted + w * prior) / (b.judged + w)
 
     def table(self) -> list[dict]:

@@ -319,7 +319,7 @@ def branches_hold(
     odds = policy.line_odds(spec) * policy.acceptance(top) if policy.hold_branches else 1.0
     if not policy.held_back(odds):
         return False
-    fed = len(ds.cached) + len(spec.fork.branches[0].fed())  # what every row held before the step
+    fed = len(ds.cached) + len(spec.fork.branches[0].tokens)  # what every row held before the step (Branch.fed)
     kv.rollback(state.draft_cache, fed)  # undo what the step fed
     spec.fork.held = True
     events.append(held_event(state, fed + 1, top, odds, branch=1))
