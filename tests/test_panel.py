@@ -9,13 +9,34 @@ import torch.nn.functional as F
 from engine.kernels import panel
 from engine.kernels.lm_head import HeadMatmul
 
-# this suite's machines are AVX2 CPUs with a C compiler: the kernel must be on there, not silently off
-ON_HERE = torch.backends.cpu.get_cpu_capability() in panel.CPU_KINDS
+# this suite's machines are AVX2 or AVX-512 CPUs with a C compiler: the kernel must be on there, not silently off
+KIND = torch.backends.cpu.get_cpu_capability()
+ON_HERE = KIND in panel.CPU_KINDS
 
 
-def test_the_kernel_builds_on_an_avx2_cpu():
+def test_the_kernel_builds_on_an_avx2_or_avx512_cpu():
     assert panel.available() == ON_HERE, panel.why_not()
     assert (panel.why_not() == "") == ON_HERE
+    assert panel.serves_one_row() == (KIND == "AVX512")
+
+
+def test_both_builds_give_the_same_bits():
+    """On an AVX-512 CPU both builds run: the AVX-512 one (4 or 2 panels side by side, and the panels past the last
+    whole group one at a time) sums each output as the AVX2 one does, so a row's bits do not depend on the CPU's
+    build either. N of 35 panels leaves 3 past the groups of 4 and 1 past the groups of 2."""
+    if KIND != "AVX512":
+        assert not ON_HERE or KIND == "AVX2"
+        return
+    g = torch.Generator().manual_seed(2)
+    narrow, wide = panel.entry("panel_matmul"), panel.entry("panel_matmul_avx512")
+    for n, k in ((35 * 16, 57), (64, 576)):
+        w = torch.randn(n, k, generator=g)
+        panels = panel.pack(w)
+        for rows in (1, 4, 6, 7, 12, 13):
+            x = torch.randn(rows, k, generator=g)
+            out = panel.matmul(x, panels, wide)
+            assert torch.equal(out, panel.matmul(x, panels, narrow))
+            assert (out.double() - x.double() @ w.double().t()).abs().max().item() < 1e-3
 
 
 def test_products_match_a_float64_reference():
@@ -53,9 +74,10 @@ def test_a_rows_bits_do_not_depend_on_the_rows_beside_it():
     assert torch.equal(panel.matmul(x.flip(0), panels), alone.flip(0))
 
 
-def test_head_matmul_takes_the_panels_for_two_to_six_rows(monkeypatch):
-    """HeadMatmul routes 2-12 rows through the panels (seen: the kernel's function is called) and gives F.linear's
-    product; one row and 13+ rows take the other layouts."""
+def test_head_matmul_takes_the_panels_for_up_to_twelve_rows(monkeypatch):
+    """HeadMatmul routes 2-12 rows through the panels (seen: the kernel's function is called), and one row where the
+    kernel serves it (AVX-512; then it keeps no one-row copy), and gives F.linear's product; 13+ rows, and one row on
+    AVX2, take the other layouts."""
     if not ON_HERE:
         assert HeadMatmul(torch.randn(32, 16)).panels is None
         return
@@ -69,7 +91,9 @@ def test_head_matmul_takes_the_panels_for_two_to_six_rows(monkeypatch):
         for rows in (1, 2, 4, 6, 7, 9, 12, 13):
             x = torch.randn(1, rows, 48)
             torch.testing.assert_close(mm(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
-    assert calls == [2, 4, 6, 7, 9, 12]
+    one = panel.serves_one_row()
+    assert calls == [1] * one + [2, 4, 6, 7, 9, 12]
+    assert (mm.wt is None) == one
     assert HeadMatmul(w, panels=False).panels is None
     assert HeadMatmul(torch.randn(40, 48)).panels is None  # 40 rows: no whole panels
 

@@ -12,8 +12,10 @@ cache, 1 thread, interleaved medians, on an AVX-512 CPU (docs/models.md):
   with them                  58.1   67.0   63.9   62.2   62.5   64.3   75.6 ms
 One row keeps x @ Wᵀ with Wᵀ stored contiguous (a matrix-vector product that streams the weight once), which
 beats both. On an AVX2 CPU oneDNN's packed kernel costs ~1.8x one row already at 2 rows; there 2-12 rows go through
-kernels/panel.py, which streams the weight once for them all. The product is the same up to float rounding (the
-summation order differs between kernels, as it already does between F.linear's own).
+kernels/panel.py, which streams the weight once for them all. On the later AVX-512 CPU (an Intel Xeon with AMX) the
+packed kernel costs 1.3x MKL's one row for 1-6 rows, and panel.py's AVX-512 build less than MKL's one row: there it
+takes 1-12 rows, and a verify pass's row gets the bits of a decode step's. The product is the same up to float
+rounding (the summation order differs between kernels, as it already does between F.linear's own).
 
 A draft may go further (fast_linears(kind=...)): its weights streamed in bfloat16 (Bf16Matmul), half the bytes, or
 in 4 bits a weight (Int4Matmul), an eighth. That is lossless for the output, since only the target decides what is
@@ -172,8 +174,9 @@ def draft_matmul(kind: str, weight: torch.Tensor, head: bool = False, keep_weigh
 class HeadMatmul:
     """out = x @ Wᵀ for x [..., H] and W [V, H] (no bias), in the fast layout for the number of rows. A gradient
     to track goes through F.linear. `one_row=False` skips the transposed copy the one-row layout needs, `panels=False`
-    the few-rows copy of the panel kernel (kernels/panel.py: 2-12 rows, on an AVX2 CPU where it builds), and
-    `packed=False` the oneDNN copy (each falls back to F.linear / (W @ xᵀ)ᵀ); `max_rows` caps (W @ xᵀ)ᵀ."""
+    the few-rows copy of the panel kernel (kernels/panel.py: 2-12 rows where it builds, and one row too where it
+    serves_one_row), and `packed=False` the oneDNN copy (each falls back to F.linear / (W @ xᵀ)ᵀ); `max_rows` caps
+    (W @ xᵀ)ᵀ."""
 
     def __init__(
         self,
@@ -186,9 +189,11 @@ class HeadMatmul:
         self.w = weight.detach()  # [V, H]
         self.cpu = self.w.device.type == "cpu"
         self.max_rows = max_rows
-        self.wt = self.w.t().contiguous() if self.cpu and one_row else None  # [H, V]: the one-row layout (a copy)
-        # [V / 16, H, 16]: the 2-12 rows layout (a copy), or None
+        # [V / 16, H, 16]: the 2-12 rows layout (a copy; one row too where the kernel serves it), or None
         self.panels = panel.pack(self.w) if panels and panel.fits(self.w) and panel.available() else None
+        self.first_row = 1 if self.panels is not None and panel.serves_one_row() else 2  # rows the panels start at
+        one_row = one_row and self.first_row == 2  # the one-row layout where the panels do not take one row
+        self.wt = self.w.t().contiguous() if self.cpu and one_row else None  # [H, V]: the one-row layout (a copy)
         self.packed = packed_weight(self.w) if packed else None  # the few-rows layout (a copy), or None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -198,10 +203,10 @@ class HeadMatmul:
             out = flat @ self.w.t()
         elif torch.is_grad_enabled() and x.requires_grad:
             out = F.linear(flat, self.w)
+        elif self.first_row <= rows <= panel.MAX_ROWS and self.panels is not None and not torch.compiler.is_compiling():
+            out = panel.matmul(flat, self.panels)
         elif rows == 1 and self.wt is not None:
             out = flat @ self.wt
-        elif 1 < rows <= panel.MAX_ROWS and self.panels is not None and not torch.compiler.is_compiling():
-            out = panel.matmul(flat, self.panels)
         elif rows > 1 and self.packed is not None:
             out = packed_matmul(flat, self.packed)
         elif rows == 1 or (self.max_rows is not None and rows > self.max_rows):
@@ -240,7 +245,7 @@ def fast_linears(model: torch.nn.Module, kind: str = "float32") -> int:
         room -= size * few
         packed = size <= room  # then the oneDNN copy, for more rows (a prefill, a long block)
         room -= size * packed
-        one_row = size <= room
+        one_row = size <= room and not (few and panel.serves_one_row())  # the panels may take one row already
         room -= size * one_row
         m.forward = HeadMatmul(m.weight, LAYER_MAX_ROWS, one_row, packed, few)
         m._fast_layout = True

@@ -3,16 +3,18 @@ first use and called through ctypes (which lets go of the GIL for the call, so t
 compute at once).
 
 Why a kernel of our own: a target pass is bound by streaming its weights from memory, so a pass over a few tokens
-should cost about what one token does. On an AVX2 CPU the library kernels do not get there: MKL's x @ Wᵀ costs
+should cost about what one token does. The library kernels do not get there. On an AVX2 CPU MKL's x @ Wᵀ costs
 1.5-2.5x one row for 2-4 rows, and oneDNN's packed weight (lm_head.packed_weight) about 1.8x one row already at 2.
-panel.c reads each weight from memory once for up to 12 rows, in 16-column panels laid out as the loop reads them
-(docs/models.md "Few-row matmuls" has the figures). It runs on AVX2 CPUs only (available()): it was measured on no
-other, and on the AVX-512 CPU where lm_head.py's figures were taken oneDNN's packed kernel already cost ~1.06x one
-row for 2-4 rows.
+On the AVX-512 CPU of the later runs (an Intel Xeon with AMX) the packed weight costs about what one row does for
+1-6 rows, but 1.3x MKL's one-row product, so a pass over 4 tokens cost 1.3x a one-token step. panel.c reads each
+weight from memory once for up to 12 rows, in 16-column panels laid out as the loop reads them; its AVX-512 build
+streams several panels side by side, which there costs less than MKL's one row even for one row, so on an AVX-512
+CPU it serves one row too (serves_one_row()). docs/models.md "Few-row matmuls" has the figures. It runs on AVX2
+and AVX-512 CPUs only (available()); it was measured on no other.
 
-Each output is one float32 sum over k in order, whatever the number of rows: a row's bits do not depend on the rows
-fed beside it (tests/test_panel.py). Against the library's kernels (a one-token step keeps MKL's one-row product)
-they differ by float rounding, as the library's kernels already differ among themselves.
+Each output is one float32 sum over k in order, whatever the number of rows and in either build: a row's bits do
+not depend on the rows fed beside it (tests/test_panel.py). Against the library's kernels they differ by float
+rounding, as the library's kernels already differ among themselves.
 """
 
 from __future__ import annotations
@@ -32,7 +34,10 @@ SOURCE = Path(__file__).with_name("panel.c")
 PANEL = 16  # columns a panel holds: the two 8-float registers each row's accumulators fill
 MAX_ROWS = 12  # rows one pass over the weights takes: MAX_ROWS in panel.c (more go 12 at a time)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC")
-CPU_KINDS = ("AVX2",)  # torch.backends.cpu.get_cpu_capability() values where the kernel beats the library's
+# torch.backends.cpu.get_cpu_capability() values where the kernel beats the library's, and the build each calls
+ENTRY = {"AVX2": "panel_matmul", "AVX512": "panel_matmul_avx512"}
+CPU_KINDS = tuple(ENTRY)
+ONE_ROW_KINDS = ("AVX512",)  # where it beats MKL's one-row x @ Wᵀ as well (docs/models.md)
 
 _lock = threading.Lock()
 _state: dict = {}  # "fn": the loaded function, or "why": why there is none
@@ -70,6 +75,14 @@ def build(source: Path = SOURCE, out_dir: Path | None = None) -> Path:
     return target
 
 
+def entry(name: str):
+    """One of the built library's matmuls (an ENTRY value) as a ctypes function: (x, panels, out, M, K, N)."""
+    fn = getattr(ctypes.CDLL(str(build())), name)
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+    return fn
+
+
 def _load():
     """The kernel's function, built and loaded once a process; None where it cannot run here (_state["why"])."""
     if _state:  # settled: every matmul after the first reads it without the lock
@@ -77,20 +90,23 @@ def _load():
     with _lock:
         if not _state:
             try:
-                if torch.backends.cpu.get_cpu_capability() not in CPU_KINDS:
-                    raise RuntimeError(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, not AVX2")
-                fn = ctypes.CDLL(str(build())).panel_matmul
-                fn.restype = None
-                fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
-                _state["fn"] = fn
+                kind = torch.backends.cpu.get_cpu_capability()
+                if kind not in ENTRY:
+                    raise RuntimeError(f"CPU capability {kind}, not AVX2 or AVX512")
+                _state["fn"] = entry(ENTRY[kind])
             except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                 _state["why"] = f"{type(exc).__name__}: {exc}"[:300]
         return _state.get("fn")
 
 
 def available() -> bool:
-    """The kernel runs on this machine (built, loaded, an AVX2 CPU without AVX-512)."""
+    """The kernel runs on this machine (built, loaded, an AVX2 or AVX-512 CPU)."""
     return _load() is not None
+
+
+def serves_one_row() -> bool:
+    """The kernel also takes a one-row product here (a decode step), where it beats MKL's x @ Wᵀ."""
+    return available() and torch.backends.cpu.get_cpu_capability() in ONE_ROW_KINDS
 
 
 def why_not() -> str:
@@ -110,9 +126,9 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return weight.detach().reshape(n // PANEL, PANEL, k).transpose(1, 2).contiguous()
 
 
-def matmul(flat: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
-    """flat [R, K] float32 @ Wᵀ -> [R, N], with W's panels from pack()."""
-    fn = _load()
+def matmul(flat: torch.Tensor, panels: torch.Tensor, fn=None) -> torch.Tensor:
+    """flat [R, K] float32 @ Wᵀ -> [R, N], with W's panels from pack(); through this CPU's build, or `fn` (entry())."""
+    fn = fn or _load()
     flat = flat.to(torch.float32).contiguous()  # the kernel reads raw float32 rows
     rows, k = flat.shape
     n = panels.shape[0] * PANEL

@@ -4,15 +4,14 @@ weight distinct (60 of them, more than the last-level cache holds), 1 thread, me
     python docs/results/tools/few_rows.py --json docs/results/json/few-rows.json
 
 Kernels: x @ Wᵀ with Wᵀ stored contiguous (MKL), oneDNN's packed weight (lm_head.packed_matmul) and the panel kernel
-(engine/kernels/panel.py, where it runs). Figures are µs a matmul; each row count's ratio to one row is what a verify
-pass of that many tokens costs against a one-token step, for that kernel.
+(engine/kernels/panel.py, where it runs: this CPU's build). Figures are µs a matmul; each row count's ratio to one row
+is what a verify pass of that many tokens costs against a one-token step, for that kernel.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -25,6 +24,7 @@ import torch  # noqa: E402
 
 from engine.kernels import panel  # noqa: E402
 from engine.kernels.lm_head import packed_matmul, packed_weight  # noqa: E402
+from engine.measure.bench import cpu_name  # noqa: E402
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "head": (49152, 576)}
 ROWS = (1, 2, 3, 4, 5, 6, 8, 9, 12)
@@ -52,7 +52,7 @@ def main() -> None:
     kernels["onednn_packed"] = (packed_weight, packed_matmul)
     if panel.available():
         kernels["panel"] = (panel.pack, panel.matmul)
-    out = {"cpu": torch.backends.cpu.get_cpu_capability(), "machine": platform.processor(), "us": {}}
+    out = {"cpu": torch.backends.cpu.get_cpu_capability(), "machine": cpu_name(), "us": {}}
     for name, (n, k) in SHAPES.items():
         base = [torch.randn(n, k) for _ in range(3 if name == "head" else 60)]
         out["us"][name] = {}
