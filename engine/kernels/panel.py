@@ -10,7 +10,7 @@ On the AVX-512 CPU of the later runs (an Intel Xeon with AMX) the packed weight 
 weight from memory once for up to 12 rows, in 16-column panels laid out as the loop reads them; its AVX-512 build
 streams several panels side by side, which there costs less than MKL's one row even for one row, so on an AVX-512
 CPU it serves one row too (serves_one_row()). docs/models.md "Few-row matmuls" has the figures. It runs on AVX2
-and AVX-512 CPUs only (available()); it was measured on no other.
+CPUs and Intel's AVX-512 ones only (available(), build_here()); it was measured on no other.
 
 Each output is one float32 sum over k in order, whatever the number of rows and in either build: a row's bits do
 not depend on the rows fed beside it (tests/test_panel.py). Against the library's kernels they differ by float
@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from engine.kernels import cpu
+
 SOURCE = Path(__file__).with_name("panel.c")
 PANEL = 16  # columns a panel holds: the two 8-float registers each row's accumulators fill
 MAX_ROWS = 12  # rows one pass over the weights takes: MAX_ROWS in panel.c (more go 12 at a time)
@@ -38,6 +40,21 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC")
 ENTRY = {"AVX2": "panel_matmul", "AVX512": "panel_matmul_avx512"}
 CPU_KINDS = tuple(ENTRY)
 ONE_ROW_KINDS = ("AVX512",)  # where it beats MKL's one-row x @ Wᵀ as well (docs/models.md)
+# AVX-512 CPUs of these vendors only (/proc/cpuinfo's vendor_id): on the AMD EPYC with AVX-512 of the earlier runs the
+# packed kernel already cost ~1.06x one row for 2-4 rows, and the AVX-512 build was measured on Intel's alone
+AVX512_VENDORS = ("GenuineIntel",)
+
+
+def build_here() -> str:
+    """The build (an ENTRY value) this CPU runs; RuntimeError saying why where it runs none."""
+    kind = torch.backends.cpu.get_cpu_capability()
+    if kind not in ENTRY:
+        raise RuntimeError(f"CPU capability {kind}, not AVX2 or AVX512")
+    vendor = cpu.field("vendor_id")
+    if kind == "AVX512" and vendor not in AVX512_VENDORS:
+        raise RuntimeError(f"an AVX-512 CPU of {vendor or 'an unnamed vendor'}: measured on {AVX512_VENDORS} only")
+    return ENTRY[kind]
+
 
 _lock = threading.Lock()
 _state: dict = {}  # "fn": the loaded function, or "why": why there is none
@@ -90,17 +107,14 @@ def _load():
     with _lock:
         if not _state:
             try:
-                kind = torch.backends.cpu.get_cpu_capability()
-                if kind not in ENTRY:
-                    raise RuntimeError(f"CPU capability {kind}, not AVX2 or AVX512")
-                _state["fn"] = entry(ENTRY[kind])
+                _state["fn"] = entry(build_here())
             except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                 _state["why"] = f"{type(exc).__name__}: {exc}"[:300]
         return _state.get("fn")
 
 
 def available() -> bool:
-    """The kernel runs on this machine (built, loaded, an AVX2 or AVX-512 CPU)."""
+    """The kernel runs on this machine (built, loaded, an AVX2 CPU or an AVX-512 one of AVX512_VENDORS)."""
     return _load() is not None
 
 

@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 
 from engine.config import BASELINE, GenerationConfig, SpecBranchError, method_of, writable_file, write_json
-from engine.kernels import panel
+from engine.kernels import cpu, panel
 from engine.measure.datasets import benchmark_prompts
 from sessions.recording import SessionLog
 
@@ -239,19 +239,6 @@ def command_line() -> str:
     return " ".join([head, *sys.argv[1:]])
 
 
-def cpu_name() -> str:
-    """The processor's model, as Linux names it (/proc/cpuinfo), else as the platform does: runs on two machines with
-    the same kernel image and torch can still differ in what a several-token pass costs against a one-token one."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                return value.strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
-
-
 def bench_report(entries: list[Entry], spec: BenchSpec, results: dict, outputs_match: dict, prompts: int) -> dict:
     engine = entries[0][1]
     return {
@@ -259,7 +246,7 @@ def bench_report(entries: list[Entry], spec: BenchSpec, results: dict, outputs_m
         "when": time.strftime("%Y-%m-%d %H:%M:%S"),
         "machine": {
             "platform": platform.platform(),
-            "cpu": cpu_name(),
+            "cpu": cpu.name(),
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
             "device": str(engine.pair.target.device),

@@ -22,9 +22,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from engine.kernels import panel  # noqa: E402
+from engine.kernels import cpu, panel  # noqa: E402
 from engine.kernels.lm_head import packed_matmul, packed_weight  # noqa: E402
-from engine.measure.bench import cpu_name  # noqa: E402
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "head": (49152, 576)}
 ROWS = (1, 2, 3, 4, 5, 6, 8, 9, 12)
@@ -52,7 +51,7 @@ def main() -> None:
     kernels["onednn_packed"] = (packed_weight, packed_matmul)
     if panel.available():
         kernels["panel"] = (panel.pack, panel.matmul)
-    out = {"cpu": torch.backends.cpu.get_cpu_capability(), "machine": cpu_name(), "us": {}}
+    out = {"cpu": torch.backends.cpu.get_cpu_capability(), "machine": cpu.name(), "us": {}}
     for name, (n, k) in SHAPES.items():
         base = [torch.randn(n, k) for _ in range(3 if name == "head" else 60)]
         out["us"][name] = {}
