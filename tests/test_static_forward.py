@@ -86,6 +86,40 @@ def test_the_probe_catches_a_path_that_differs():
     assert not static.agrees(model)
 
 
+def test_a_masked_pass_hands_sdpa_the_kv_heads_and_keeps_the_bits(monkeypatch):
+    """A verify pass (a mask over the cache) goes to sdpa with the KV heads and enable_gqa, not transformers' repeated
+    copies, and gives transformers' bits all the same (agrees, and passes of 1-5 tokens over a 40-token cache). Where
+    those bits differ (here: sdpa's grouped sum nudged by an ulp), static_llama falls back to transformers' copies,
+    not to transformers' whole forward."""
+    model = tiny_llama(seed=12)
+    fast_linears(model, "float32")
+    static = StaticLlama(model)
+    assert static.grouped and static.agrees(model)
+    real = torch.nn.functional.scaled_dot_product_attention
+    grouped_calls = []
+
+    def counted(*args, **kwargs):
+        grouped_calls.append(kwargs.get("enable_gqa", False) and kwargs.get("attn_mask") is not None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counted)
+    plain = LM("tiny", model, None, 101)
+    lm = LM("tiny", model, None, 101, static=True)
+    ids = torch.randint(0, 101, (1, 48), generator=torch.Generator().manual_seed(4))
+    assert_same_passes(lm, plain, ids)
+    assert any(grouped_calls)
+
+    def nudged(*args, **kwargs):
+        out = real(*args, **kwargs)
+        return out * (1 + 1e-6) if kwargs.get("enable_gqa") and kwargs.get("attn_mask") is not None else out
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", nudged)
+    other = tiny_llama(seed=13)
+    fast_linears(other, "float32")
+    path = LM("tiny", other, None, 101, static=True)._static
+    assert path is not None and not path.grouped
+
+
 def test_static_forward_is_bit_identical_on_the_embedded_target(embedded_target):
     """The target the app serves: loaded with the static path by default, and through it the same bits as
     transformers' forward over a 150-token prompt and the passes after it."""
