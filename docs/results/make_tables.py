@@ -100,7 +100,7 @@ AVX512_BEFORE = "2026-11-28, before the draft was asked from the loop, one run, 
 AVX512_NOW = "2026-11-28, draft asked from the loop, one run, AVX-512 CPU"  # the section "Host time: ..."
 AVX512_SOCKET = "2026-12-02, answers through the socket, one run, AVX-512 CPU"  # the section "Host time: what a step
 # through the draft's process costs"
-AVX512_BOARD = "2026-12-02, current engine, one run, AVX-512 CPU"
+AVX512_BOARD = "2026-12-02, before the AVX-512 panel kernel, one run, AVX-512 CPU"
 
 # (draft, T, sources, settings, when measured)
 SPEED = [
@@ -176,19 +176,47 @@ SPEED = [
         0,
         ["dec03-embedded-t0"],
         "B, hold 0.25",
-        "2026-12-03, current engine, one run, AVX-512 CPU",
+        "2026-12-03, before the AVX-512 panel kernel, one run, AVX-512 CPU",
     ),
     (
         "`embedded` in 4 bits, its preset, a quiet spell",
         0,
         ["dec04-embedded-t0"],
         "B, hold 0.25",
-        "2026-12-04, current engine, one run, AVX-512 CPU",
+        "2026-12-04, before the AVX-512 panel kernel, one run, AVX-512 CPU",
     ),
     (
         "`embedded` in 4 bits, its preset, a quiet spell",
         1,
         ["dec04-embedded-t1"],
+        "B, hold 0.25",
+        "2026-12-04, before the AVX-512 panel kernel, one run, AVX-512 CPU",
+    ),
+    (
+        "`embedded` in 4 bits, its preset, the AVX-512 panel kernel",
+        0,
+        ["panel-xeon-embedded-t0"],
+        "B, hold 0.25",
+        "2026-12-04, before grouped attention, one run, AVX-512 CPU",
+    ),
+    (
+        "`embedded` in 4 bits, its preset, the AVX-512 panel kernel",
+        1,
+        ["panel-xeon-embedded-t1"],
+        "B, hold 0.25",
+        "2026-12-04, before grouped attention, one run, AVX-512 CPU",
+    ),
+    (
+        "`embedded` in 4 bits, its preset, panel kernel and grouped attention",
+        0,
+        ["grouped-xeon-embedded-t0"],
+        "B, hold 0.25",
+        "2026-12-04, current engine, one run, AVX-512 CPU",
+    ),
+    (
+        "`embedded` in 4 bits, its preset, panel kernel and grouped attention",
+        1,
+        ["grouped-xeon-embedded-t1"],
         "B, hold 0.25",
         "2026-12-04, current engine, one run, AVX-512 CPU",
     ),
@@ -372,8 +400,10 @@ ROLLBACK = [
     ("distilled draft", "`embedded`", 1, ["sampled-distilled-t1"], "hold 0.5"),
     ("distilled draft in 4 bits", "`embedded`", 0, ["int4-embedded-t0"], "hold 0.25"),
     ("distilled draft in 4 bits", "`embedded`", 1, ["int4-embedded-t1"], "hold 0.25"),
-    ("distilled draft in 4 bits, current engine", "`embedded`", 0, ["board-embedded-t0"], "hold 0.25"),
-    ("distilled draft in 4 bits, current engine", "`embedded`", 1, ["board-embedded-t1"], "hold 0.25"),
+    ("distilled draft in 4 bits, the answer board", "`embedded`", 0, ["board-embedded-t0"], "hold 0.25"),
+    ("distilled draft in 4 bits, the answer board", "`embedded`", 1, ["board-embedded-t1"], "hold 0.25"),
+    ("distilled draft in 4 bits, current engine", "`embedded`", 0, ["grouped-xeon-embedded-t0"], "hold 0.25"),
+    ("distilled draft in 4 bits, current engine", "`embedded`", 1, ["grouped-xeon-embedded-t1"], "hold 0.25"),
     ("poorly aligned (foreign prompts)", "`embedded-weak`", 0, ["weak-foreign-0h"], "hold 0"),
     ("poorly aligned (foreign prompts)", "`embedded-weak`", 0, WEAK_OFF, "hold 0.5"),
     ("poorly aligned (foreign prompts)", "`embedded-weak`", 0, WEAK_ON, "hold 0.5, `--hold-branches`"),
@@ -430,6 +460,14 @@ COSTS = [
     ("`embedded`", "float32, lean, compiled; AVX2 CPU, panel kernel", "panel-embedded-costs", "2026-11-27"),
     ("`embedded`", "4-bit, lean, compiled; AVX2 CPU, panel kernel", "panel-embedded-int4-costs", "2026-11-27"),
     ("`embedded`", "4-bit, lean, compiled; AVX-512 CPU", "avx512-embedded-int4-costs", "2026-11-28"),
+    ("`embedded`", "4-bit, lean, compiled; Intel Xeon, library kernels", "xeon-costs-library", "2026-12-04"),
+    ("`embedded`", "4-bit, lean, compiled; Intel Xeon, AVX-512 panel kernel", "xeon-costs-panel", "2026-12-04"),
+    (
+        "`embedded`",
+        "4-bit, lean, compiled; Intel Xeon, panel kernel, grouped attention",
+        "xeon-costs-grouped",
+        "2026-12-04",
+    ),
     ("`embedded`", "bfloat16 matmuls, transformers' forward", "costs-cpu-draft-0e", "2026-11-23"),
     ("`embedded-head`", "float32, 1 layer on the target's features", "costs-cpu-head", "2026-11-22"),
 ]
@@ -568,6 +606,12 @@ COSTS_COMMANDS = {
     "--bench docs/results/json/bench-cpu-head-t0.json",
     "regime-embedded-costs": "python -m engine costs --draft embedded "
     "--bench docs/results/json/regime-embedded-t0.json --json docs/results/json/regime-embedded-costs.json",
+    "xeon-costs-library": "python -m engine costs --draft embedded --max-tokens 8 --max-rows 4 --reps 15 "
+    "--json docs/results/json/xeon-costs-library.json (the engine before the AVX-512 panel kernel)",
+    "xeon-costs-panel": "python -m engine costs --draft embedded --max-tokens 8 --max-rows 4 --reps 15 "
+    "--json docs/results/json/xeon-costs-panel.json (the engine before grouped attention)",
+    "xeon-costs-grouped": "python -m engine costs --draft embedded --max-tokens 8 --max-rows 4 --reps 15 "
+    "--json docs/results/json/xeon-costs-grouped.json",
     "panel-embedded-costs": "python -m engine costs --draft embedded --max-tokens 10 "
     "--json docs/results/json/panel-embedded-costs.json",
     "panel-embedded-int4-costs": "python -m engine costs --draft embedded --draft-matmul int4 "
@@ -575,6 +619,7 @@ COSTS_COMMANDS = {
     "avx512-embedded-int4-costs": "python -m engine costs --draft embedded --max-tokens 12 --max-rows 4 --reps 15 "
     "--json docs/results/json/avx512-embedded-int4-costs.json",
     "few-rows": "python docs/results/tools/few_rows.py --json docs/results/json/few-rows.json",
+    "few-rows-avx512": "python docs/results/tools/few_rows.py --json docs/results/json/few-rows-avx512.json",
     "regime-map": "python docs/results/tools/regime_map.py --bench docs/results/json/regime-map-bench.json "
     "--json docs/results/json/regime-map.json",
 }
