@@ -104,7 +104,8 @@ class Scenario:
 # The scenarios' settings and figures, on the tuning prompts (T=0), docs/app.md "How the scenarios were chosen".
 # "fastest": docs/results/tools/tune_scenarios.py (128 tokens, each run right after an ar run of the same prompt).
 # "rescue" is the paper's regime, the distilled draft in 4 bits (the target sets the pace), with its preset: one bench
-# run against ar and pearl (96 tokens, docs/results/json/hold-int4-t0-h0.25.json). "weak": one bench run of its preset
+# run against ar and pearl (96 tokens, docs/results/json/scenario-rescue-xeon.json, the Intel Xeon with the AVX-512
+# panel kernel and grouped attention). "weak": one bench run of its preset
 # against ar and pearl (96 tokens, docs/results/json/scenarios-weak-int4.json). Each draft in its process, as the app
 # runs it.
 SCENARIOS: dict[str, Scenario] = {
@@ -125,8 +126,8 @@ SCENARIOS: dict[str, Scenario] = {
             "embedded",
             "specbranch",
             DISTILLED,
-            "the distilled 6-layer draft in 4 bits, ~10× cheaper than the target: forks in 6 of 10 steps, about 5 "
-            "rescues a chat; 1.24× ar and 1.03× pearl on the tuning prompts",
+            "the distilled 6-layer draft in 4 bits, ~10× cheaper than the target: forks in 6 of 10 steps, about 6 "
+            "rescues a chat; 1.36× ar and 1.00× pearl on the tuning prompts",
         ),
         Scenario(
             "weak",
