@@ -88,9 +88,9 @@ def test_the_probe_catches_a_path_that_differs():
 
 def test_a_masked_pass_hands_sdpa_the_kv_heads_and_keeps_the_bits(monkeypatch):
     """A verify pass (a mask over the cache) goes to sdpa with the KV heads and enable_gqa, not transformers' repeated
-    copies, and gives transformers' bits all the same (agrees, and passes of 1-5 tokens over a 40-token cache). Where
-    those bits differ (here: sdpa's grouped sum nudged by an ulp), static_llama falls back to transformers' copies,
-    not to transformers' whole forward."""
+    copies, and gives transformers' bits all the same (agrees, and assert_same_passes: a prefill, steps, a 4-token
+    verify pass and, after a rollback, a 21-token one). Where those bits differ (here: sdpa's grouped sum nudged by
+    an ulp), static_llama falls back to transformers' copies, not to transformers' whole forward."""
     model = tiny_llama(seed=12)
     fast_linears(model, "float32")
     static = StaticLlama(model)

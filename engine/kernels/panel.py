@@ -33,7 +33,7 @@ import torch
 from engine.kernels import cpu
 
 SOURCE = Path(__file__).with_name("panel.c")
-PANEL = 16  # columns a panel holds: the two 8-float registers each row's accumulators fill
+PANEL = 16  # columns a panel holds: a row's accumulators, two 8-float registers (AVX2) or one 16-float (AVX-512)
 MAX_ROWS = 12  # rows one pass over the weights takes: MAX_ROWS in panel.c (more go 12 at a time)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC")
 # torch.backends.cpu.get_cpu_capability() values where the kernel beats the library's, and the build each calls
