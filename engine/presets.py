@@ -135,7 +135,7 @@ SCENARIOS: dict[str, Scenario] = {
             "embedded-weak",
             "specbranch",
             OFTEN_WRONG,
-            "a draft right about 10 % of the time: rejections, rollbacks and holds to watch; 0.94× ar and 0.96× "
+            "a draft right about 10 % of the time: rejections, rollbacks and holds to watch; 1.02× ar and 0.86× "
             "pearl on the tuning prompts",
         ),
     )
