@@ -38,7 +38,6 @@ MAX_ROWS = 12  # rows one pass over the weights takes: MAX_ROWS in panel.c (more
 FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC")
 # torch.backends.cpu.get_cpu_capability() values where the kernel beats the library's, and the build each calls
 ENTRY = {"AVX2": "panel_matmul", "AVX512": "panel_matmul_avx512"}
-CPU_KINDS = tuple(ENTRY)
 ONE_ROW_KINDS = ("AVX512",)  # where it beats MKL's one-row x @ Wᵀ as well (docs/models.md)
 # AVX-512 CPUs of these vendors only (/proc/cpuinfo's vendor_id): on the AMD EPYC with AVX-512 of the earlier runs the
 # packed kernel already cost ~1.06x one row for 2-4 rows, and the AVX-512 build was measured on Intel's alone
