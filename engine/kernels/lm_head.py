@@ -14,9 +14,9 @@ One row keeps x @ Wᵀ with Wᵀ stored contiguous (a matrix-vector product that
 beats both. On an AVX2 CPU oneDNN's packed kernel costs ~1.8x one row already at 2 rows; there 2-12 rows go through
 kernels/panel.py, which streams the weight once for them all. On the later AVX-512 CPU (an Intel Xeon with AMX) the
 packed kernel costs 1.3x MKL's one row for 1-6 rows, and panel.py's AVX-512 build less than MKL's one row: there
-(Intel's AVX-512 CPUs) it takes 1-12 rows, and a verify pass's row gets the bits of a decode step's. The product is
-the same up to float rounding (the summation order differs between kernels, as it already does between F.linear's
-own).
+(Intel's and AMD's AVX-512 CPUs) it takes 1-12 rows, and a verify pass's row gets the bits of a decode step's. The
+product is the same up to float rounding (the summation order differs between kernels, as it already does between
+F.linear's own).
 
 A draft may go further (fast_linears(kind=...)): its weights streamed in bfloat16 (Bf16Matmul), half the bytes, or
 in 4 bits a weight (Int4Matmul), an eighth. That is lossless for the output, since only the target decides what is
