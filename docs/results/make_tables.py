@@ -108,6 +108,20 @@ SPEED = [
     ("`self`, no flag (the defaults)", 1, [HEADLINE_T1], "A", "2026-12-04, current engine, one run"),
     ("`self` (4-bit, compiled)", 0, [SELF_T0], "A", "2026-11-26, before the answer board"),
     ("`self` (4-bit, compiled)", 1, [SELF_T1], "A", "2026-11-26, before the answer board"),
+    (
+        "`self`, no flag, the library's kernels on the AMD EPYC, 6 prompts",
+        0,
+        ["amd-library-self-t0"],
+        "A",
+        "2026-12-04, the engine of 04d0766, one run, AMD AVX-512 CPU",
+    ),
+    (
+        "`self`, no flag, the AVX-512 panel kernel on the AMD EPYC, 6 prompts",
+        0,
+        ["amd-panel-self-t0"],
+        "A",
+        "2026-12-04, current engine, one run, AMD AVX-512 CPU",
+    ),
     ("`self-skip:4,5`", 0, ["skip4-5-t0"], "B, hold 0.5", "2026-11-24, older engine"),
     ("`self-skip:4,5`", 1, ["skip4-5-t1"], "B, hold 0.5", "2026-11-24, older engine"),
     ("`self-skip:3,4,5,25`", 0, ["skip3-4-5-25-t0"], "B, hold 0.5", "2026-11-24, older engine"),
@@ -219,6 +233,27 @@ SPEED = [
         ["grouped-xeon-embedded-t1"],
         "B, hold 0.25",
         "2026-12-04, current engine, one run, AVX-512 CPU",
+    ),
+    (
+        "`embedded` in 4 bits, its preset, the library's kernels on the AMD EPYC",
+        0,
+        ["amd-library-embedded-t0"],
+        "B, hold 0.25",
+        "2026-12-04, the engine of 04d0766, one run, AMD AVX-512 CPU",
+    ),
+    (
+        "`embedded` in 4 bits, its preset, the AVX-512 panel kernel on the AMD EPYC",
+        0,
+        ["amd-panel-embedded-t0"],
+        "B, hold 0.25",
+        "2026-12-04, current engine, one run, AMD AVX-512 CPU",
+    ),
+    (
+        "`embedded` in 4 bits, its preset, the AVX-512 panel kernel on the AMD EPYC",
+        1,
+        ["amd-panel-embedded-t1"],
+        "B, hold 0.25",
+        "2026-12-04, current engine, one run, AMD AVX-512 CPU",
     ),
     ("`embedded`", 0, ["ablation-0e-t0"], "B", "2026-11-23, older engine"),
     ("`embedded`", 1, ["ablation-0e-t1"], "B", "2026-11-23, older engine"),
@@ -620,6 +655,20 @@ COSTS_COMMANDS = {
     "--json docs/results/json/avx512-embedded-int4-costs.json",
     "few-rows": "python docs/results/tools/few_rows.py --json docs/results/json/few-rows.json",
     "few-rows-avx512": "python docs/results/tools/few_rows.py --json docs/results/json/few-rows-avx512.json",
+    "few-rows-avx512-amd": "python docs/results/tools/few_rows.py --json docs/results/json/few-rows-avx512-amd.json "
+    "(AuthenticAMD added to panel.AVX512_VENDORS)",
+    "amd-costs-library": "python -m engine costs --draft embedded --max-tokens 8 --max-rows 4 --reps 15 "
+    "--json docs/results/json/amd-costs-library.json "
+    "(the engine of 04d0766: the library's kernels on an AMD CPU; first of a pair)",
+    "amd-costs-library-run2": "python -m engine costs --draft embedded --max-tokens 8 --max-rows 4 --reps 15 "
+    "--json docs/results/json/amd-costs-library-run2.json "
+    "(the engine of 04d0766: the library's kernels on an AMD CPU; the pair again, the other order first)",
+    "amd-costs-panel": "python -m engine costs --draft embedded --max-tokens 8 --max-rows 4 --reps 15 "
+    "--json docs/results/json/amd-costs-panel.json "
+    "(the AVX-512 panel kernel on the AMD CPU; first of a pair)",
+    "amd-costs-panel-run2": "python -m engine costs --draft embedded --max-tokens 8 --max-rows 4 --reps 15 "
+    "--json docs/results/json/amd-costs-panel-run2.json "
+    "(the AVX-512 panel kernel on the AMD CPU; the pair again, the other order first)",
     "regime-map": "python docs/results/tools/regime_map.py --bench docs/results/json/regime-map-bench.json "
     "--json docs/results/json/regime-map.json",
 }
