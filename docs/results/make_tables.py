@@ -657,18 +657,16 @@ COSTS_COMMANDS = {
     "few-rows-avx512": "python docs/results/tools/few_rows.py --json docs/results/json/few-rows-avx512.json",
     "few-rows-avx512-amd": "python docs/results/tools/few_rows.py --json docs/results/json/few-rows-avx512-amd.json "
     "(AuthenticAMD added to panel.AVX512_VENDORS)",
-    "amd-costs-library": "python -m engine costs --draft embedded --max-tokens 8 --max-rows 4 --reps 15 "
-    "--json docs/results/json/amd-costs-library.json "
-    "(the engine of 04d0766: the library's kernels on an AMD CPU; first of a pair)",
-    "amd-costs-library-run2": "python -m engine costs --draft embedded --max-tokens 8 --max-rows 4 --reps 15 "
-    "--json docs/results/json/amd-costs-library-run2.json "
-    "(the engine of 04d0766: the library's kernels on an AMD CPU; the pair again, the other order first)",
-    "amd-costs-panel": "python -m engine costs --draft embedded --max-tokens 8 --max-rows 4 --reps 15 "
-    "--json docs/results/json/amd-costs-panel.json "
-    "(the AVX-512 panel kernel on the AMD CPU; first of a pair)",
-    "amd-costs-panel-run2": "python -m engine costs --draft embedded --max-tokens 8 --max-rows 4 --reps 15 "
-    "--json docs/results/json/amd-costs-panel-run2.json "
-    "(the AVX-512 panel kernel on the AMD CPU; the pair again, the other order first)",
+    # the AMD EPYC's A/B of the target's forward: library then panel kernel, and again with the order swapped
+    **{
+        name + suffix: "python -m engine costs --draft embedded --max-tokens 8 --max-rows 4 --reps 15 "
+        f"--json docs/results/json/{name}{suffix}.json ({what}; {order})"
+        for name, what in (
+            ("amd-costs-library", "the engine of 04d0766: the library's kernels on an AMD CPU"),
+            ("amd-costs-panel", "the AVX-512 panel kernel on the AMD CPU"),
+        )
+        for suffix, order in (("", "first of a pair"), ("-run2", "the pair again, the other order first"))
+    },
     "regime-map": "python docs/results/tools/regime_map.py --bench docs/results/json/regime-map-bench.json "
     "--json docs/results/json/regime-map.json",
 }
